@@ -1,0 +1,5 @@
+import sys
+
+from wholebatch.cli import main
+
+sys.exit(main())

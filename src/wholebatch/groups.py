@@ -1,0 +1,104 @@
+"""Process groups: who is in the world, and agreeing on rank-local facts.
+
+With torch.distributed not initialised, everything here describes a world of
+one process (rank 0 of 1), so code written for W ranks runs unchanged on one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_ranks_agree",
+    "any_rank",
+    "checks_enabled",
+    "comm_device",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "set_checks",
+]
+
+_CHECKS_ENV = "WHOLEBATCH_CHECKS"
+_checks_override: bool | None = None
+
+
+def is_distributed(group: ProcessGroup | None = None) -> bool:
+    """True when torch.distributed is initialised and `group` holds more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Ranks in `group` (default: the world); 1 when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank within `group`; 0 when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group)
+    return 0
+
+
+def comm_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device that small control tensors (sizes, flags) must live on for `group`.
+
+    gloo (and mixed "cpu:gloo,cuda:nccl" groups) take CPU tensors; NCCL and the
+    other accelerator backends take tensors on the current accelerator.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_checks(enabled: bool | None) -> None:
+    """Turn the cross-rank input checks on or off for this process (None: back to the default).
+
+    The default comes from the environment variable ``WHOLEBATCH_CHECKS``
+    (``0``/``false``/``off`` turn them off) and is on. The checks compare shapes,
+    dtypes and devices across ranks before any data moves. Where an op must
+    exchange sizes anyway (an all-gather without ``sizes=``) they cost nothing and
+    always run; elsewhere they cost one small all-gather per call. Turning them
+    off saves that latency; the risk is what plain c10d gives on bad input: a gloo
+    abort, a hang, or (on NCCL) silently wrong data. Set it the same on every rank.
+    """
+    global _checks_override
+    _checks_override = enabled
+
+
+def checks_enabled(check: bool | None = None) -> bool:
+    """Whether an op should run its cross-rank checks: `check` if given, else the process setting."""
+    if check is not None:
+        return check
+    if _checks_override is not None:
+        return _checks_override
+    return os.environ.get(_CHECKS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def all_ranks_agree(flag: bool, *, group: ProcessGroup | None = None) -> bool:
+    """True on every rank iff `flag` is true on every rank of `group`.
+
+    Every rank must call it (it is one one-element all-reduce). Use it before a
+    rank-local condition changes control flow, so that all ranks take the same path.
+    """
+    if not is_distributed(group):
+        return bool(flag)
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return int(t.item()) == 0
+
+
+def any_rank(flag: bool, *, group: ProcessGroup | None = None) -> bool:
+    """True on every rank iff `flag` is true on at least one rank of `group`."""
+    return not all_ranks_agree(not flag, group=group)
