@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from wholebatch.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    ring_shift,
+)
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.groups import (
     all_ranks_agree,
@@ -18,10 +26,16 @@ __all__ = [
     "WholebatchError",
     "WholebatchTypeError",
     "__version__",
+    "all_gather",
     "all_ranks_agree",
+    "all_reduce",
+    "all_to_all",
     "any_rank",
+    "broadcast",
     "checks_enabled",
     "get_rank",
     "get_world_size",
+    "reduce_scatter",
+    "ring_shift",
     "set_checks",
 ]
