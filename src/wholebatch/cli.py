@@ -1,7 +1,7 @@
 """The `wholebatch` command.
 
-    wholebatch demo            # the gradient through all_gather, on 2 local processes
-    wholebatch lint PATH...    # static checks for the classic gradient mistakes
+wholebatch demo            # the gradient through all_gather, on 2 local processes
+wholebatch lint PATH...    # static checks for the classic gradient mistakes
 """
 
 from __future__ import annotations

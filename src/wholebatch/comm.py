@@ -165,19 +165,30 @@ def _reduce_scatter_rows(
     rest = x_NR.shape[1:]
     if x_NR.numel() == 0:
         return x_NR.new_zeros((b, *rest), dtype=out_dtype)
-    if len(set(sizes)) == 1 and x_NR.dtype == out_dtype:
+    if len(set(sizes)) == 1 and x_NR.dtype == out_dtype and not _is_gloo(group, x_NR.device):
         out_BR = x_NR.new_empty((b, *rest))
         reduce_scatter_single(out_BR, x_NR, group=group)
         return out_BR
-    # Uneven sizes, or a narrower wire dtype: every rank sends each peer that
-    # peer's rows ((W-1)/W of the tensor, as a ring reduce-scatter does) and sums
-    # the W pieces it receives locally, in out_dtype: each contribution is
-    # rounded to the wire dtype once, and the sum carries no wire rounding.
+    # Every rank sends each peer that peer's rows ((W-1)/W of the tensor, the
+    # ring minimum) and sums the W pieces it receives locally, in out_dtype.
+    # Used for uneven sizes; for a narrower wire dtype (each contribution is
+    # rounded once, the sum adds no wire rounding); and on gloo, whose
+    # reduce-scatter sends twice the bytes and runs 1.5-2x slower
+    # (benchmarks/RESULTS.md; torch.distributed.nn does the same on gloo).
     recv = x_NR.new_empty((world_size * b, *rest))
     dist.all_to_all_single(
         recv, x_NR, output_split_sizes=[b] * world_size, input_split_sizes=list(sizes), group=group
     )
     return recv.view(world_size, b, *rest).to(out_dtype).sum(0)
+
+
+def _is_gloo(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether c10d routes tensors on `device` through gloo in `group` ("gloo" or "cpu:gloo,cuda:nccl")."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" not in backend:
+        return backend == "gloo"
+    routes = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return routes.get(device.type) == "gloo"
 
 
 def _all_to_all_rows(
