@@ -18,6 +18,8 @@ Methods (x: this rank's payload of fp32; the backward gets a random gradient):
 - wholebatch: `wholebatch.all_gather(x)` (sizes learnt, checks on);
 - wholebatch fast: `wholebatch.all_gather(x, sizes=..., check=False)`;
 - wholebatch bf16: `wire_dtype=torch.bfloat16`;
+- wholebatch debug mode: `wholebatch.set_debug(True)` (store check-in before
+  the forward and the backward collective);
 - torch.distributed.nn: the deprecated `torch.distributed.nn.functional.all_gather`;
 - functional: `torch.distributed._functional_collectives.all_gather_single_autograd`
   (or `all_gather_tensor_autograd` on older torch);
@@ -102,6 +104,13 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
 
         return run
 
+    def wb_debug() -> None:
+        wholebatch.set_debug(True)
+        try:
+            wb()()
+        finally:
+            wholebatch.set_debug(None)
+
     def tdnn() -> None:
         import torch.distributed.nn.functional as F
 
@@ -157,6 +166,7 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
         "wholebatch": wb(),
         "wholebatch fast": wb(sizes=[n] * world, check=False),
         "wholebatch bf16": wb(wire_dtype=torch.bfloat16),
+        "wholebatch debug mode": wb_debug,
         "torch.distributed.nn": tdnn,
         "functional": functional,
         "GatherLayer (all-reduce)": gather_layer,

@@ -10,6 +10,7 @@ from wholebatch.comm import (
     reduce_scatter,
     ring_shift,
 )
+from wholebatch.debug import debug_enabled, set_debug
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.groups import (
     all_ranks_agree,
@@ -33,9 +34,11 @@ __all__ = [
     "any_rank",
     "broadcast",
     "checks_enabled",
+    "debug_enabled",
     "get_rank",
     "get_world_size",
     "reduce_scatter",
     "ring_shift",
     "set_checks",
+    "set_debug",
 ]

@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from wholebatch import checks
 from wholebatch._c10d import all_gather_single, global_rank, reduce_scatter_single
+from wholebatch.debug import arrive
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.groups import checks_enabled, get_rank, get_world_size
 
@@ -113,7 +114,12 @@ def _agree(
     vec_b: Sequence[int] | None = None,
     group: ProcessGroup | None,
 ) -> checks.Fingerprints | None:
-    """Exchange fingerprints when sizes must be learnt or checks are on; else raise local errors here."""
+    """Exchange fingerprints when sizes must be learnt or checks are on; else raise local errors here.
+
+    In debug mode (`wholebatch.set_debug`) every rank first checks in, so a rank
+    that never arrives is named instead of leaving the others waiting.
+    """
+    arrive(op, x, group)
     if need_sizes or checks_enabled(check):
         return checks.exchange(
             op, x, dim=dim, arg=arg, wire_dtype=wire_dtype, vec_a=vec_a, vec_b=vec_b,
@@ -245,6 +251,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: reduce-scatter (sum), each rank receiving the rows it contributed.
+        arrive("all_gather backward", grad, ctx.group)
         g_NR = _cast(_front(grad, ctx.dim), ctx.wire)
         g_BR = _reduce_scatter_rows(g_NR, ctx.sizes, ctx.rank, grad.dtype, ctx.group)
         return _back(g_BR, ctx.dim), None, None, None, None
@@ -263,6 +270,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: all-gather of every rank's output gradient, with the same split.
+        arrive("reduce_scatter backward", grad, ctx.group)
         g_NR = _gather_rows(_cast(_front(grad, ctx.dim), ctx.wire), ctx.sizes, ctx.group)
         return _back(g_NR.to(grad.dtype), ctx.dim), None, None, None, None
 
@@ -285,6 +293,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: all-to-all with send and receive sizes swapped.
+        arrive("all_to_all backward", grad, ctx.group)
         g = _all_to_all_rows(_cast(_front(grad, ctx.dim), ctx.wire), ctx.recv, ctx.send, ctx.group)
         return _back(g.to(grad.dtype), ctx.dim), None, None, None, None, None
 
@@ -308,6 +317,7 @@ class _AllReduce(torch.autograd.Function):
         # backward: all-reduce (sum) of the output gradient (every rank's output
         # is the reduction of every input); "mean" then divides by W; "max"/"min"
         # route it to the rank(s) holding the extreme, split evenly among ties.
+        arrive("all_reduce backward", grad, ctx.group)
         if ctx.op in ("sum", "mean"):
             total = grad.contiguous().clone()
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
@@ -333,6 +343,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: reduce (sum) to src; every other rank's input gets zeros.
+        arrive("broadcast backward", grad, ctx.group)
         total = grad.contiguous().clone()
         dist.reduce(
             total, dst=global_rank(ctx.group, ctx.src), op=dist.ReduceOp.SUM, group=ctx.group
@@ -361,6 +372,7 @@ class _RingShift(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: ring_shift(-shift): each gradient goes back to the rank it came from.
+        arrive("ring_shift backward", grad, ctx.group)
         world_size = len(ctx.sizes)
         g = _cast(_front(grad, ctx.dim), ctx.wire)
         back = _shift_rows(g, -ctx.shift, ctx.sizes[ctx.rank], ctx.rank, world_size, ctx.group)
