@@ -1,0 +1,270 @@
+"""Rules about collectives and control flow across ranks:
+
+- WB102 an autograd.Function whose forward all-gathers but whose backward never
+  reduces across ranks (the "GatherLayer" that returns only this rank's slice);
+- WB104 a collective under a rank-dependent `if` that the other branch does not match;
+- WB105 a rank-local `return`/`continue`/`break` before a collective.
+
+DESIGN.md, "Agree before you branch": a rank that skips a collective hangs every other
+rank, so any rank-local condition that changes control flow is agreed first.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from wholebatch.lint.names import (
+    dotted,
+    is_rank_local_test,
+    is_rank_test,
+    last_name,
+    names_in,
+    walk_local,
+)
+from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.scope import FileContext, Scope
+
+__all__ = ["check_dist"]
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
+    return Finding(
+        path=ctx.path,
+        line=node.lineno,  # type: ignore[attr-defined]
+        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        code=code,
+        message=message,
+        fix=RULES[code].fix,
+    )
+
+
+def _short(q: str) -> str:
+    return q.replace("torch.distributed.", "dist.")
+
+
+def _collectives(
+    ctx: FileContext, stmts: list[ast.stmt], skip: ast.AST | None = None
+) -> list[tuple[str, ast.Call]]:
+    """Collectives called on the world group in `stmts` (sub-group calls are left out)."""
+    out: list[tuple[str, ast.Call]] = []
+    stack: list[ast.AST] = list(reversed(stmts))
+    while stack:
+        node = stack.pop()
+        if node is skip or isinstance(node, (*_DEFS, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Call):
+            q = ctx.imports.collective(node)
+            if q is not None and not _on_subgroup(node):
+                out.append((q, node))
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    return out
+
+
+def _on_subgroup(call: ast.Call) -> bool:
+    """`group=g`: only the members of `g` call it, so a rank test around it is expected."""
+    for kw in call.keywords:
+        if kw.arg in ("group", "process_group", "pg") and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value is None
+        ):
+            return "WORLD" not in ast.unparse(kw.value)
+    return False
+
+
+def check_dist(ctx: FileContext) -> Iterator[Finding]:
+    """Run WB102, WB104 and WB105 over the file."""
+    if "all_gather" in ctx.source:
+        yield from _gather_layers(ctx)
+    for scope in ctx.scopes:
+        if scope.collectives(ctx.imports):
+            yield from _rank_branches(ctx, scope)
+            if scope.has_exit:
+                yield from _early_exits(ctx, scope)
+
+
+# -- WB102 ------------------------------------------------------------------------------
+
+
+def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
+    for cls in ctx.classes:
+        if not any(last_name(b) == "Function" for b in cls.bases):
+            continue
+        methods = {
+            m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        fwd, bwd = methods.get("forward"), methods.get("backward")
+        if fwd is None or bwd is None:
+            continue
+        if not any(
+            isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
+        ):
+            continue
+        reduces = False
+        for n in walk_local(bwd):
+            if isinstance(n, ast.Call):
+                name = last_name(n.func).lower()
+                if (
+                    ctx.imports.collective(n) is not None
+                    or name == "apply"  # another autograd.Function does the collective
+                    or "reduce" in name
+                    or "scatter" in name
+                    or "all_to_all" in name
+                ):
+                    reduces = True
+                    break
+        if not reduces:
+            yield _finding(
+                ctx,
+                bwd,
+                "WB102",
+                f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
+                "ranks: each rank keeps only its own loss's gradient for its slice, so the "
+                "other ranks' terms are lost",
+            )
+
+
+# -- WB104 ------------------------------------------------------------------------------
+
+
+def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    ifs = [n for n in scope.ifs if is_rank_test(n.test) or _membership_rank(n.test)]
+    if not ifs:
+        return
+    unmatched: list[tuple[ast.If, str, ast.Call]] = []
+    for node in ifs:
+        body = _collectives(ctx, node.body)
+        other = _collectives(ctx, node.orelse)
+        body_names = {q for q, _ in body}
+        other_names = {q for q, _ in other}
+        unmatched += [(node, q, c) for q, c in body if q not in other_names]
+        unmatched += [(node, q, c) for q, c in other if q not in body_names]
+    # `if rank != 0: barrier()` ... `if rank == 0: barrier()` (zero-first): two rank tests
+    # that each call the same collective pair up; every rank calls it once.
+    holders: dict[str, set[int]] = {}
+    for node, q, _ in unmatched:
+        holders.setdefault(q, set()).add(id(node))
+    seen: set[int] = set()
+    for node, q, call in unmatched:
+        if len(holders[q]) > 1 or id(call) in seen or not is_rank_test(node.test):
+            continue
+        seen.add(id(call))
+        yield _finding(
+            ctx,
+            call,
+            "WB104",
+            f"`{_short(q)}` is called only when `{ast.unparse(node.test)}` (line {node.lineno}): "
+            "the ranks that skip it never join, and the others hang",
+        )
+
+
+def _membership_rank(test: ast.expr) -> bool:
+    return any(
+        isinstance(n, ast.Compare)
+        and any(isinstance(op, ast.In | ast.NotIn) for op in n.ops)
+        and is_rank_test(n.left)
+        for n in ast.walk(test)
+    )
+
+
+# -- WB105 ------------------------------------------------------------------------------
+
+
+def _agreed_names(ctx: FileContext, scope: Scope) -> list[tuple[int, set[str]]]:
+    """(line, names) for each collective: after that line those names hold the same value
+    on every rank (reduced in place, or assigned the collective's result)."""
+    out: list[tuple[int, set[str]]] = []
+    for st in scope.stmts:
+        for n in st.walk():
+            if isinstance(n, ast.Call) and ctx.imports.collective(n) is not None:
+                names = {d for d in (dotted(a) for a in n.args) if d is not None}
+                if isinstance(st.node, ast.Assign):
+                    for t in st.node.targets:
+                        names |= names_in(t)
+                out.append((n.lineno, names - set(ctx.imports.aliases)))
+    return out
+
+
+def _sub_blocks(st: ast.stmt) -> list[list[ast.stmt]]:
+    if isinstance(st, ast.If | ast.For | ast.AsyncFor | ast.While):
+        return [st.body, st.orelse]
+    if isinstance(st, ast.With | ast.AsyncWith):
+        return [st.body]
+    if isinstance(st, ast.Try | ast.TryStar):
+        return [st.body, *(h.body for h in st.handlers), st.orelse, st.finalbody]
+    if isinstance(st, ast.Match):
+        return [c.body for c in st.cases]
+    return []
+
+
+def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    agreed = _agreed_names(ctx, scope)
+    body = scope.node.body
+    # (block, index in block, statement) from the scope down to the current block
+    chain: list[tuple[list[ast.stmt], int, ast.stmt]] = []
+
+    def visit(block: list[ast.stmt]) -> Iterator[Finding]:
+        for i, st in enumerate(block):
+            if isinstance(st, _DEFS):
+                continue
+            if (
+                isinstance(st, ast.If)
+                and is_rank_local_test(
+                    st.test, {n for line, names in agreed if line <= st.lineno for n in names}
+                )
+                # `if not all_ranks_agree(ok):` is the fix itself: agreed in the condition.
+                and not any(
+                    isinstance(n, ast.Call) and ctx.imports.collective(n) is not None
+                    for n in ast.walk(st.test)
+                )
+            ):
+                exits = [b for b in (st.body, st.orelse) if b and _is_exit(b[-1])]
+                if len(exits) == 1:
+                    jump = exits[0][-1]
+                    hit = _first_after(ctx, block, i, chain, jump, st)
+                    if hit is not None:
+                        q, call = hit
+                        kind = type(jump).__name__.lower()
+                        yield _finding(
+                            ctx,
+                            jump,
+                            "WB105",
+                            f"rank-local `{kind}` under `{ast.unparse(st.test)}` skips "
+                            f"`{_short(q)}` (line {call.lineno}), which the other ranks still "
+                            "call: they hang",
+                        )
+            for sub in _sub_blocks(st):
+                chain.append((block, i, st))
+                yield from visit(sub)
+                chain.pop()
+
+    yield from visit(body)
+
+
+def _is_exit(st: ast.stmt) -> bool:
+    return isinstance(st, ast.Return | ast.Continue | ast.Break)
+
+
+def _first_after(
+    ctx: FileContext,
+    block: list[ast.stmt],
+    i: int,
+    chain: list[tuple[list[ast.stmt], int, ast.stmt]],
+    jump: ast.stmt,
+    the_if: ast.If,
+) -> tuple[str, ast.Call] | None:
+    """The first collective the exiting rank skips but the others reach."""
+    rest: list[ast.stmt] = list(block[i + 1 :])
+    for outer, j, owner in reversed(chain):
+        if isinstance(owner, _LOOPS):
+            if not isinstance(jump, ast.Return):
+                break  # continue/break: only the rest of this iteration is skipped
+            rest += owner.body  # later iterations are skipped too
+        rest += outer[j + 1 :]
+    found = _collectives(ctx, rest, skip=the_if)
+    if not found:
+        return None
+    found.sort(key=lambda qc: (qc[1].lineno, qc[1].col_offset))
+    return found[0]

@@ -1,0 +1,246 @@
+"""Run the rules: over a source string, a file, or folders of files; with rule selection
+(`--select`/`--ignore` prefixes, as in ruff) and `# noqa` suppression.
+
+Pure static analysis: a file is read and parsed with `ast`, never imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import re
+import tokenize
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+from wholebatch.lint.dist_rules import check_dist
+from wholebatch.lint.flow_rules import check_flow
+from wholebatch.lint.loop_rules import check_loops
+from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.scope import FileContext
+
+__all__ = [
+    "UsageError",
+    "iter_python_files",
+    "lint_paths",
+    "lint_source",
+    "lint_tree",
+    "selected_codes",
+]
+
+_NOQA_RE = re.compile(
+    r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.IGNORECASE
+)
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
+# Cheap gates: a check whose words do not occur in the file cannot fire there.
+_Check = Callable[[FileContext], Iterable[Finding]]
+_CHECKS: tuple[tuple[_Check, tuple[str, ...]], ...] = (
+    # a collective needs torch.distributed (imported, or the conventional `dist.`) or wholebatch
+    (check_dist, ("distributed", "dist.", "wholebatch")),
+    (check_flow, ("all_gather", ".grad", "loss")),
+    (check_loops, ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")),
+)
+
+
+class UsageError(ValueError):
+    """A bad command line: unknown rule prefix, missing path."""
+
+
+def selected_codes(
+    select: Sequence[str] | None = None, ignore: Sequence[str] | None = None
+) -> frozenset[str]:
+    """The rule codes enabled by `select` and `ignore` prefixes (`WB1`, `WB301`, `ALL`).
+
+    Raises:
+        UsageError: a prefix that matches no rule, naming the known codes.
+    """
+
+    def expand(prefixes: Sequence[str]) -> set[str]:
+        out: set[str] = set()
+        for raw in prefixes:
+            p = raw.strip().upper()
+            if not p:
+                continue
+            hit = set(RULES) if p == "ALL" else {c for c in RULES if c.startswith(p)}
+            if not hit:
+                raise UsageError(
+                    f"unknown rule selector {raw!r}: no rule code starts with it; "
+                    f"known codes: {', '.join(RULES)}"
+                )
+            out |= hit
+        return out
+
+    chosen = expand(select) if select else set(RULES)
+    return frozenset(chosen - expand(ignore or ()))
+
+
+def _noqa_lines(source: str) -> dict[int, frozenset[str] | None]:
+    """line -> codes suppressed there (None: all codes, a bare `# noqa`)."""
+    out: dict[int, frozenset[str] | None] = {}
+    if "noqa" not in source.lower():
+        return out
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return out
+    for tok in tokens:
+        if tok.type != tokenize.COMMENT:
+            continue
+        m = _NOQA_RE.search(tok.string)
+        if m is None:
+            continue
+        codes = m.group("codes")
+        out[tok.start[0]] = (
+            None if codes is None else frozenset(re.split(r"[\s,]+", codes.upper().strip()))
+        )
+    return out
+
+
+def lint_tree(
+    tree: ast.Module,
+    source: str,
+    path: str = "<string>",
+    codes: frozenset[str] | None = None,
+) -> list[Finding]:
+    """Run the enabled rules over an already parsed module (no `# noqa` handling).
+
+    Args:
+        tree: the module, from `ast.parse(source)`.
+        source: its text, used only to skip rules whose words do not occur in it.
+        path: the name reported in findings.
+        codes: the enabled rule codes (default: all).
+    """
+    enabled = codes if codes is not None else frozenset(RULES)
+    active = [check for check, words in _CHECKS if any(w in source for w in words)]
+    if not active:
+        return []  # most of a large package: parsed (for WB000), nothing more to do
+    ctx = FileContext(tree, path, source)
+    seen: set[tuple[int, int, str]] = set()
+    out: list[Finding] = []
+    for check in active:
+        for f in check(ctx):
+            key = (f.line, f.col, f.code)
+            if f.code in enabled and key not in seen:
+                seen.add(key)
+                out.append(f)
+    out.sort(key=lambda f: (f.line, f.col, f.code))
+    return out
+
+
+def lint_source(
+    source: str,
+    path: str = "<string>",
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+) -> list[Finding]:
+    """Lint Python source text; a syntax error is reported as a WB000 finding.
+
+    Args:
+        source: the code.
+        path: the name reported in findings.
+        select: rule code prefixes to enable (default: all).
+        ignore: rule code prefixes to disable.
+
+    Raises:
+        UsageError: an unknown rule prefix in `select` or `ignore`.
+    """
+    codes = selected_codes(select, ignore)
+    return _lint_text(source, path, codes)
+
+
+def _lint_text(source: str, path: str, codes: frozenset[str]) -> list[Finding]:
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as err:
+        if "WB000" not in codes:
+            return []
+        line = getattr(err, "lineno", None) or 1
+        col = getattr(err, "offset", None) or 1
+        msg = getattr(err, "msg", None) or str(err)
+        return [
+            Finding(
+                path=path,
+                line=line,
+                col=col,
+                code="WB000",
+                message=f"cannot parse: {msg}",
+                fix=RULES["WB000"].fix,
+            )
+        ]
+    found = lint_tree(tree, source, path, codes)
+    noqa = _noqa_lines(source) if found else {}
+    return [
+        f
+        for f in found
+        if not (f.line in noqa and (noqa[f.line] is None or f.code in (noqa[f.line] or ())))
+    ]
+
+
+def _read(path: Path) -> str:
+    with tokenize.open(path) as fh:  # honours a PEP 263 coding line
+        return fh.read()
+
+
+def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
+    """The `.py` files named or found (recursively) under `paths`, each once, sorted per folder.
+
+    Hidden folders, `__pycache__` and `node_modules` met while walking are skipped; a
+    path given explicitly is always used.
+
+    Raises:
+        UsageError: a path that does not exist.
+    """
+    seen: set[Path] = set()
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            for root, dirs, files in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+                for name in sorted(files):
+                    if name.endswith(".py"):
+                        f = Path(root, name)
+                        if f not in seen:
+                            seen.add(f)
+                            yield f
+        elif p.is_file():
+            if p not in seen:
+                seen.add(p)
+                yield p
+        else:
+            raise UsageError(f"{raw}: no such file or folder")
+
+
+def lint_paths(
+    paths: Iterable[str | os.PathLike[str]],
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+) -> tuple[list[Finding], int]:
+    """Lint every Python file under `paths`; returns (findings, number of files checked).
+
+    A file that cannot be read or parsed gives a WB000 finding, never an exception.
+
+    Raises:
+        UsageError: an unknown rule prefix, or a path that does not exist.
+    """
+    codes = selected_codes(select, ignore)
+    files = list(iter_python_files(paths))
+    out: list[Finding] = []
+    for f in files:
+        try:
+            source = _read(f)
+        except (OSError, UnicodeDecodeError, SyntaxError) as err:
+            if "WB000" in codes:
+                out.append(
+                    Finding(
+                        path=str(f),
+                        line=1,
+                        col=1,
+                        code="WB000",
+                        message=f"cannot read: {err}",
+                        fix=RULES["WB000"].fix,
+                    )
+                )
+            continue
+        out.extend(_lint_text(source, str(f), codes))
+    return out, len(files)

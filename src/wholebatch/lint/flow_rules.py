@@ -1,0 +1,272 @@
+"""Rules that follow values (see `dataflow.Flow`):
+
+- WB101 a loss built on plain `torch.distributed.all_gather` output;
+- WB103 gradients all-gathered and stored back as gradients (a sum was meant);
+- WB204 a parameter updated in place by hand outside `torch.no_grad()`;
+- WB205 a parameter updated through `.data`;
+- WB301 a mean loss over a varying item count divided by the accumulation steps.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from wholebatch.lint.dataflow import Flow, gather_source
+from wholebatch.lint.names import dotted, last_name
+from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt
+
+__all__ = ["check_flow"]
+
+_INPLACE = frozenset({"sub_", "add_", "addcdiv_", "addcmul_", "mul_", "div_", "copy_", "lerp_"})
+_ACCUM_RE = re.compile(
+    r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
+)
+
+
+def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
+    return Finding(
+        path=ctx.path,
+        line=node.lineno,  # type: ignore[attr-defined]
+        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        code=code,
+        message=message,
+        fix=RULES[code].fix,
+    )
+
+
+def _text(node: ast.expr) -> str:
+    d = dotted(node)
+    return d if d is not None else ast.unparse(node)
+
+
+def _is_loss_function(scope: Scope) -> bool:
+    """A function whose return value is a loss: `*loss*`, or `forward` of a `*Loss` class."""
+    name = scope.name.lower()
+    if "loss" in name:
+        return True
+    cls = scope.cls
+    return (
+        name == "forward"
+        and cls is not None
+        and ("loss" in cls.name.lower() or any("Loss" in last_name(b) for b in cls.bases))
+    )
+
+
+def _param_vars(scope: Scope) -> set[str]:
+    """Loop variables bound to parameters: `for p in model.parameters()`, `for n, p in ...`."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if not isinstance(node, ast.For | ast.AsyncFor):
+            continue
+        if any(
+            (isinstance(n, ast.Call) and last_name(n.func) in ("parameters", "named_parameters"))
+            or (isinstance(n, ast.Name | ast.Attribute) and "param" in last_name(n).lower())
+            for n in ast.walk(node.iter)
+        ):
+            targets = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
+            out.update(t.id for t in targets if isinstance(t, ast.Name))
+    return out
+
+
+def _modulo_denominators(scope: Scope) -> set[str]:
+    """`k` in `if (i + 1) % k == 0:`: the accumulation period of this scope's loop."""
+    return {
+        _text(n.right)
+        for n in scope.mods
+        if not isinstance(n.left, ast.Constant | ast.JoinedStr)
+        and not isinstance(n.right, ast.Constant)
+    }
+
+
+def _is_accum_count(node: ast.expr, periods: set[str]) -> bool:
+    if isinstance(node, ast.Call) and last_name(node.func) == "len" and node.args:
+        return _is_accum_count(node.args[0], periods)
+    if isinstance(node, ast.Name | ast.Attribute):
+        return _text(node) in periods or _ACCUM_RE.search(last_name(node)) is not None
+    return False
+
+
+def check_flow(ctx: FileContext) -> Iterator[Finding]:
+    """Run the value-following rules over every scope of the file."""
+    for scope in ctx.scopes:
+        if not scope.stmts:
+            continue
+        # Each rule needs one of these; most scopes of a large package have none.
+        accum = bool(scope.divs) and any(
+            _is_accum_count(
+                d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope)
+            )
+            for d in scope.divs
+        )
+        gather = "all_gather" in ctx.source and any(
+            ctx.imports.plain_gather(c) for c in scope.calls
+        )
+        if gather or scope.has_grad or accum:
+            yield from _check_scope(ctx, scope)
+
+
+def _check_scope(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    flow = Flow(ctx, scope)
+    backward: dict[int, Event] = {
+        id(e.node): e for e in scope.events if e.kind == BACKWARD and not e.synthetic
+    }
+    loss_fn = _is_loss_function(scope)
+    params = _param_vars(scope)
+    periods = _modulo_denominators(scope)
+    to_loss: dict[str, int] = {}  # g-tag -> line of the loss it reaches
+    to_grad: dict[str, int] = {}  # q-tag -> line where it is stored as a gradient
+    found: list[Finding] = []
+    for st in flow.run():
+        node = st.node
+        for sub in st.walk():
+            ev = backward.get(id(sub))
+            if ev is not None:
+                for loss in ev.losses:
+                    for tag in flow.tags(loss):
+                        if tag.startswith("g:"):
+                            to_loss.setdefault(tag, node.lineno)
+        if loss_fn and isinstance(node, ast.Return) and node.value is not None:
+            tags = flow.tags(node.value)
+            if "p" in tags:  # combined with this rank's (differentiable) inputs
+                for tag in tags:
+                    if tag.startswith("g:"):
+                        to_loss.setdefault(tag, node.lineno)
+        for tag in _grad_store_tags(flow, node):
+            if tag.startswith("q:"):
+                to_grad.setdefault(tag, node.lineno)
+        if not (st.nograd or scope.nograd):
+            found.extend(_manual_update(ctx, flow, st, params))
+        found.extend(_mean_over_steps(ctx, flow, st, periods))
+    for tag, line in sorted(to_loss.items()):
+        row, col = gather_source(tag)
+        name = flow.sources.get(tag, "the output")
+        found.append(
+            Finding(
+                path=ctx.path,
+                line=row,
+                col=col + 1,
+                code="WB101",
+                message=f"`{name}` is filled by torch.distributed.all_gather, which carries no "
+                f"gradient, and reaches the loss at line {line}: the other ranks' terms get "
+                "no gradient",
+                fix=RULES["WB101"].fix,
+            )
+        )
+    for tag, line in sorted(to_grad.items()):
+        row, col = gather_source(tag)
+        found.append(
+            Finding(
+                path=ctx.path,
+                line=row,
+                col=col + 1,
+                code="WB103",
+                message=f"gradients are all-gathered here and stored back as a gradient at line "
+                f"{line} without a sum: all_gather concatenates, it does not add",
+                fix=RULES["WB103"].fix,
+            )
+        )
+    yield from found
+
+
+def _grad_store_tags(flow: Flow, node: ast.stmt) -> set[str]:
+    """Tags of values this statement stores into a `.grad` (assignment or `copy_`)."""
+
+    def is_grad(t: ast.expr) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr == "grad" for n in ast.walk(t))
+
+    if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and is_grad(t) for t in node.targets
+    ):
+        return flow.tags(node.value)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        func = node.value.func
+        if isinstance(func, ast.Attribute) and func.attr in ("copy_", "set_") and is_grad(func):
+            out: set[str] = set()
+            for arg in node.value.args:
+                out |= flow.tags(arg)
+            return out
+    return set()
+
+
+def _grad_of(tags: set[str], base: str | None, params: set[str]) -> bool:
+    """Do `tags` include the gradient of `base` (or any gradient, if `base` is a parameter)?"""
+    if base is None:
+        return False
+    if f"G:{base}" in tags:
+        return True
+    return base in params and any(t.startswith("G:") for t in tags)
+
+
+def _manual_update(ctx: FileContext, flow: Flow, st: Stmt, params: set[str]) -> Iterator[Finding]:
+    node = st.node
+    target: ast.expr | None = None
+    value_tags: set[str] = set()
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Sub | ast.Add):
+        target, value_tags = node.target, flow.tags(node.value)
+    elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+        t0 = node.targets[0]
+        if isinstance(t0, ast.Attribute) and t0.attr == "data":
+            target, value_tags = t0, flow.tags(node.value)
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        func = node.value.func
+        if isinstance(func, ast.Attribute) and func.attr in _INPLACE:
+            target = func.value
+            for arg in (*node.value.args, *(k.value for k in node.value.keywords)):
+                value_tags |= flow.tags(arg)
+    if target is None:
+        return
+    if isinstance(target, ast.Attribute) and target.attr == "data":
+        base = target.value
+        if isinstance(base, ast.Attribute) and base.attr == "grad":
+            return  # `p.grad.data.mul_(c)`: scaling a gradient, not updating a parameter
+        if any(t.startswith("G:") for t in value_tags):
+            yield _finding(
+                ctx,
+                node,
+                "WB205",
+                f"`{_text(base)}` is updated through .data with a gradient: autograd does not "
+                "see the change, so a graph that saved the old value gives wrong gradients "
+                "silently",
+            )
+        return
+    if isinstance(target, ast.Attribute) and target.attr == "grad":
+        return
+    if _grad_of(value_tags, dotted(target), params):
+        yield _finding(
+            ctx,
+            node,
+            "WB204",
+            f"`{_text(target)}` is updated in place with a gradient outside torch.no_grad(): "
+            "autograd records the update (a leaf that requires grad raises; a non-leaf grows "
+            "the graph every step)",
+        )
+
+
+def _mean_over_steps(
+    ctx: FileContext, flow: Flow, st: Stmt, periods: set[str]
+) -> Iterator[Finding]:
+    node = st.node
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
+        if _is_accum_count(node.value, periods) and "V" in flow.tags(node.target):
+            yield _finding(ctx, node, "WB301", _msg301(node.target, node.value))
+        return
+    for sub in st.walk():
+        if (
+            isinstance(sub, ast.BinOp)
+            and isinstance(sub.op, ast.Div)
+            and _is_accum_count(sub.right, periods)
+            and "V" in flow.tags(sub.left)
+        ):
+            yield _finding(ctx, sub, "WB301", _msg301(sub.left, sub.right))
+
+
+def _msg301(loss: ast.expr, steps: ast.expr) -> str:
+    return (
+        f"`{_text(loss)}` is a mean over a data-dependent number of items (tokens, "
+        f"ignore_index) divided by `{_text(steps)}`: micro-batches with fewer items weigh "
+        "more, so the sum is not the whole-batch mean"
+    )

@@ -1,0 +1,350 @@
+"""Rules about the order of training calls (backward, zero_grad, step, unscale_, clip):
+
+- WB201 a loop that calls backward and step but never zeroes gradients;
+- WB202 zero_grad between backward and step;
+- WB203 optimizer.step() where a loss is computed but never backpropagated;
+- WB302 `no_sync()` around the backward but not the forward;
+- WB303 clipping before `scaler.unscale_`;
+- WB304 zeroing every micro-batch while stepping only every k.
+
+Correct gradient accumulation (`if (i + 1) % k == 0: step(); zero_grad()`) zeroes
+inside the loop, so it is never reported as "never zeroed"; a loop that hands its
+micro-batches to `wholebatch.Accumulator.step` has no explicit backward, step or
+zero_grad, so none of these rules apply to it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from wholebatch.lint.names import dotted, last_name, names_in, walk_local
+from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.scope import (
+    BACKWARD,
+    CLIP,
+    SETGRAD,
+    STEP,
+    UNSCALE,
+    ZERO,
+    Event,
+    FileContext,
+    Scope,
+    exclusive,
+)
+
+__all__ = ["check_loops"]
+
+# Calls that may run backward (or set .grad) where we cannot see it.
+_HANDOFF_RE = re.compile(r"backward|train_|_train|fit|closure|grad|step", re.IGNORECASE)
+_NOT_HANDOFF = frozenset(
+    {"no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "requires_grad_"}
+)
+# Methods applied to a loss on its way to backward that are not a forward pass.
+_LOSS_METHODS = frozenset(
+    {"scale", "sum", "mean", "float", "double", "squeeze", "view", "reshape", "to", "div", "mul"}
+)
+_NOT_COMPUTE = frozenset({"item", "detach", "float", "cpu", "tolist", "numpy", "clone"})
+
+
+def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
+    return Finding(
+        path=ctx.path,
+        line=node.lineno,  # type: ignore[attr-defined]
+        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        code=code,
+        message=message,
+        fix=RULES[code].fix,
+    )
+
+
+def _in(loop: ast.stmt, ev: Event) -> bool:
+    return any(outer is loop for outer in ev.loops)
+
+
+def _line(ev: Event) -> int:
+    return ev.node.lineno  # type: ignore[attr-defined,no-any-return]
+
+
+def check_loops(ctx: FileContext) -> Iterator[Finding]:
+    """Run the training-call-order rules over every scope of the file."""
+    for scope in ctx.scopes:
+        if scope.events:
+            yield from _never_zeroed(ctx, scope)
+            yield from _zero_between(ctx, scope)
+            yield from _step_without_backward(ctx, scope)
+            yield from _clip_before_unscale(ctx, scope)
+            yield from _zero_every_micro_batch(ctx, scope)
+        if scope.withs and "no_sync" in ctx.source:
+            yield from _no_sync_without_forward(ctx, scope)
+
+
+# -- WB201 ------------------------------------------------------------------------------
+
+
+def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    for step in scope.events:
+        if step.kind != STEP or step.synthetic:
+            continue
+        for loop in reversed(step.loops):
+            inside = [e for e in scope.events if _in(loop, e)]
+            if not any(e.kind == BACKWARD for e in inside):
+                continue
+            if not any(e.kind in (ZERO, SETGRAD) for e in inside):
+                yield _finding(
+                    ctx,
+                    step.node,
+                    "WB201",
+                    f"`{step.recv}` steps in a loop (line {loop.lineno}) that calls backward but "
+                    "never zeroes gradients: every step adds all earlier steps' gradients",
+                )
+            break
+
+
+# -- WB202 ------------------------------------------------------------------------------
+
+
+def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    seq = [e for e in scope.events if not e.jumpy]
+    stepped = {e.recv for e in seq if e.kind == STEP and not e.synthetic}
+    for i, zero in enumerate(seq):
+        if zero.kind != ZERO or zero.synthetic:
+            continue
+        before = next(
+            (e for e in reversed(seq[:i]) if e.kind in (BACKWARD, STEP) and not exclusive(e, zero)),
+            None,
+        )
+        if before is None or before.kind != BACKWARD or before.synthetic:
+            continue
+        after = next(
+            (
+                e
+                for e in seq[i + 1 :]
+                if (e.kind in (BACKWARD, STEP, SETGRAD) or e.synthetic) and not exclusive(e, zero)
+            ),
+            None,
+        )
+        if after is None or after.kind != STEP or after.synthetic:
+            continue
+        same = zero.recv == after.recv or (
+            not (zero.recv and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body))
+            and len(stepped) == 1
+        )
+        if same:
+            yield _finding(
+                ctx,
+                zero.node,
+                "WB202",
+                f"gradients are zeroed after the backward at line {_line(before)} and before "
+                f"`{after.recv}` steps at line {_line(after)}: the step sees zero gradients",
+            )
+
+
+# -- WB203 ------------------------------------------------------------------------------
+
+
+def _step_without_backward(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    steps = [e for e in scope.events if e.kind == STEP and not e.synthetic and e.bare]
+    if not steps or any(e.kind == BACKWARD for e in scope.events):
+        return
+    if any(e.kind == SETGRAD for e in scope.events):
+        return  # `p.grad = ...`: gradients set by hand
+    classified = {id(e.node) for e in scope.events}
+    for st in scope.stmts:
+        for n in st.walk():
+            if not isinstance(n, ast.Call) or id(n) in classified:
+                continue
+            name = last_name(n.func)
+            recv = n.func.value if isinstance(n.func, ast.Attribute) else None
+            if recv is not None and "sched" in last_name(recv).lower():
+                continue
+            if name not in _NOT_HANDOFF and _HANDOFF_RE.search(name):
+                return  # a helper (or a wrapper's step) may run backward
+    for step in steps:
+        where = step.loops[-1] if step.loops else None
+        loss = _computed_loss(scope, where)
+        if loss is not None:
+            yield _finding(
+                ctx,
+                step.node,
+                "WB203",
+                f"`{step.recv}.step()` but no backward: `{loss}` is computed here and never "
+                "backpropagated, so the step uses stale (or no) gradients",
+            )
+
+
+def _computed_loss(scope: Scope, loop: ast.stmt | None) -> str | None:
+    """A `*loss*` name assigned from a computation inside `loop` (or the scope)."""
+    for st in scope.stmts:
+        if loop is not None and not any(outer is loop for outer in st.loops):
+            continue
+        node = st.node
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            computed = any(
+                isinstance(c, ast.Call) and last_name(c.func) not in _NOT_COMPUTE
+                for c in ast.walk(node.value)
+            )
+            for t in targets:
+                for sub in ast.walk(t):
+                    if (
+                        computed
+                        and isinstance(sub, ast.Name | ast.Attribute)
+                        and "loss" in last_name(sub).lower()
+                    ):
+                        return dotted(sub) or last_name(sub)
+    return None
+
+
+# -- WB303 ------------------------------------------------------------------------------
+
+
+def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    seq = scope.events
+    for i, clip in enumerate(seq):
+        if clip.kind != CLIP or clip.synthetic:
+            continue
+        if not any(e.kind == STEP and e.scaler and not exclusive(e, clip) for e in seq[i + 1 :]):
+            continue
+        unscaled = False
+        for e in reversed(seq[:i]):
+            if exclusive(e, clip):
+                continue
+            if e.kind == UNSCALE:
+                unscaled = True
+                break
+            if e.kind == BACKWARD:
+                break
+        if not unscaled:
+            yield _finding(
+                ctx,
+                clip.node,
+                "WB303",
+                "gradients are clipped while still multiplied by the AMP loss scale "
+                "(no scaler.unscale_ before this clip): the threshold means nothing and "
+                "clipping is almost always on",
+            )
+
+
+# -- WB304 ------------------------------------------------------------------------------
+
+
+def _has_mod(conds: tuple[ast.stmt, ...]) -> bool:
+    return any(
+        isinstance(c, ast.If)
+        and any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(c.test))
+        for c in conds
+    )
+
+
+def _reads_grad(loop: ast.stmt) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "grad" and isinstance(n.ctx, ast.Load)
+        for n in walk_local(loop)
+    )
+
+
+def _zero_every_micro_batch(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    events = scope.events
+    for zero in events:
+        if zero.kind != ZERO or zero.synthetic or not zero.loops or zero.conds:
+            continue
+        loop = zero.loops[-1]
+        top = [e for e in events if e.loops and e.loops[-1] is loop and not e.conds]
+        if not any(e.kind == BACKWARD and _line(e) > _line(zero) for e in top):
+            continue
+        if any(e.kind == STEP for e in top) or _reads_grad(loop):
+            continue
+        mod_step = next(
+            (e for e in events if e.kind == STEP and _in(loop, e) and _has_mod(e.conds)), None
+        )
+        after = None
+        if mod_step is None and not any(e.kind == STEP and _in(loop, e) for e in events):
+            end = loop.end_lineno or loop.lineno
+            for e in events:
+                if e.loops == zero.loops[:-1] and _line(e) > end:
+                    if e.kind == STEP:
+                        after = e
+                    if e.kind in (STEP, ZERO, SETGRAD, BACKWARD):
+                        break
+        step = mod_step or after
+        if step is None or step.synthetic:
+            continue
+        if (
+            zero.recv
+            and step.recv
+            and zero.recv != step.recv
+            and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body)
+        ):
+            continue
+        yield _finding(
+            ctx,
+            zero.node,
+            "WB304",
+            f"gradients are zeroed every iteration of the loop at line {loop.lineno}, but "
+            f"`{step.recv}` steps only at line {_line(step)}: all micro-batches but the last "
+            "are thrown away",
+        )
+
+
+# -- WB302 ------------------------------------------------------------------------------
+
+
+def _no_sync_without_forward(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    for node in scope.withs:
+        model: ast.expr | None = None
+        for item in node.items:
+            for n in ast.walk(item.context_expr):
+                if (
+                    isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute)
+                    and n.func.attr == "no_sync"
+                ):
+                    model = n.func.value
+        if model is None:
+            continue
+        backs = [
+            e
+            for e in scope.events
+            if e.kind == BACKWARD
+            and not e.synthetic
+            and node.lineno <= _line(e) <= (node.end_lineno or node.lineno)
+        ]
+        if not backs or _forward_inside(node, model, backs):
+            continue
+        yield _finding(
+            ctx,
+            node,
+            "WB302",
+            f"`{ast.unparse(model)}.no_sync()` wraps the backward but the forward ran before "
+            "it: DDP decides at forward time whether to all-reduce, so gradients are still "
+            "synchronised every micro-batch",
+        )
+
+
+def _forward_inside(node: ast.With | ast.AsyncWith, model: ast.expr, backs: list[Event]) -> bool:
+    model_text = dotted(model)
+    assigned: set[str] = set()
+    for st in node.body:
+        for n in walk_local(st):
+            if isinstance(n, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    assigned |= names_in(t)
+            elif isinstance(n, ast.Call) and model_text is not None:
+                # `model(x)`, `model.forward(x)`, or `loss_fn(model, batch)`
+                if dotted(n.func) in (model_text, f"{model_text}.forward"):
+                    return True
+                if any(dotted(a) == model_text for a in n.args):
+                    return True
+    for ev in backs:
+        for loss in ev.losses:
+            if names_in(loss) & assigned:
+                return True
+            for n in ast.walk(loss):
+                if isinstance(n, ast.Call) and not (
+                    isinstance(n.func, ast.Attribute) and n.func.attr in _LOSS_METHODS
+                ):
+                    return True
+    return False

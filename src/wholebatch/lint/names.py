@@ -1,0 +1,377 @@
+"""What a name or a call means: import aliases, dotted names, and the kinds of calls the
+rules care about (collectives, backward, zero_grad, optimizer.step, clipping, ranks).
+
+Everything here is a heuristic over the syntax tree; nothing is imported or run.
+Precision matters more than recall: a correct training loop must never be flagged,
+so each predicate errs towards "not this kind".
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DIST_GATHERS",
+    "Imports",
+    "dotted",
+    "is_nograd_context",
+    "is_nonfinite_test",
+    "is_optimizer_name",
+    "is_rank_local_test",
+    "is_rank_ref",
+    "is_rank_test",
+    "is_scaler_name",
+    "last_name",
+    "names_in",
+    "walk_local",
+]
+
+# torch.distributed collectives: every rank of the group must call them (c10d docs).
+_DIST_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_object",
+        "all_gather_into_tensor",
+        "_all_gather_base",
+        "all_gather_coalesced",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "barrier",
+        "monitored_barrier",
+        "new_group",
+        # torch.distributed._functional_collectives
+        "all_gather_tensor",
+        "all_gather_tensor_autograd",
+        "reduce_scatter_tensor_autograd",
+        "all_to_all_single_autograd",
+    }
+)
+_DIST_NAMESPACES = frozenset(
+    {
+        "torch.distributed",
+        "torch.distributed.distributed_c10d",
+        "torch.distributed.nn",
+        "torch.distributed.nn.functional",
+        "torch.distributed._functional_collectives",
+        "torch.distributed.functional_collectives",
+    }
+)
+_WB_COLLECTIVES = frozenset(
+    {
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter",
+        "all_to_all",
+        "broadcast",
+        "ring_shift",
+        "all_ranks_agree",
+        "any_rank",
+    }
+)
+# Gathers whose output has no autograd history (plain c10d, in-place into a list/tensor).
+DIST_GATHERS = frozenset(
+    {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_coalesced"}
+)
+_PLAIN_DIST = frozenset({"torch.distributed", "torch.distributed.distributed_c10d"})
+
+_RANK_NAMES = frozenset(
+    {
+        "rank",
+        "local_rank",
+        "global_rank",
+        "node_rank",
+        "ddp_rank",
+        "ddp_local_rank",
+        "rank_id",
+        "world_rank",
+        "process_index",
+        "local_process_index",
+        "my_rank",
+        "is_main_process",
+        "is_local_main_process",
+        "is_master",
+        "is_master_process",
+        "master_process",
+        "is_rank_zero",
+        "is_rank_0",
+        "is_rank0",
+        "is_global_zero",
+        "is_main",
+        "main_process",
+        "is_local_master",
+        "is_chief",
+    }
+)
+_RANK_FUNCS = frozenset(
+    {
+        "get_rank",
+        "get_local_rank",
+        "get_global_rank",
+        "get_node_local_rank",
+        "is_main_process",
+        "is_master",
+        "is_rank_zero",
+        "is_primary",
+        "is_main",
+    }
+)
+_NONFINITE_FUNCS = frozenset({"isfinite", "isnan", "isinf"})
+_NOGRAD_FUNCS = frozenset({"no_grad", "inference_mode"})
+
+# `opt`, `opts`, `opt_g`, `optD`, `opt1`, `g_opt`: case-sensitive so `option` is not one.
+_OPT_RE = re.compile(r"^opt($|_|s$|[A-Z0-9])|_opts?$")
+# Variables named after the optimizer class: `sgd.step()`, `adam.step()`.
+_OPT_CLASSES = frozenset(
+    {"sgd", "adam", "adamw", "lbfgs", "rmsprop", "adagrad", "adadelta", "lamb", "lion", "muon"}
+)
+
+
+def dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def last_name(node: ast.expr) -> str:
+    """The identifier a reader would call this expression by: `self.opt[0]` -> `opt`."""
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return node.attr
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            return ""
+
+
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def walk_local(node: ast.AST) -> Iterator[ast.AST]:
+    """Every node under `node` (itself included), not entering nested defs, lambdas, classes.
+
+    Order is not source order. Written out by hand (not `ast.iter_child_nodes`) because
+    it is the linter's inner loop: about twice as fast on the torch package.
+    """
+    stack = [node]
+    pop, push = stack.pop, stack.append
+    while stack:
+        cur = pop()
+        yield cur
+        for name in cur._fields:
+            if name == "ctx":
+                continue
+            v = getattr(cur, name, None)
+            if isinstance(v, list):
+                for x in v:
+                    if isinstance(x, ast.AST) and not isinstance(x, _NESTED):
+                        push(x)
+            elif isinstance(v, ast.AST) and not isinstance(v, _NESTED):
+                push(v)
+
+
+def names_in(node: ast.AST) -> set[str]:
+    """Every name and dotted chain read in `node`: `f(self.x.T)` -> {f, self, self.x, self.x.T}."""
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            out.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            d = dotted(sub)
+            if d is not None:
+                out.add(d)
+    return out
+
+
+@dataclass
+class Imports:
+    """Local names bound by imports anywhere in a file, mapped to what they refer to.
+
+    Attributes:
+        aliases: local name -> fully qualified name (`dist` -> `torch.distributed`).
+    """
+
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tree: ast.AST) -> Imports:
+        """Collect the import aliases of a module (imports inside functions included)."""
+        out = cls()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                out.add(node)
+        out.finish()
+        return out
+
+    def add(self, node: ast.Import | ast.ImportFrom) -> None:
+        """Record the names one import statement binds."""
+        aliases = self.aliases
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    aliases[a.asname] = a.name
+                else:
+                    root = a.name.split(".")[0]
+                    aliases.setdefault(root, root)
+        elif node.module and node.level == 0:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def finish(self) -> None:
+        """Add the conventional names snippets use without importing (notebooks, docs)."""
+        for name, full in (
+            ("torch", "torch"),
+            ("dist", "torch.distributed"),
+            ("nn", "torch.nn"),
+            ("F", "torch.nn.functional"),
+        ):
+            self.aliases.setdefault(name, full)
+
+    def qualname(self, node: ast.expr) -> str | None:
+        """The fully qualified dotted name of `node`, resolving the root through imports."""
+        d = dotted(node)
+        if d is None:
+            return None
+        root, _, rest = d.partition(".")
+        full = self.aliases.get(root, root)
+        return f"{full}.{rest}" if rest else full
+
+    def collective(self, call: ast.Call) -> str | None:
+        """The qualified name of `call` if it is a collective every rank must join."""
+        q = self.qualname(call.func)
+        if q is None:
+            return None
+        ns, _, name = q.rpartition(".")
+        if ns in _DIST_NAMESPACES and name in _DIST_COLLECTIVES:
+            return q
+        if (ns == "wholebatch" or ns.startswith("wholebatch.")) and name in _WB_COLLECTIVES:
+            return q
+        return None
+
+    def plain_gather(self, call: ast.Call) -> str | None:
+        """The name of `call` if it is a c10d all-gather whose output carries no gradient."""
+        q = self.qualname(call.func)
+        if q is None:
+            return None
+        ns, _, name = q.rpartition(".")
+        return q if ns in _PLAIN_DIST and name in DIST_GATHERS else None
+
+    def is_no_grad_call(self, node: ast.expr) -> bool:
+        """True for `torch.no_grad()`, `torch.inference_mode()`, `set_grad_enabled(...)`."""
+        target = node.func if isinstance(node, ast.Call) else node
+        name = last_name(target)
+        if name in _NOGRAD_FUNCS or name == "_use_grad_for_differentiable":
+            return True
+        # set_grad_enabled(False) disables grad; with a variable we cannot tell, and
+        # assuming "disabled" keeps the update rules quiet (precision over recall).
+        return name == "set_grad_enabled"
+
+
+def is_optimizer_name(name: str) -> bool:
+    """Does an identifier read like an optimizer (`optimizer`, `opt_g`, `optD`, `sgd`)?"""
+    low = name.lower()
+    if "sched" in low or "scaler" in low or low.startswith("option"):
+        return False
+    return "optim" in low or low in _OPT_CLASSES or _OPT_RE.search(name) is not None
+
+
+def is_scaler_name(name: str) -> bool:
+    """Does an identifier read like an AMP GradScaler?"""
+    return "scaler" in name.lower()
+
+
+def is_nograd_context(imports: Imports, with_node: ast.With | ast.AsyncWith) -> bool:
+    """Does this `with` turn gradient recording off for its body?"""
+    return any(imports.is_no_grad_call(item.context_expr) for item in with_node.items)
+
+
+def is_rank_ref(node: ast.AST) -> bool:
+    """Is `node` a rank (`rank`, `self.local_rank`, `dist.get_rank()`, `is_main_process`)?"""
+    if isinstance(node, ast.Name):
+        return node.id in _RANK_NAMES
+    if isinstance(node, ast.Attribute):
+        return node.attr in _RANK_NAMES
+    if isinstance(node, ast.Call):
+        return last_name(node.func) in _RANK_FUNCS
+    return False
+
+
+def _is_membership(test: ast.expr) -> bool:
+    """`rank in ranks`: a sub-group test; collectives on that sub-group are fine inside."""
+    return any(
+        isinstance(sub, ast.Compare) and any(isinstance(op, ast.In | ast.NotIn) for op in sub.ops)
+        for sub in ast.walk(test)
+    )
+
+
+def _is_distributed_test(node: ast.Compare) -> bool:
+    """`local_rank != -1` / `rank is None`: "are we distributed at all", true on every rank."""
+    others = [node.left, *node.comparators]
+    return any(
+        (isinstance(o, ast.Constant) and o.value is None)
+        or (
+            isinstance(o, ast.UnaryOp)
+            and isinstance(o.op, ast.USub)
+            and isinstance(o.operand, ast.Constant)
+            and o.operand.value == 1
+        )
+        for o in others
+    )
+
+
+def is_rank_test(test: ast.expr) -> bool:
+    """Does this condition split the ranks (`rank == 0`, `dist.get_rank() != 0`, ...)?"""
+    if _is_membership(test):
+        return False
+    skip: set[int] = set()
+    for sub in ast.walk(test):
+        if isinstance(sub, ast.Compare) and _is_distributed_test(sub):
+            skip.update(id(n) for n in ast.walk(sub))
+    return any(id(sub) not in skip and is_rank_ref(sub) for sub in ast.walk(test))
+
+
+def is_nonfinite_test(test: ast.expr) -> bool:
+    """Does this condition test a value for NaN/inf (`not torch.isfinite(loss)`)?"""
+    return any(
+        isinstance(sub, ast.Call) and last_name(sub.func) in _NONFINITE_FUNCS
+        for sub in ast.walk(test)
+    )
+
+
+def is_rank_local_test(test: ast.expr, agreed: set[str]) -> bool:
+    """Can this condition differ between ranks? Rank tests always; NaN tests unless agreed.
+
+    Args:
+        test: the `if` condition.
+        agreed: names whose value came out of (or went through) a collective, and so is
+            the same on every rank.
+    """
+    if is_rank_test(test):
+        return True
+    if is_nonfinite_test(test):
+        return not (names_in(test) & agreed)
+    return False

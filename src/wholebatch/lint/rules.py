@@ -1,0 +1,173 @@
+"""The catalogue of `wholebatch lint` rules: stable codes, one-line summaries, fixes.
+
+Codes never change meaning once published; a retired rule keeps its number.
+
+- `WB0xx` — the linter itself (a file that does not parse).
+- `WB1xx` — distributed: collectives, gradients across ranks, hangs.
+- `WB2xx` — the optimisation loop: backward, zero_grad, step, hand-written updates.
+- `WB3xx` — gradient accumulation and mixed precision (AMP).
+
+Every rule has a section with a wrong and a right example in `docs/lint.md`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RULES", "Finding", "Rule", "rule"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One lint rule.
+
+    Attributes:
+        code: stable identifier, e.g. ``"WB101"``.
+        name: short kebab-case name, e.g. ``"loss-on-all-gather"``.
+        summary: the one-line message shown in the rule table.
+        fix: one line saying what to write instead.
+    """
+
+    code: str
+    name: str
+    summary: str
+    fix: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One problem found at one place.
+
+    Attributes:
+        path: the file, as given on the command line (or ``"<string>"``).
+        line: 1-based line of the offending node.
+        col: 1-based column of the offending node (ruff's convention).
+        code: the rule code.
+        message: what is wrong here, naming the names involved.
+        fix: what to write instead (the rule's fix).
+    """
+
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+    fix: str
+
+
+_ALL = (
+    Rule(
+        code="WB000",
+        name="syntax-error",
+        summary="file could not be parsed, so it was not checked",
+        fix="fix the syntax error (or run lint with the Python version the file targets)",
+    ),
+    Rule(
+        code="WB101",
+        name="loss-on-all-gather",
+        summary="loss depends on torch.distributed.all_gather output, which carries no gradient",
+        fix="use wholebatch.all_gather (backward: reduce-scatter, sum), or "
+        "torch.distributed.nn.functional.all_gather",
+    ),
+    Rule(
+        code="WB102",
+        name="gather-layer-backward-not-reduced",
+        summary="autograd.Function all-gathers in forward but its backward never sums across ranks",
+        fix="the backward of all_gather is reduce-scatter (sum): use wholebatch.all_gather, or "
+        "all_reduce the stacked grads before taking this rank's slice",
+    ),
+    Rule(
+        code="WB103",
+        name="all-gather-of-gradients",
+        summary="gradients are all-gathered (concatenated) where a sum across ranks was meant",
+        fix="use torch.distributed.all_reduce(grad) (then divide by the world size for a mean)",
+    ),
+    Rule(
+        code="WB104",
+        name="collective-under-rank-condition",
+        summary="collective called under a rank-dependent condition: the other ranks never join, "
+        "and hang",
+        fix="call the collective on every rank (outside the `if`); keep only printing or saving "
+        "under `if rank == 0:`",
+    ),
+    Rule(
+        code="WB105",
+        name="rank-local-exit-before-collective",
+        summary="rank-local early return/continue/break skips a later collective: the other "
+        "ranks hang",
+        fix="agree on the condition first (wholebatch.all_ranks_agree / any_rank, or an "
+        "all_reduce of a flag) so every rank takes the same path",
+    ),
+    Rule(
+        code="WB201",
+        name="gradients-never-zeroed",
+        summary="training loop calls backward and optimizer.step but never zeroes gradients",
+        fix="call optimizer.zero_grad() after each optimizer.step() (or before each step's "
+        "first backward)",
+    ),
+    Rule(
+        code="WB202",
+        name="zero-grad-between-backward-and-step",
+        summary="zero_grad between backward and step: the step sees zero gradients",
+        fix="order the step as zero_grad(), backward(), step() (or backward(), step(), "
+        "zero_grad())",
+    ),
+    Rule(
+        code="WB203",
+        name="step-without-backward",
+        summary="optimizer.step() with no backward: a loss is computed but never backpropagated",
+        fix="call loss.backward() (or scaler.scale(loss).backward()) before optimizer.step()",
+    ),
+    Rule(
+        code="WB204",
+        name="manual-update-outside-no-grad",
+        summary="parameter updated in place by hand outside torch.no_grad()",
+        fix="wrap the update in `with torch.no_grad():` (or use a torch.optim optimizer)",
+    ),
+    Rule(
+        code="WB205",
+        name="manual-update-through-data",
+        summary="parameter updated through .data, which hides the update from autograd",
+        fix="update the parameter itself inside `with torch.no_grad():` instead of through .data",
+    ),
+    Rule(
+        code="WB301",
+        name="mean-loss-divided-by-steps",
+        summary="mean loss divided by the number of accumulation steps while the item count per "
+        "micro-batch varies",
+        fix="sum the item losses and divide by the global item count agreed before backward "
+        "(wholebatch.Accumulator does this)",
+    ),
+    Rule(
+        code="WB302",
+        name="no-sync-without-forward",
+        summary="no_sync() wraps the backward but not the forward, so gradients are still "
+        "all-reduced",
+        fix="put the forward inside the context too: `with model.no_sync(): loss = "
+        "loss_fn(model(x)); loss.backward()`",
+    ),
+    Rule(
+        code="WB303",
+        name="clip-before-unscale",
+        summary="gradients clipped before scaler.unscale_: the threshold applies to scaled "
+        "gradients",
+        fix="call scaler.unscale_(optimizer) after backward and before clip_grad_norm_",
+    ),
+    Rule(
+        code="WB304",
+        name="zero-grad-every-micro-batch",
+        summary="gradients zeroed every micro-batch while the optimizer steps only every k: "
+        "accumulation is lost",
+        fix="zero the gradients only right after optimizer.step() (inside the same `if`)",
+    ),
+)
+
+RULES: dict[str, Rule] = {r.code: r for r in _ALL}
+
+
+def rule(code: str) -> Rule:
+    """The rule with this code (KeyError naming the known codes if there is none)."""
+    try:
+        return RULES[code]
+    except KeyError:
+        raise KeyError(f"unknown rule {code!r}; known: {', '.join(RULES)}") from None

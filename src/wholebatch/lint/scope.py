@@ -1,0 +1,506 @@
+"""One pass over a file that the rules share: its scopes (module and every function),
+the simple statements of each in source order with their enclosing loops and
+conditions, and the training-loop events (backward, zero_grad, step, unscale_, clip).
+
+A scope never includes the bodies of functions, lambdas or classes nested in it;
+those are scopes of their own. Calls to functions defined in the same file add
+"synthetic" events for what those functions do, so a loop that calls
+`self.optimizer_step()` is known to step (and, if that helper zeroes, to zero).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from wholebatch.lint.names import (
+    DIST_GATHERS,
+    Imports,
+    dotted,
+    is_optimizer_name,
+    is_scaler_name,
+    last_name,
+    walk_local,
+)
+
+__all__ = [
+    "BACKWARD",
+    "CLIP",
+    "SETGRAD",
+    "STEP",
+    "UNSCALE",
+    "ZERO",
+    "Event",
+    "FileContext",
+    "Scope",
+    "Stmt",
+    "exclusive",
+]
+
+BACKWARD = "backward"
+ZERO = "zero"
+SETGRAD = "setgrad"
+STEP = "step"
+UNSCALE = "unscale"
+CLIP = "clip"
+
+_CLIP_FUNCS = frozenset(
+    {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_grad_value"}
+)
+_ZERO_FUNCS = frozenset(
+    {"clear_grad", "clear_grads", "zero_grads", "zero_gradients", "reset_grad", "reset_grads"}
+)
+# Receivers whose `.backward(loss)` takes the loss as an argument (accelerate, fabric, deepspeed).
+_BACKWARD_WRAPPERS = frozenset({"accelerator", "fabric", "engine", "model_engine", "trainer"})
+_NOT_OPTIMIZER = frozenset({"Accumulator", "CachedStep"})
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
+_Loop = ast.For | ast.AsyncFor | ast.While
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """A training-loop call at one place.
+
+    Attributes:
+        kind: one of BACKWARD, ZERO, SETGRAD, STEP, UNSCALE, CLIP.
+        node: the call (or the `.grad` store / `del` for ZERO and SETGRAD).
+        recv: the optimizer a STEP/ZERO/UNSCALE acts on, as source text ("" if unknown).
+        losses: for BACKWARD, the expressions that may be the loss.
+        loops: enclosing loops inside the scope, outermost first.
+        conds: enclosing `if`/`try`/`match` statements inside the innermost loop.
+        path: (id of if/try/match statement, branch number) from the scope down; two
+            events whose paths fork at the same statement never run in the same pass.
+        jumpy: inside a branch that ends in return/continue/break/raise.
+        synthetic: stands for a call to a same-file function that does `kind`.
+        scaler: a STEP done through an AMP scaler (`scaler.step(opt)`).
+        bare: a STEP with no arguments (so no closure that might run backward).
+    """
+
+    kind: str
+    node: ast.AST
+    recv: str
+    losses: tuple[ast.expr, ...] = ()
+    loops: tuple[ast.stmt, ...] = ()
+    conds: tuple[ast.stmt, ...] = ()
+    path: tuple[tuple[int, int], ...] = ()
+    jumpy: bool = False
+    synthetic: bool = False
+    scaler: bool = False
+    bare: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stmt:
+    """A simple statement (or a `for` header) with where it sits.
+
+    Attributes:
+        node: the statement.
+        loops: enclosing loops inside the scope, outermost first.
+        conds: enclosing conditionals inside the innermost loop.
+        nograd: gradient recording is off here (`torch.no_grad()` and friends).
+    """
+
+    node: ast.stmt
+    loops: tuple[ast.stmt, ...]
+    conds: tuple[ast.stmt, ...]
+    nograd: bool
+
+    def walk(self) -> Iterator[ast.AST]:
+        """The nodes of this statement itself (for a `for`: its target and iterable only)."""
+        if isinstance(self.node, ast.For | ast.AsyncFor):
+            yield from walk_local(self.node.target)
+            yield from walk_local(self.node.iter)
+        else:
+            yield from walk_local(self.node)
+
+
+def exclusive(a: Event, b: Event) -> bool:
+    """Are `a` and `b` in different branches of one `if`/`try`/`match` (never both run)?"""
+    for (sa, ba), (sb, bb) in zip(a.path, b.path, strict=False):
+        if sa != sb:
+            return False
+        if ba != bb:
+            return True
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Where:
+    """Where the collector is: enclosing loops, conditionals, branch path, grad mode."""
+
+    loops: tuple[ast.stmt, ...] = ()
+    conds: tuple[ast.stmt, ...] = ()
+    path: tuple[tuple[int, int], ...] = ()
+    jumpy: bool = False
+    nograd: bool = False
+
+    def enter_loop(self, loop: ast.stmt) -> _Where:
+        return replace(self, loops=(*self.loops, loop), conds=())
+
+    def enter_branch(self, st: ast.stmt, k: int, body: list[ast.stmt]) -> _Where:
+        return replace(
+            self,
+            conds=(*self.conds, st),
+            path=(*self.path, (id(st), k)),
+            jumpy=self.jumpy or _ends_in_jump(body),
+        )
+
+    def stmt(self, node: ast.stmt) -> Stmt:
+        return Stmt(node=node, loops=self.loops, conds=self.conds, nograd=self.nograd)
+
+    def event_fields(self) -> dict[str, Any]:
+        return {"loops": self.loops, "conds": self.conds, "path": self.path, "jumpy": self.jumpy}
+
+
+@dataclass
+class Scope:
+    """The module body or one function body, with what the collector saw in it.
+
+    Attributes:
+        node: the module or function.
+        cls: the class a method belongs to.
+        nograd: the whole body runs with gradient recording off.
+        stmts: simple statements and `for` headers, in source order.
+        events: training-loop events, in source order.
+        calls: every call, in source order per statement.
+        ifs: the `if` statements.
+        withs: the `with` statements.
+        has_exit: a `return`, `continue` or `break` occurs.
+        has_grad: a `.grad` attribute occurs.
+        divs: the divisions (`a / b` and `a /= b`).
+        has_gather: a call named like a c10d all-gather occurs.
+        mods: the `a % b` expressions.
+        local_calls: calls to functions that may be defined in this file, by name.
+    """
+
+    node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef
+    cls: ast.ClassDef | None
+    nograd: bool
+    stmts: list[Stmt] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    calls: list[ast.Call] = field(default_factory=list)
+    ifs: list[ast.If] = field(default_factory=list)
+    withs: list[ast.With | ast.AsyncWith] = field(default_factory=list)
+    has_exit: bool = False
+    has_grad: bool = False
+    divs: list[ast.BinOp | ast.AugAssign] = field(default_factory=list)
+    has_gather: bool = False
+    mods: list[ast.BinOp] = field(default_factory=list)
+    local_calls: list[tuple[str, Event]] = field(default_factory=list)
+    raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
+    _collectives: list[tuple[str, ast.Call]] | None = None
+
+    @property
+    def name(self) -> str:
+        """The function's name ("" for the module)."""
+        return "" if isinstance(self.node, ast.Module) else self.node.name
+
+    def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
+        """(qualified name, call) of every collective called in this scope."""
+        if self._collectives is None:
+            found = [(imports.collective(c), c) for c in self.calls]
+            self._collectives = [(q, c) for q, c in found if q is not None]
+        return self._collectives
+
+
+def _text(node: ast.AST) -> str:
+    d = dotted(node) if isinstance(node, ast.expr) else None
+    return d if d is not None else ast.unparse(node)
+
+
+def _ends_in_jump(body: list[ast.stmt]) -> bool:
+    return bool(body) and isinstance(body[-1], ast.Return | ast.Continue | ast.Break | ast.Raise)
+
+
+class FileContext:
+    """Everything the rules need to know about one parsed file.
+
+    Built in one walk over the tree: scopes, statements, calls, imports and the names
+    assigned optimizers or scalers; calls are classified after the walk, once every
+    import and assignment is known.
+    """
+
+    def __init__(self, tree: ast.Module, path: str, source: str = "") -> None:
+        self.tree = tree
+        self.path = path
+        self.source = source
+        self.imports = Imports()
+        self.optimizers: set[str] = set()
+        self.scalers: set[str] = set()
+        self.not_optimizers: set[str] = set()
+        self.classes: list[ast.ClassDef] = []
+        self.functions: dict[str, _Def] = {}
+        self.scopes: list[Scope] = []
+        self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
+        self._scope(tree, None, nograd=False)
+        self.imports.finish()
+        self._known_objects()
+        for scope in self.scopes:
+            self._classify_scope(scope)
+        self._add_synthetic_events()
+
+    # -- names bound to optimizers / scalers --------------------------------------------
+
+    def _known_objects(self) -> None:
+        for func, targets in self._assign_calls:
+            q = self.imports.qualname(func) or ""
+            name = last_name(func)
+            if name in _NOT_OPTIMIZER or q.startswith("wholebatch.") or "lr_scheduler" in q:
+                bucket = self.not_optimizers
+            elif name.endswith("GradScaler"):
+                bucket = self.scalers
+            elif (q.startswith("torch.optim.") and "swa_utils" not in q) or name.endswith(
+                ("Optimizer", "Optimiser")
+            ):
+                bucket = self.optimizers
+            else:
+                continue
+            for target in targets:
+                d = dotted(target)
+                if d is not None:
+                    bucket.add(d)
+
+    def is_optimizer(self, node: ast.expr) -> bool:
+        """Does `node` name an optimizer (by assignment, else by its name)?"""
+        d = dotted(node)
+        if d is not None and d in self.optimizers:
+            return True
+        if d is not None and (d in self.not_optimizers or d in self.scalers):
+            return False
+        return is_optimizer_name(last_name(node))
+
+    def is_scaler(self, node: ast.expr) -> bool:
+        """Does `node` name an AMP GradScaler?"""
+        d = dotted(node)
+        return (d is not None and d in self.scalers) or is_scaler_name(last_name(node))
+
+    # -- the walk -----------------------------------------------------------------------
+
+    def _scope(
+        self,
+        node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef,
+        cls: ast.ClassDef | None,
+        *,
+        nograd: bool,
+    ) -> None:
+        if not isinstance(node, ast.Module):
+            self.functions.setdefault(node.name, node)
+            # Only the decorator's name matters (imports may come later in the file).
+            nograd = nograd or any(
+                last_name(d.func if isinstance(d, ast.Call) else d)
+                in ("no_grad", "inference_mode", "_use_grad_for_differentiable")
+                for d in node.decorator_list
+            )
+        scope = Scope(node=node, cls=cls, nograd=nograd)
+        self.scopes.append(scope)
+        self._block(scope, node.body, _Where(nograd=nograd))
+
+    def _class(self, node: ast.ClassDef) -> None:
+        self.classes.append(node)
+        # Methods of an optimizer update parameters by design (torch.optim's own step()
+        # runs under no_grad through a decorator).
+        opt_cls = any(last_name(b).endswith(("Optimizer", "Optimiser")) for b in node.bases)
+        for st in node.body:
+            if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
+                self._scope(st, node, nograd=opt_cls)
+            elif isinstance(st, ast.ClassDef):
+                self._class(st)
+
+    def _block(self, scope: Scope, body: list[ast.stmt], at: _Where) -> None:
+        for st in body:
+            if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
+                self._scope(st, None, nograd=False)
+            elif isinstance(st, ast.ClassDef):
+                self._class(st)
+            elif isinstance(st, ast.For | ast.AsyncFor | ast.While):
+                if isinstance(st, ast.While):
+                    self._events(scope, st.test, at)
+                else:
+                    self._events(scope, st.target, at)
+                    self._events(scope, st.iter, at)
+                    scope.stmts.append(at.stmt(st))
+                self._block(scope, st.body, at.enter_loop(st))
+                self._block(scope, st.orelse, at)
+            elif isinstance(st, ast.If):
+                scope.ifs.append(st)
+                self._events(scope, st.test, at)
+                self._block(scope, st.body, at.enter_branch(st, 0, st.body))
+                self._block(scope, st.orelse, at.enter_branch(st, 1, st.orelse))
+            elif isinstance(st, ast.With | ast.AsyncWith):
+                scope.withs.append(st)
+                for item in st.items:
+                    self._events(scope, item.context_expr, at)
+                off = any(self.imports.is_no_grad_call(i.context_expr) for i in st.items)
+                on = any(last_name(i.context_expr) == "enable_grad" for i in st.items)
+                inner = (at.nograd or off) and not on
+                self._block(scope, st.body, replace(at, nograd=inner))
+            elif isinstance(st, ast.Try | ast.TryStar):
+                self._block(scope, st.body, at)
+                for k, h in enumerate(st.handlers):
+                    self._block(
+                        scope, h.body, replace(at.enter_branch(st, k + 1, h.body), jumpy=True)
+                    )
+                self._block(scope, st.orelse, at)
+                self._block(scope, st.finalbody, at)
+            elif isinstance(st, ast.Match):
+                self._events(scope, st.subject, at)
+                for k, case in enumerate(st.cases):
+                    self._block(scope, case.body, at.enter_branch(st, k, case.body))
+            elif isinstance(st, ast.Import | ast.ImportFrom):
+                self.imports.add(st)
+            else:
+                if isinstance(st, ast.Return | ast.Continue | ast.Break):
+                    scope.has_exit = True
+                elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Call):
+                    self._assign_calls.append((st.value.func, st.targets))
+                scope.stmts.append(at.stmt(st))
+                self._events(scope, st, at)
+
+    def _events(self, scope: Scope, node: ast.AST, at: _Where) -> None:
+        where = at.event_fields()
+        if isinstance(node, ast.Assign | ast.Delete) and any(
+            isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets
+        ):
+            scope.raw.append((node, where))
+        calls: list[ast.Call] = []
+        for n in walk_local(node):
+            if isinstance(n, ast.Call):
+                calls.append(n)
+            elif isinstance(n, ast.Attribute):
+                if n.attr == "grad":
+                    scope.has_grad = True
+            elif isinstance(n, ast.BinOp):
+                if isinstance(n.op, ast.Div):
+                    scope.divs.append(n)
+                elif isinstance(n.op, ast.Mod):
+                    scope.mods.append(n)
+            elif isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Div):
+                scope.divs.append(n)
+        if len(calls) > 1:
+            calls.sort(key=lambda c: (c.lineno, c.col_offset))
+        for call in calls:
+            scope.calls.append(call)
+            scope.raw.append((call, where))
+            if last_name(call.func) in DIST_GATHERS:
+                scope.has_gather = True
+
+    # -- classification -----------------------------------------------------------------
+
+    def _classify_scope(self, scope: Scope) -> None:
+        for node, where in scope.raw:
+            if not isinstance(node, ast.Call):
+                # `p.grad = None` / `del p.grad` zero; `p.grad = g` sets a gradient.
+                none = isinstance(node, ast.Delete) or (
+                    isinstance(node, ast.Assign)
+                    and isinstance(node.value, ast.Constant)
+                    and node.value.value is None
+                )
+                kind = ZERO if none else SETGRAD
+                scope.events.append(Event(kind=kind, node=node, recv="", **where))
+                continue
+            ev = self._classify(node)
+            if ev is not None:
+                kind, recv, losses, scaler, bare = ev
+                scope.events.append(
+                    Event(
+                        kind=kind,
+                        node=node,
+                        recv=recv,
+                        losses=losses,
+                        scaler=scaler,
+                        bare=bare,
+                        **where,
+                    )
+                )
+            func = node.func
+            if isinstance(func, ast.Name) or (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id in ("self", "cls")
+            ):
+                scope.local_calls.append(
+                    (last_name(func), Event(kind="", node=node, recv="", **where))
+                )
+        scope.raw = []
+
+    def _classify(self, call: ast.Call) -> tuple[str, str, tuple[ast.expr, ...], bool, bool] | None:
+        """(kind, recv, losses, scaler, bare) for a training-loop call, else None."""
+        func = call.func
+        if isinstance(func, ast.Name):
+            if func.id.endswith("zero_grad") or func.id in _ZERO_FUNCS:
+                return ZERO, "", (), False, True
+            if func.id in _CLIP_FUNCS:
+                return CLIP, "", (), False, True
+            q = self.imports.qualname(func)
+            if q == "torch.autograd.backward" and call.args:
+                return BACKWARD, "", (call.args[0],), False, True
+            return None
+        if not isinstance(func, ast.Attribute):
+            return None
+        attr, recv = func.attr, func.value
+        if attr in ("backward", "manual_backward"):
+            q = self.imports.qualname(recv)
+            if (
+                q in ("torch.autograd", "torch")
+                or attr == "manual_backward"
+                or (last_name(recv) in _BACKWARD_WRAPPERS)
+            ):
+                return BACKWARD, "", tuple(call.args[:1]), False, True
+            return BACKWARD, "", (recv,), False, True
+        if attr.endswith("zero_grad") or attr in _ZERO_FUNCS:
+            return ZERO, _text(recv), (), False, True
+        if attr == "zero_" and any(
+            isinstance(n, ast.Attribute) and n.attr == "grad" for n in ast.walk(recv)
+        ):
+            return ZERO, "", (), False, True
+        if attr == "step":
+            if self.is_scaler(recv):
+                if call.args:
+                    return STEP, _text(call.args[0]), (), True, True
+                return None
+            if self.is_optimizer(recv):
+                bare = not call.args and not call.keywords
+                return STEP, _text(recv), (), False, bare
+            return None
+        if attr == "unscale_":
+            return UNSCALE, _text(call.args[0]) if call.args else "", (), False, True
+        if attr in _CLIP_FUNCS:
+            q = self.imports.qualname(func) or ""
+            if q.startswith("torch.nn.utils") or ".utils." in f".{q}":
+                return CLIP, "", (), False, True
+        return None
+
+    def _add_synthetic_events(self) -> None:
+        """Give calls to same-file functions the events those functions (transitively) do."""
+        kinds: dict[str, set[str]] = {}
+        calls: dict[str, set[str]] = {}
+        for scope in self.scopes:
+            if scope.name:
+                kinds.setdefault(scope.name, set()).update(e.kind for e in scope.events)
+                calls.setdefault(scope.name, set()).update(n for n, _ in scope.local_calls)
+        for _ in range(3):  # helpers of helpers of helpers; deeper chains are rare
+            for name, callees in calls.items():
+                for callee in callees:
+                    if callee != name and callee in kinds:
+                        kinds[name] |= kinds[callee]
+        for scope in self.scopes:
+            extra = [
+                Event(
+                    kind=kind,
+                    node=ev.node,
+                    recv="",
+                    loops=ev.loops,
+                    conds=ev.conds,
+                    path=ev.path,
+                    jumpy=ev.jumpy,
+                    synthetic=True,
+                )
+                for name, ev in scope.local_calls
+                if name != scope.name
+                for kind in sorted(kinds.get(name, ()))
+            ]
+            if extra:
+                scope.events.extend(extra)
+                scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
