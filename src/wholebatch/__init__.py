@@ -18,6 +18,7 @@ from wholebatch.groups import (
     checks_enabled,
     get_rank,
     get_world_size,
+    init_process_group,
     set_checks,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "debug_enabled",
     "get_rank",
     "get_world_size",
+    "init_process_group",
     "reduce_scatter",
     "ring_shift",
     "set_checks",

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed import ProcessGroup
 
 from wholebatch.errors import WholebatchError
@@ -80,7 +81,7 @@ def call_site() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def _store() -> dist.Store:
+def _store() -> Store:
     # c10d's own key-value store (the rendezvous store every rank already
     # reaches); private in c10d, so its absence turns debug mode into an error
     # that says so rather than a silent no-op.
@@ -89,7 +90,7 @@ def _store() -> dist.Store:
     getter = getattr(distributed_c10d, "_get_default_store", None)
     if getter is None:  # pragma: no cover - every supported torch has it
         raise WholebatchError("debug mode: this torch has no c10d default store; turn WHOLEBATCH_DEBUG off")
-    store: dist.Store = getter()
+    store: Store = getter()
     return store
 
 
@@ -122,7 +123,7 @@ def arrive(op: str, x: torch.Tensor, group: ProcessGroup | None) -> None:
     timeout = _timeout()
     try:
         store.wait(keys, timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError by version
+    except Exception:  # c10d raises DistStoreError/RuntimeError by version
         missing = [r for r in range(world) if not store.check([keys[r]])]
         if not missing:  # arrived just now
             return _compare(op, seq, store, keys, rank)
@@ -140,7 +141,7 @@ def arrive(op: str, x: torch.Tensor, group: ProcessGroup | None) -> None:
     _compare(op, seq, store, keys, rank)
 
 
-def _compare(op: str, seq: int, store: dist.Store, keys: list[str], rank: int) -> None:
+def _compare(op: str, seq: int, store: Store, keys: list[str], rank: int) -> None:
     records = [v.decode() for v in store.multi_get(keys)]
     ops = [r.split("|", 1)[0] for r in records]
     if len(set(ops)) > 1:

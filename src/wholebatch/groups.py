@@ -7,6 +7,7 @@ one process (rank 0 of 1), so code written for W ranks runs unchanged on one.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ __all__ = [
     "comm_device",
     "get_rank",
     "get_world_size",
+    "init_process_group",
     "is_distributed",
     "set_checks",
 ]
@@ -102,3 +104,40 @@ def all_ranks_agree(flag: bool, *, group: ProcessGroup | None = None) -> bool:
 def any_rank(flag: bool, *, group: ProcessGroup | None = None) -> bool:
     """True on every rank iff `flag` is true on at least one rank of `group`."""
     return not all_ranks_agree(not flag, group=group)
+
+
+def init_process_group(backend: str | None = None, *, timeout_s: float | None = None) -> None:
+    """Initialise torch.distributed from torchrun's environment, with a short timeout; safe on restart.
+
+    A thin layer over `torch.distributed.init_process_group` (a no-op if already
+    initialised) that adds two things:
+
+    - the timeout: `timeout_s`, else ``WHOLEBATCH_PG_TIMEOUT``, else 300 s, instead
+      of gloo's 30 minutes, so a rank that never joins a collective ends the
+      job in minutes (see docs/reliability.md for choosing it);
+    - restart-safe rendezvous keys: under torchrun ``--max-restarts``, workers
+      of every attempt share the agent's store, and in torch 2.13 a restarted
+      gloo group can read the previous attempt's peer addresses and fail with
+      "Connection refused"; each attempt here gets its own key prefix.
+
+    Args:
+        backend: "gloo", "nccl", ...; None: torch's default for the devices present.
+        timeout_s: the process group's timeout in seconds.
+    """
+    if dist.is_initialized():
+        return
+    seconds = timeout_s if timeout_s is not None else float(os.environ.get("WHOLEBATCH_PG_TIMEOUT", "300"))
+    timeout = timedelta(seconds=seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        world = int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+            is_master=False, timeout=timeout,
+        )  # fmt: skip
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefixed = dist.PrefixStore(f"wholebatch/attempt-{attempt}", store)
+        dist.init_process_group(
+            backend, store=prefixed, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
