@@ -26,12 +26,16 @@ def test_round_trip_restores_everything(tmp_path: Path) -> None:
     model, opt = _model_opt()
     random.seed(5)
     torch.manual_seed(7)
-    checkpoint.save(tmp_path, 3, model=model, optimizer=opt, data_position={"epoch": 1, "index": 17})
+    checkpoint.save(
+        tmp_path, 3, model=model, optimizer=opt, data_position={"epoch": 1, "index": 17}
+    )
     expected = (torch.rand(4), random.random())
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     state = checkpoint.load_latest(tmp_path, model=fresh, optimizer=fresh_opt)
-    assert state is not None and state.step == 3 and state.data_position == {"epoch": 1, "index": 17}
+    assert (
+        state is not None and state.step == 3 and state.data_position == {"epoch": 1, "index": 17}
+    )
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -57,7 +61,9 @@ def test_truncated_file_is_a_clear_error_and_the_previous_one_loads(tmp_path: Pa
     checkpoint.save(tmp_path, 2, model=model, optimizer=opt, data_position=20)
     torn = tmp_path / "step-00000002" / "rank-0.pt"
     torn.write_bytes(torn.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"rank-0\.pt is not a readable checkpoint .* truncated or foreign"):
+    with pytest.raises(
+        CheckpointError, match=r"rank-0\.pt is not a readable checkpoint .* truncated or foreign"
+    ):
         checkpoint.load(tmp_path / "step-00000002", model=model, optimizer=opt)
     state = checkpoint.load_latest(tmp_path, model=model, optimizer=opt)
     assert state is not None and state.step == 1 and state.data_position == 10
@@ -72,7 +78,9 @@ def test_foreign_file_is_a_clear_error(tmp_path: Path) -> None:
         checkpoint.load(folder, model=model)
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, opt = _model_opt()
     checkpoint.save(tmp_path, 1, model=model, optimizer=opt)
 
@@ -80,7 +88,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(CheckpointError, match="step 2 was not written on every rank.*No space left"):
+    with pytest.raises(
+        CheckpointError, match=r"step 2 was not written on every rank.*No space left"
+    ):
         checkpoint.save(tmp_path, 2, model=model, optimizer=opt)
     monkeypatch.undo()
     assert not (tmp_path / "step-00000002" / "COMPLETE").exists()

@@ -61,7 +61,9 @@ def test_a_rank_that_never_arrives_is_named() -> None:
         assert isinstance(err, RankError) and err.type_name == "WholebatchError", err
         assert "all_gather #2 at test_debug.py:" in err.message
         assert "in _skip_then_return: rank(s) [1] did not arrive within 3 s" in err.message
-        assert "rank 1: #1 all_reduce at test_debug.py:" in err.message  # where rank 1 was last seen
+        assert (
+            "rank 1: #1 all_reduce at test_debug.py:" in err.message
+        )  # where rank 1 was last seen
 
 
 def test_ranks_in_different_ops_are_named_on_every_rank() -> None:
@@ -70,7 +72,9 @@ def test_ranks_in_different_ops_are_named_on_every_rank() -> None:
     messages = {o.message for o in outs}
     assert len(messages) == 1, messages
     (msg,) = messages
-    assert msg.startswith("wholebatch op #1: ranks are in different collectives (rank 0: all_gather at test_debug.py:")
+    assert msg.startswith(
+        "wholebatch op #1: ranks are in different collectives (rank 0: all_gather at test_debug.py:"
+    )
     assert "rank 1: all_reduce at test_debug.py:" in msg
 
 

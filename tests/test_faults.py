@@ -22,7 +22,9 @@ SCRIPT = Path(__file__).resolve().parent / "fault_scripts" / "train.py"
 PG_TIMEOUT = 10
 
 
-def _torchrun(out: Path, *args: str, restarts: int = 0, debug: bool = False, limit: float = 90) -> tuple[int, str, float]:
+def _torchrun(
+    out: Path, *args: str, restarts: int = 0, debug: bool = False, limit: float = 90
+) -> tuple[int, str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WHOLEBATCH_DEBUG="1" if debug else "0")
     # The script initialises with wholebatch.init_process_group: with plain
     # init_process_group a torch 2.13 gloo restart reads the previous attempt's
@@ -55,7 +57,9 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return _final(out)
 
 
-def test_crash_restart_resume_is_bitwise_exact(tmp_path: Path, clean_run: dict[str, torch.Tensor]) -> None:
+def test_crash_restart_resume_is_bitwise_exact(
+    tmp_path: Path, clean_run: dict[str, torch.Tensor]
+) -> None:
     code, log, _ = _torchrun(tmp_path, "--mode", "crash", "--fault-step", "4", restarts=1)
     assert code == 0, log
     resumed = _final(tmp_path)
@@ -68,7 +72,9 @@ def test_resume_that_forgets_state_is_caught(
     tmp_path: Path, clean_run: dict[str, torch.Tensor], forget: str
 ) -> None:
     # Mutation: the same crash and resume, dropping the RNG or the data position.
-    code, log, _ = _torchrun(tmp_path, "--mode", "crash", "--fault-step", "4", "--forget", forget, restarts=1)
+    code, log, _ = _torchrun(
+        tmp_path, "--mode", "crash", "--fault-step", "4", "--forget", forget, restarts=1
+    )
     assert code == 0, log
     resumed = _final(tmp_path)
     assert any(not torch.equal(resumed[k], v) for k, v in clean_run.items())
@@ -94,9 +100,13 @@ def test_a_skipped_collective_ends_every_rank(tmp_path: Path) -> None:
 
 
 def test_debug_mode_names_the_rank_that_skipped(tmp_path: Path) -> None:
-    code, log, elapsed = _torchrun(tmp_path, "--mode", "skip-collective", "--fault-step", "1", debug=True)
+    code, log, elapsed = _torchrun(
+        tmp_path, "--mode", "skip-collective", "--fault-step", "1", debug=True
+    )
     assert code != 0
-    assert "all_gather #1 at train.py:" in log and "rank(s) [1] did not arrive within 5 s" in log, log[-3000:]
+    assert "all_gather #1 at train.py:" in log and "rank(s) [1] did not arrive within 5 s" in log, (
+        log[-3000:]
+    )
     assert elapsed < PG_TIMEOUT + 30
     _no_strays(tmp_path)
 
@@ -123,6 +133,8 @@ def test_one_fewer_micro_batch_is_the_same_error_everywhere(tmp_path: Path) -> N
     code, log, elapsed = _torchrun(tmp_path, "--mode", "fewer-micro-batches", "--fault-step", "2")
     assert code != 0
     assert elapsed < PG_TIMEOUT + 30
-    errors = [line for line in log.splitlines() if "WholebatchError" in line and "micro-batch" in line]
+    errors = [
+        line for line in log.splitlines() if "WholebatchError" in line and "micro-batch" in line
+    ]
     assert errors, log[-3000:]
     _no_strays(tmp_path)

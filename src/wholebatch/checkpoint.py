@@ -36,7 +36,15 @@ from torch.distributed import ProcessGroup
 from wholebatch.errors import WholebatchError
 from wholebatch.groups import all_ranks_agree, comm_device, get_rank, get_world_size, is_distributed
 
-__all__ = ["CheckpointError", "Resumed", "capture_rng", "load", "load_latest", "restore_rng", "save"]
+__all__ = [
+    "CheckpointError",
+    "Resumed",
+    "capture_rng",
+    "load",
+    "load_latest",
+    "restore_rng",
+    "save",
+]
 
 _FORMAT = "wholebatch-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -181,7 +189,9 @@ def save(
 
 
 def _remove(folder: Path) -> None:
-    (folder / "COMPLETE").unlink(missing_ok=True)  # incomplete first: never a half-deleted "complete" one
+    (folder / "COMPLETE").unlink(
+        missing_ok=True
+    )  # incomplete first: never a half-deleted "complete" one
     for f in folder.iterdir():
         f.unlink(missing_ok=True)
     folder.rmdir()
@@ -222,7 +232,10 @@ def load(
         engine.load_state_dict(state["engine"])
     restore_rng(state["rng"])
     return Resumed(
-        step=int(state["step"]), data_position=state["data_position"], path=Path(folder), extra=state["extra"]
+        step=int(state["step"]),
+        data_position=state["data_position"],
+        path=Path(folder),
+        extra=state["extra"],
     )
 
 

@@ -74,11 +74,15 @@ def _timeout() -> float:
 def call_site() -> str:
     """`file:line in function` of the first caller outside the wholebatch package."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PKG_DIR:
+    while (
+        frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PKG_DIR
+    ):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return (
+        f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    )
 
 
 def _store() -> Store:
@@ -89,7 +93,9 @@ def _store() -> Store:
 
     getter = getattr(distributed_c10d, "_get_default_store", None)
     if getter is None:  # pragma: no cover - every supported torch has it
-        raise WholebatchError("debug mode: this torch has no c10d default store; turn WHOLEBATCH_DEBUG off")
+        raise WholebatchError(
+            "debug mode: this torch has no c10d default store; turn WHOLEBATCH_DEBUG off"
+        )
     store: Store = getter()
     return store
 
@@ -145,7 +151,10 @@ def _compare(op: str, seq: int, store: Store, keys: list[str], rank: int) -> Non
     records = [v.decode() for v in store.multi_get(keys)]
     ops = [r.split("|", 1)[0] for r in records]
     if len(set(ops)) > 1:
-        where = "; ".join(f"rank {r}: {rec.split('|')[0]} at {rec.split('|')[-1]}" for r, rec in enumerate(records))
+        where = "; ".join(
+            f"rank {r}: {rec.split('|')[0]} at {rec.split('|')[-1]}"
+            for r, rec in enumerate(records)
+        )
         raise WholebatchError(
             f"wholebatch op #{seq}: ranks are in different collectives ({where}); a rank skipped or "
             "added a collective before this point"

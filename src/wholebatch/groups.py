@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed import ProcessGroup
 
 __all__ = [
@@ -126,16 +127,20 @@ def init_process_group(backend: str | None = None, *, timeout_s: float | None = 
     """
     if dist.is_initialized():
         return
-    seconds = timeout_s if timeout_s is not None else float(os.environ.get("WHOLEBATCH_PG_TIMEOUT", "300"))
+    seconds = (
+        timeout_s
+        if timeout_s is not None
+        else float(os.environ.get("WHOLEBATCH_PG_TIMEOUT", "300"))
+    )
     timeout = timedelta(seconds=seconds)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         world = int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(
+        store = TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
             is_master=False, timeout=timeout,
         )  # fmt: skip
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        prefixed = dist.PrefixStore(f"wholebatch/attempt-{attempt}", store)
+        prefixed = PrefixStore(f"wholebatch/attempt-{attempt}", store)
         dist.init_process_group(
             backend, store=prefixed, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
         )

@@ -44,7 +44,9 @@ def main() -> None:
         wholebatch.set_debug(os.environ.get("WHOLEBATCH_DEBUG") == "1", timeout_s=5)
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DDP(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1)).double())
+    model = DDP(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1)).double()
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     acc = Accumulator(model, opt)
     gen = torch.Generator().manual_seed(100 + rank)  # this rank's shard of a dataset
@@ -60,14 +62,20 @@ def main() -> None:
         pos = 0  # mutation: the data stream restarts
 
     while step < args.steps:
-        k = K - 1 if (args.mode == "fewer-micro-batches" and rank == 1 and step == args.fault_step) else K
+        k = (
+            K - 1
+            if (args.mode == "fewer-micro-batches" and rank == 1 and step == args.fault_step)
+            else K
+        )
         mbs = []
         for _ in range(k):
             idx = torch.arange(pos, pos + MB) % ROWS
             mbs.append((data_x[idx], data_y[idx]))
             pos += MB
 
-        def loss_fn(m: nn.Module, mb: tuple[torch.Tensor, torch.Tensor], _step: int = step) -> tuple[torch.Tensor, int]:
+        def loss_fn(
+            m: nn.Module, mb: tuple[torch.Tensor, torch.Tensor], _step: int = step
+        ) -> tuple[torch.Tensor, int]:
             x, y = mb
             loss = ((m(x) - y) ** 2).sum()
             if args.mode == "crash" and attempt == 0 and rank == 1 and _step == args.fault_step:
@@ -89,7 +97,9 @@ def main() -> None:
         checkpoint.save(args.out, step, model=model, optimizer=opt, engine=acc, data_position=pos)
 
     if rank == 0:
-        torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, args.out / "final.pt")
+        torch.save(
+            {k: v.clone() for k, v in model.module.state_dict().items()}, args.out / "final.pt"
+        )
     dist.destroy_process_group()
 
 
