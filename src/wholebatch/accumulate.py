@@ -1,0 +1,284 @@
+"""Exact gradient accumulation: the whole-batch gradient from K micro-batches on W ranks.
+
+    acc = Accumulator(ddp_model, optimizer, max_grad_norm=1.0)
+    for micro_batches in loader:                 # each: a list of K micro-batches
+        stats = acc.step(micro_batches, loss_fn) # forward+backward K times, then one step
+    # loss_fn(model, mb) -> (sum of item losses: Tensor, number of items: int | Tensor)
+
+The rule (DESIGN.md, "Normalise once, globally"): the step's gradient is that of
+(sum of every item loss) / N, N the number of items in the whole step, across
+all K micro-batches and all W ranks. Never a mean of per-micro-batch means: that
+over-weights short micro-batches (the bug in the Hugging Face Trainer until late
+2024). See docs/accumulation.md.
+
+How N is applied: "rescale once after backward". `loss_fn` returns a micro-batch's
+count only after its forward, so N is known only after the last forward; agreeing
+it before any backward would hold all K graphs in memory (or need a second
+counting pass over the data). Instead each micro-batch back-propagates its loss
+SUM times one constant c, the same on every rank; after the last backward one
+small all-gather agrees N (with the loss, the non-finite flags and the sharded
+grad-norm part), and the accumulated gradient is multiplied once by
+(W for DDP's mean, 1 for "sum") / (c · N). Gradients are linear in the loss, so
+this equals back-propagating sum/N directly, to round-off. c is W/N' (or 1/N')
+with N' the previous step's agreed count (1 on the first step): the gradient
+flowing through the DDP hook and the GradScaler then has the size of a mean
+loss's gradient, so AMP's inf checks and fp16 wires behave as for a mean loss
+rather than overflowing on sums; the exact N is applied afterwards regardless.
+The AMP scale is removed by `GradScaler.unscale_` before the norm, so clipping
+and the reported norm are those of the true whole-batch gradient.
+
+Communication: micro-batches 0..K-2 run forward AND backward under `no_sync()`
+(DDP) or `set_requires_gradient_sync(False)` (FSDP2); the last synchronises:
+exactly one gradient reduction per step. Every rank must therefore run the same
+K; it is agreed (one small all-gather) before the first forward and a mismatch
+raises the same error on every rank. The iterable is materialised into a list
+for that.
+
+Legend: W world size, K micro-batches per step, N global item count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from wholebatch.compression import CommStats, GradCompression, register_compression
+from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.stepping import (
+    GradReduction,
+    OnNonFinite,
+    StepConfig,
+    StepFinisher,
+    StepStats,
+    sync_context,
+)
+
+__all__ = ["Accumulator", "AccumulatorConfig", "LossFn", "LossReduction"]
+
+LossReduction = Literal["sum", "mean", "none"]
+MB = TypeVar("MB")
+LossFn = Callable[[nn.Module, MB], tuple[Tensor, int | float | Tensor] | Tensor]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AccumulatorConfig:
+    """How an `Accumulator` normalises, reduces, clips and compresses."""
+
+    max_grad_norm: float | None = None
+    """Clip the whole-batch gradient (after unscaling) to this L2 norm; None: no clipping."""
+
+    grad_compression: str | GradCompression | None = None
+    """None, "fp16", "bf16", "powersgd", or a `GradCompression`: a PyTorch DDP comm hook
+    for the step's one gradient all-reduce (DDP only; needs grad_reduction="mean")."""
+
+    grad_reduction: GradReduction = "mean"
+    """How the wrapper combines rank gradients: "mean" (DDP, FSDP2) or "sum"."""
+
+    loss_reduction: LossReduction = "sum"
+    """What `loss_fn` returns. "sum": (sum of item losses, item count), e.g. token-level
+    cross-entropy with reduction="sum". "mean": (mean over its items, item count or
+    weight); the sum is mean × count, so a zero-count micro-batch must return a finite
+    mean (cross_entropy(reduction="mean") over all-ignored targets is NaN: use "sum").
+    "none": a tensor of per-item losses (items = its numel), e.g. per-sample losses
+    for a per-sample mean."""
+
+    on_nonfinite: OnNonFinite = "skip"
+    """A non-finite loss/gradient on any rank, or a step with no items: "skip" the step
+    on every rank (reported in StepStats) or "raise" NonFiniteStepError on every rank."""
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in ("sum", "mean", "none"):
+            raise WholebatchError(
+                f"Accumulator: loss_reduction={self.loss_reduction!r}; expected 'sum' "
+                "(loss_fn returns (sum, count)), 'mean' ((mean, count)) or 'none' (per-item losses)"
+            )
+        spec = GradCompression.parse(self.grad_compression)
+        if spec is not None and self.grad_reduction != "mean":
+            raise WholebatchError(
+                f"Accumulator: grad_compression={spec.kind!r} uses PyTorch's DDP hooks, which "
+                f"average over ranks, but grad_reduction={self.grad_reduction!r}; use "
+                "grad_reduction='mean' (the Accumulator compensates the 1/W)"
+            )
+        self.step_config()  # validates max_grad_norm, grad_reduction, on_nonfinite
+
+    def step_config(self) -> StepConfig:
+        """The part of this config that finishing a step needs."""
+        return StepConfig(
+            max_grad_norm=self.max_grad_norm,
+            grad_reduction=self.grad_reduction,
+            on_nonfinite=self.on_nonfinite,
+        )
+
+
+class Accumulator:
+    """One optimizer step over K micro-batches with the whole-batch gradient.
+
+    Every rank of the group calls `step` with the same number of micro-batches.
+    After it, the parameters have taken one optimizer step on
+    d(sum of item losses / N)/dθ (N: global item count) and their grads are None.
+
+    Args:
+        model: the module to train: DDP, FSDP2 (`fully_shard`), or plain. `loss_fn`
+            receives it; call it, not its inner module, so DDP sees the forward.
+        optimizer: steps the parameters; clipping and the norm cover its parameters.
+        scaler: a `torch.amp.GradScaler` for fp16 AMP (the loss_fn runs autocast itself).
+        max_grad_norm: see `AccumulatorConfig.max_grad_norm`.
+        grad_compression: see `AccumulatorConfig.grad_compression`.
+        grad_reduction: see `AccumulatorConfig.grad_reduction`.
+        loss_reduction: see `AccumulatorConfig.loss_reduction`.
+        on_nonfinite: see `AccumulatorConfig.on_nonfinite`.
+        group: the data-parallel group; None: DDP's process group, else the world.
+        config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+        max_grad_norm: float | None = None,
+        grad_compression: str | GradCompression | None = None,
+        grad_reduction: GradReduction = "mean",
+        *,
+        loss_reduction: LossReduction = "sum",
+        on_nonfinite: OnNonFinite = "skip",
+        group: ProcessGroup | None = None,
+        config: AccumulatorConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = AccumulatorConfig(
+                max_grad_norm=max_grad_norm,
+                grad_compression=grad_compression,
+                grad_reduction=grad_reduction,
+                loss_reduction=loss_reduction,
+                on_nonfinite=on_nonfinite,
+            )
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.finisher = StepFinisher(
+            model, optimizer, scaler=scaler, config=config.step_config(), group=group
+        )
+        self.scaler = self.finisher.scaler
+        spec = GradCompression.parse(config.grad_compression)
+        self.comm_stats: CommStats | None = (
+            None if spec is None else register_compression(model, spec, self.finisher.group)  # type: ignore[arg-type]
+        )
+        # N' of the module docstring: the last agreed item count (same on every rank).
+        self.items_estimate = 1.0
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped steps not counted)."""
+        return self.finisher.steps
+
+    def backward_scale(self) -> float:
+        """The constant c each micro-batch's loss sum is multiplied by before backward."""
+        factor = self.finisher.world_size if self.config.grad_reduction == "mean" else 1
+        return factor / self.items_estimate
+
+    def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor]:
+        """(sum of item losses, item count) of one micro-batch, per `loss_reduction`."""
+        mode = self.config.loss_reduction
+        where = f"Accumulator.step: loss_fn(model, micro_batches[{index}])"
+        if mode == "none":
+            if not isinstance(out, Tensor):
+                raise WholebatchTypeError(
+                    f"{where} returned {type(out).__name__}; with loss_reduction='none' it "
+                    "must return a tensor of per-item losses"
+                )
+            losses = out
+            loss, count = losses.sum(), torch.tensor(losses.numel(), device=losses.device)
+        else:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise WholebatchTypeError(
+                    f"{where} returned {type(out).__name__}; with loss_reduction={mode!r} it "
+                    f"must return ({mode} of item losses: Tensor, number of items: int | Tensor)"
+                )
+            loss, n = out
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise WholebatchTypeError(
+                    f"{where}: the loss must be a one-element Tensor, got "
+                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}"
+                )
+            if isinstance(n, Tensor):
+                if n.numel() != 1:
+                    raise WholebatchTypeError(
+                        f"{where}: the item count must be one number, got shape {tuple(n.shape)}"
+                    )
+                count = n.detach().reshape(()).to(device=loss.device)
+            elif isinstance(n, (int, float)) and not isinstance(n, bool):
+                count = torch.tensor(n, device=loss.device)
+            else:
+                raise WholebatchTypeError(
+                    f"{where}: the item count must be an int, float or Tensor, got {type(n).__name__}"
+                )
+            loss = loss.reshape(())
+            if mode == "mean":
+                loss = loss * count.to(loss.dtype)
+        if not loss.requires_grad:
+            raise WholebatchError(
+                f"{where}: the loss does not require grad, so backward cannot run (and DDP's "
+                "reduction would wait forever on the peers); a micro-batch with no items must "
+                "still return a loss computed from the model output, e.g. (logits.sum() * 0, 0)"
+            )
+        return loss, count.to(torch.float64)
+
+    def step(self, micro_batches: Iterable[MB], loss_fn: LossFn[MB]) -> StepStats:
+        """Forward and backward every micro-batch, then take one optimizer step.
+
+        Args:
+            micro_batches: the step's micro-batches (any iterable; materialised into a
+                list so that K is agreed before the first forward). The same K on every rank.
+            loss_fn: `loss_fn(model, micro_batch)`, returning what `loss_reduction` says
+                (default: (sum of item losses, number of items)). It runs with DDP's
+                sync disabled on all but the last micro-batch; run autocast inside it.
+
+        Returns:
+            `StepStats`: whole-batch mean loss, item count, grad norm before clipping,
+            skipped or not, micro-batch count (identical on every rank).
+
+        Raises:
+            WholebatchError: on every rank, when K differs across ranks or is 0, or the
+                parameters hold gradients before the step.
+            NonFiniteStepError: on every rank, with on_nonfinite="raise".
+        """
+        mbs: Sequence[MB] = list(micro_batches)
+        k = len(mbs)
+        self.finisher.begin(k, op="Accumulator.step")  # agree K before any forward
+        c = self.backward_scale()
+        loss_sum: Tensor | None = None  # this rank's sum of item losses, float64, detached
+        items: Tensor | None = None
+        for i, mb in enumerate(mbs):
+            with sync_context(self.model, i, k):
+                loss, count = self._sum_and_count(loss_fn(self.model, mb), i)
+                torch.autograd.backward(self.finisher.scale_loss(loss * c))
+            with torch.no_grad():
+                part = loss.detach().to(torch.float64)
+                loss_sum = part if loss_sum is None else loss_sum + part
+                items = count if items is None else items + count.to(items.device)
+        assert loss_sum is not None and items is not None  # k >= 1 after begin()
+        stats = self.finisher.finish(
+            loss_sum=loss_sum, items=items, micro_batches=k, backward_scale=c
+        )
+        if stats.items > 0:
+            self.items_estimate = stats.items
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the GradScaler's state and the backward pre-scale estimate.
+
+        The model and optimizer save themselves; PowerSGD's error-feedback memory is
+        not saved (torch's PowerSGDState is rebuilt, restarting its plain all-reduce phase).
+        """
+        return {"finisher": self.finisher.state_dict(), "items_estimate": self.items_estimate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.finisher.load_state_dict(state["finisher"])
+        self.items_estimate = float(state["items_estimate"])
