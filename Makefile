@@ -22,7 +22,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) -m benchmarks.run
+	$(VENV)/bin/wholebatch bench
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -30,6 +30,7 @@ __all__ = [
     "check_arg",
     "check_shapes_except",
     "exchange",
+    "exchange_text",
     "per_rank",
     "wire_dtype_code",
 ]
@@ -148,20 +149,26 @@ def _all_gather_rows(row: list[int], group: ProcessGroup | None) -> list[list[in
     return [flat[r * len(row) : (r + 1) * len(row)] for r in range(world_size)]
 
 
-def _exchange_messages(msg: str, group: ProcessGroup | None) -> list[str]:
+def exchange_text(msg: str, group: ProcessGroup | None = None, *, max_bytes: int = _MSG_BYTES) -> list[str]:
+    """Every rank's `msg` (UTF-8, cut to `max_bytes`), in rank order; every rank must call it.
+
+    Text travels as a fixed-size uint8 tensor: no pickle (unlike `all_gather_object`).
+    """
     from wholebatch._c10d import all_gather_single
 
     world_size = get_world_size(group)
+    if world_size == 1:
+        return [msg.encode("utf-8")[:max_bytes].decode("utf-8", "ignore")]
     device = comm_device(group)
-    data = msg.encode("utf-8")[:_MSG_BYTES]
-    buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+    data = msg.encode("utf-8")[:max_bytes]
+    buf = torch.zeros(max_bytes, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(world_size * _MSG_BYTES, dtype=torch.uint8, device=device)
+    out = torch.empty(world_size * max_bytes, dtype=torch.uint8, device=device)
     all_gather_single(out, buf.to(device), group=group)
     raw = bytes(out.cpu().tolist())
     return [
-        raw[r * _MSG_BYTES : (r + 1) * _MSG_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+        raw[r * max_bytes : (r + 1) * max_bytes].rstrip(b"\0").decode("utf-8", "ignore")
         for r in range(world_size)
     ]
 
@@ -199,7 +206,7 @@ def exchange(
     )
     rows = _all_gather_rows(row, group)
     if any(r[_ERR_I] for r in rows):
-        msgs = _exchange_messages(local_error or "", group)
+        msgs = exchange_text(local_error or "", group)
         bad = {rank: m for rank, m in enumerate(msgs) if rows[rank][_ERR_I]}
         if len(set(bad.values())) == 1:
             text = f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"

@@ -11,7 +11,7 @@ identity of a world of one and moves nothing.
 Legend: W ranks in the group, B this rank's rows along `dim`, N = sum of B over
 ranks, R the remaining dims.
 
-    torchrun --standalone --nproc-per-node 2 -m wholebatch.demo_gather   # see it work
+    wholebatch demo --gather      # see it work on 2 local processes
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A two-process demonstration of the gradient through all_gather.
 
-    wholebatch demo            # or: make demo
+    wholebatch demo --gather
 
 A whole batch of 5 rows is split over 2 processes (2 rows and 3 rows). Each
 process embeds its rows with a shared matrix P, gathers every embedding, and

@@ -1,0 +1,368 @@
+"""`wholebatch selftest`: every collective and loss against its reference, on the real process group.
+
+    wholebatch selftest                                   # 2 local gloo processes
+    torchrun --nproc-per-node 8 -m wholebatch selftest    # this machine's GPUs (NCCL)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29500 --rdzv-id check1 -m wholebatch selftest --json   # on each node
+
+The way to check a cluster's install: run under torchrun with the backend and
+the nodes you train on. Every rank builds every rank's inputs (float64,
+different per rank, uneven sizes with an empty rank where W > 2), computes the
+expected outputs and gradients in one process by plain torch (`torch.cat`,
+sums, the N x N loss formulas), runs the real collective or loss on its own
+input, and compares forward values and input gradients. Each rank's loss is
+weighted by (1 + rank) so a backward that drops other ranks' terms cannot pass.
+The worst error over ranks is agreed, and rank 0 prints a pass/fail table (or
+JSON); every rank exits 0 only if every check passed on every rank.
+
+Legend: W ranks, B this rank's rows, N global rows, D dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import platform
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+import wholebatch
+from wholebatch.checks import exchange_text
+from wholebatch.errors import WholebatchError
+from wholebatch.groups import comm_device
+from wholebatch.losses import clip_loss, nt_xent_loss, siglip_loss
+
+__all__ = ["SelftestConfig", "run_checks", "run_selftest"]
+
+# float64 everywhere: exact collectives agree to 0, tiled losses to ~1e-15 relative.
+RTOL = 1e-9
+D = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelftestConfig:
+    """How `wholebatch selftest` runs. (The CLI's flags.)"""
+
+    nproc: int = 2
+    """Local processes to start when not already under torchrun (ignored under torchrun)."""
+
+    backend: str = "auto"
+    """"gloo", "nccl", or "auto" (NCCL with GPUs, else gloo); under torchrun the group it builds."""
+
+    timeout: float = 60.0
+    """Seconds a collective may wait for a peer before the check fails."""
+
+    json: bool = False
+    """Rank 0 prints a JSON document (for CI) instead of the table."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise WholebatchError(f"nproc must be an integer >= 1, got {self.nproc!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise WholebatchError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.timeout > 0:
+            raise WholebatchError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+# ---------------------------------------------------------------------------
+# Inputs every rank can build for every rank
+# ---------------------------------------------------------------------------
+
+
+def _rows(w: int) -> list[int]:
+    """Uneven rows per rank: 1, 3, 0, 2, 4, 1, ... (an empty rank from W = 3 on)."""
+    return [(2 * r + 1) % 5 for r in range(w)]
+
+
+def _data(r: int, rows: int, cols: int = D) -> Tensor:
+    """Rank r's input: arange + 100·r, scaled, so every rank's numbers differ."""
+    return (torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols) + 100 * r) / 50
+
+
+def _weight(r: int, like: Tensor) -> Tensor:
+    """Rank r's loss weights: (1 + r) times a pattern, so ranks' losses differ."""
+    pattern = 1 + torch.arange(like.numel(), dtype=torch.float64).reshape(like.shape) % 7
+    return (1 + r) * pattern.to(like.device)
+
+
+# Each collective: (name, inputs for W ranks, one-process simulation, the real call).
+Simulate = Callable[[list[Tensor]], list[Tensor]]
+Run = Callable[[Tensor], Tensor]
+
+
+def _a2a_sizes(w: int) -> list[list[int]]:
+    return [[(r + j) % 3 for j in range(w)] for r in range(w)]
+
+
+def _collectives(w: int, rank: int) -> list[tuple[str, list[Tensor], Simulate, Run]]:
+    rows = _rows(w)
+    uneven = [_data(r, rows[r]) for r in range(w)]
+    equal = [_data(r, 2) for r in range(w)]
+    full = [_data(r, sum(rows)) for r in range(w)]
+    send = _a2a_sizes(w)
+    a2a = [_data(r, sum(send[r])) for r in range(w)]
+    src = w - 1
+
+    def sim_a2a(xs: list[Tensor]) -> list[Tensor]:
+        chunks = [torch.split(x, send[r]) for r, x in enumerate(xs)]
+        return [torch.cat([chunks[r][j] for r in range(w)]) for j in range(w)]
+
+    return [
+        ("all_gather (uneven rows)", uneven, lambda xs: [torch.cat(xs)] * w, wholebatch.all_gather),
+        ("all_reduce sum", equal, lambda xs: [torch.stack(xs).sum(0)] * w, wholebatch.all_reduce),
+        ("all_reduce mean", equal, lambda xs: [torch.stack(xs).mean(0)] * w,
+         lambda x: wholebatch.all_reduce(x, "mean")),
+        ("all_reduce max", equal, lambda xs: [torch.stack(xs).amax(0)] * w,
+         lambda x: wholebatch.all_reduce(x, "max")),
+        ("reduce_scatter (uneven)", full,
+         lambda xs: list(torch.split(torch.stack(xs).sum(0), rows)),
+         lambda x: wholebatch.reduce_scatter(x, sizes=rows)),
+        ("all_to_all (uneven)", a2a, sim_a2a,
+         lambda x: wholebatch.all_to_all(x, send[rank], [send[r][rank] for r in range(w)])),
+        (f"broadcast (src {src})", equal, lambda xs: [xs[src]] * w,
+         lambda x: wholebatch.broadcast(x, src)),
+        ("ring_shift 1 (uneven)", uneven, lambda xs: [xs[(r - 1) % w] for r in range(w)],
+         lambda x: wholebatch.ring_shift(x, 1)),
+        ("ring_shift -1 (uneven)", uneven, lambda xs: [xs[(r + 1) % w] for r in range(w)],
+         lambda x: wholebatch.ring_shift(x, -1)),
+    ]  # fmt: skip
+
+
+def _max_rel(got: Tensor, want: Tensor) -> float:
+    if want.numel() == 0:
+        return 0.0 if got.shape == want.shape else float("inf")
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got.cpu() - want).abs().max() / want.abs().max().clamp_min(1e-300))
+
+
+def _grad(x: Tensor) -> Tensor:
+    """`x.grad`, or zeros where no gradient arrived."""
+    return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+def _check_collective(
+    rank: int, device: torch.device, xs: list[Tensor], simulate: Simulate, run: Run
+) -> tuple[float, float]:
+    ref_xs = [x.clone().requires_grad_() for x in xs]
+    ref_outs = simulate(ref_xs)
+    total = sum((o * _weight(r, o)).sum() for r, o in enumerate(ref_outs))
+    assert isinstance(total, Tensor)
+    torch.autograd.backward(total)
+    x = xs[rank].clone().to(device).requires_grad_()
+    out = run(x)
+    torch.autograd.backward((out * _weight(rank, out)).sum())
+    ref_grad = _grad(ref_xs[rank])
+    got_grad = _grad(x)
+    return _max_rel(out.detach(), ref_outs[rank].detach()), _max_rel(got_grad, ref_grad)
+
+
+# ---------------------------------------------------------------------------
+# Losses against their N x N formulas
+# ---------------------------------------------------------------------------
+
+
+def _embeddings(w: int, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(_rows(w)) + 2  # rank 0 gets two more rows, so every W has N >= 3
+    a = F.normalize(torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
+    b = F.normalize(torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
+    return a, b
+
+
+def _loss_rows(w: int) -> list[int]:
+    rows = _rows(w)
+    rows[0] += 2
+    return rows
+
+
+def _ref_clip(a: Tensor, b: Tensor, s: Tensor) -> Tensor:
+    logits = s * a @ b.T
+    labels = torch.arange(len(a))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _ref_siglip(a: Tensor, b: Tensor, s: Tensor, bias: Tensor) -> Tensor:
+    y = 2 * torch.eye(len(a), dtype=a.dtype) - 1
+    return -F.logsigmoid(y * (s * a @ b.T + bias)).sum() / len(a)
+
+
+def _ref_nt_xent(z1: Tensor, z2: Tensor, tau: Tensor) -> Tensor:
+    n = len(z1)
+    z = torch.cat([z1, z2])
+    logits = (z @ z.T / tau).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    labels = torch.cat([torch.arange(n) + n, torch.arange(n)])
+    return F.cross_entropy(logits, labels)
+
+
+_LOSSES: list[tuple[str, Callable[..., Tensor], Callable[..., Tensor], tuple[float, ...]]] = [
+    ("clip_loss (+ logit_scale)", clip_loss, _ref_clip, (7.0,)),
+    ("siglip_loss (+ scale, bias)", siglip_loss, _ref_siglip, (5.0, -2.0)),
+    ("nt_xent_loss (+ temperature)", nt_xent_loss, _ref_nt_xent, (0.3,)),
+]
+
+
+def _check_loss(
+    rank: int, w: int, device: torch.device, loss: Callable[..., Tensor],
+    ref: Callable[..., Tensor], scalars: tuple[float, ...], seed: int,
+) -> tuple[float, float]:  # fmt: skip
+    """Forward error, and the worst gradient error (this rank's rows; the scalars after a mean)."""
+    a, b = _embeddings(w, seed)
+    ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    ref_s = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
+    ref_loss = ref(ref_a, ref_b, *ref_s)
+    torch.autograd.backward(ref_loss)
+    rows = _loss_rows(w)
+    lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
+    x_a = a[lo:hi].clone().to(device).requires_grad_()
+    x_b = b[lo:hi].clone().to(device).requires_grad_()
+    xs_s = [
+        torch.tensor(v, dtype=torch.float64, device=device, requires_grad=True) for v in scalars
+    ]
+    out = loss(x_a, x_b, *xs_s)  # grad_reduction="mean": as DDP will average
+    torch.autograd.backward(out)
+    # Contract ("mean"): each rank's gradients are W x its share, so that DDP's mean of the
+    # parameter gradients is dL/dθ. Rows belong to one rank: W·dL/drows. Scalars: mean over ranks.
+    errs = [
+        _max_rel(_grad(x_a) / w, _grad(ref_a)[lo:hi]),
+        _max_rel(_grad(x_b) / w, _grad(ref_b)[lo:hi]),
+    ]
+    for s, rs in zip(xs_s, ref_s, strict=True):
+        mean = wholebatch.all_reduce(_grad(s).reshape(1), "mean").reshape(())
+        errs.append(_max_rel(mean, _grad(rs)))
+    return _max_rel(out.detach().reshape(()), ref_loss.detach()), max(errs)
+
+
+# ---------------------------------------------------------------------------
+# Running and reporting
+# ---------------------------------------------------------------------------
+
+
+def run_checks() -> list[dict[str, Any]]:
+    """Run every check on this rank (every rank must call it); each check's worst result over ranks."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    device = comm_device()
+    names: list[str] = []
+    local: list[list[float]] = []
+    messages: list[str] = []
+
+    def record(name: str, fn: Callable[[], tuple[float, float]]) -> None:
+        names.append(name)
+        try:
+            fwd, bwd = fn()
+            local.append([fwd, bwd, 0.0])
+            messages.append("")
+        except Exception as exc:
+            local.append([float("inf"), float("inf"), 1.0])
+            messages.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+            if os.environ.get("WHOLEBATCH_SELFTEST_TRACEBACK"):
+                traceback.print_exc()
+
+    for name, xs, sim, run in _collectives(w, rank):
+        record(name, functools.partial(_check_collective, rank, device, xs, sim, run))
+    for i, (name, loss, ref, scalars) in enumerate(_LOSSES):
+        record(name, functools.partial(_check_loss, rank, w, device, loss, ref, scalars, i))
+    table = torch.tensor(local, dtype=torch.float64, device=device)
+    table = torch.nan_to_num(table, nan=float("inf"))
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    # Text as uint8 tensors (checks.exchange_text), never pickle: one string per
+    # rank, its messages joined by a separator no exception text contains.
+    joined = exchange_text("\x1f".join(messages), max_bytes=320 * max(1, len(messages)))
+    all_messages = [(j.split("\x1f") + [""] * len(messages))[: len(messages)] for j in joined]
+    out = []
+    for i, name in enumerate(names):
+        fwd, bwd, raised = table[i].tolist()
+        errors = {r: m[i] for r, m in enumerate(all_messages) if m[i]}
+        out.append({
+            "check": name, "forward_rel_err": fwd, "backward_rel_err": bwd,
+            "passed": not raised and fwd <= RTOL and bwd <= RTOL,
+            "errors": {str(r): m for r, m in errors.items()},
+        })  # fmt: skip
+    return out
+
+
+def _topology() -> dict[str, Any]:
+    w = dist.get_world_size()
+    mine = "\x1f".join(
+        (socket.gethostname(), os.environ.get("GROUP_RANK", "0"), os.environ.get("LOCAL_RANK", "0"))
+    )
+    info = [tuple(t.split("\x1f")) for t in exchange_text(mine, max_bytes=320)]
+    return {
+        "world_size": w,
+        "nodes": len({group for _, group, _ in info}),
+        "hosts": sorted({host for host, _, _ in info}),
+        "backend": str(dist.get_backend()),
+        "device": str(comm_device()),
+        "torch": torch.__version__,
+        "wholebatch": wholebatch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _format(topo: dict[str, Any], checks: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        f"wholebatch selftest: {topo['world_size']} ranks on {topo['nodes']} node(s) "
+        f"({', '.join(topo['hosts'])}), backend {topo['backend']}, device {topo['device']}, "
+        f"torch {topo['torch']}",
+        "",
+        f"  {'check':<30} {'forward err':>12} {'backward err':>13}  result",
+    ]
+    for c in checks:
+        lines.append(
+            f"  {c['check']:<30} {c['forward_rel_err']:12.1e} {c['backward_rel_err']:13.1e}  "
+            f"{'pass' if c['passed'] else 'FAIL'}"
+        )
+        for r, m in c["errors"].items():
+            lines.append(f"      rank {r}: {m}")
+    bad = sum(not c["passed"] for c in checks)
+    lines.append("")
+    lines.append(
+        f"PASS: all {len(checks)} checks on every rank (relative errors <= {RTOL:g}, float64)."
+        if not bad
+        else f"FAIL: {bad} of {len(checks)} checks failed."
+    )
+    return "\n".join(lines)
+
+
+def selftest_rank(as_json: bool) -> int:
+    """Run the checks on this rank of an initialised group; rank 0 prints; the agreed exit code."""
+    topo = _topology()
+    checks = run_checks()
+    passed = all(c["passed"] for c in checks)
+    if dist.get_rank() == 0:
+        if as_json:
+            print(json.dumps({"passed": passed, **topo, "rtol": RTOL, "checks": checks}, indent=2))
+        else:
+            print(_format(topo, checks))
+        sys.stdout.flush()
+    return 0 if passed else 1
+
+
+def run_selftest(config: SelftestConfig) -> int:
+    """Run under torchrun's group if started by torchrun, else on `config.nproc` local processes."""
+    from wholebatch.launch import LaunchSpec, in_torchrun, init_from_env, launch
+
+    backend = None if config.backend == "auto" else config.backend
+    if in_torchrun():
+        init_from_env(backend, config.timeout)
+        try:
+            return selftest_rank(config.json)
+        finally:
+            dist.destroy_process_group()
+    codes = launch(
+        selftest_rank,
+        (config.json,),
+        spec=LaunchSpec(nproc=config.nproc, backend=backend, timeout_s=config.timeout),
+        name="wholebatch-selftest",
+    )
+    return int(max(codes))
