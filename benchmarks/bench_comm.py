@@ -84,18 +84,23 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
 
     x = torch.randn(n)
     g = torch.randn(world * n)
-    out = torch.empty(world * n)
-    gx = torch.empty(n)
-    recv = torch.empty(world * n)
 
+    # The floors allocate their outputs per call, as any op that returns new
+    # tensors must (autograd keeps the previous step's alive); on CPU each
+    # fresh multi-MiB buffer costs page faults, and a floor reusing buffers
+    # would measure something no training step can do.
     def floor() -> None:
+        out = torch.empty(world * n)
         all_gather_single(out, x)
+        gx = torch.empty(n)
         reduce_scatter_single(gx, g)
 
     def floor_a2a() -> None:
+        out = torch.empty(world * n)
         all_gather_single(out, x)
+        recv = torch.empty(world * n)
         dist.all_to_all_single(recv, g)
-        torch.sum(recv.view(world, n), 0, out=gx)
+        recv.view(world, n).sum(0)
 
     def wb(**kw: Any) -> Callable[[], None]:
         def run() -> None:
@@ -138,11 +143,6 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
     xu = torch.randn(sizes[rank])
     gu = torch.randn(sum(sizes))
     big = max(sizes)
-    xpad = torch.zeros(big)
-    outpad = torch.empty(world * big)
-    gpad = torch.zeros(world * big)
-    gxpad = torch.empty(big)
-    recvpad = torch.empty(world * big)
 
     def uneven_wb() -> None:
         xr = xu.detach().requires_grad_()
@@ -150,6 +150,10 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
 
     def uneven_pad() -> None:
         # Pad every rank to the largest size; the cheaper raw sequence (a2a reduce-scatter).
+        xpad = torch.zeros(big)
+        outpad = torch.empty(world * big)
+        gpad = torch.zeros(world * big)
+        recvpad = torch.empty(world * big)
         xpad[: sizes[rank]] = xu
         all_gather_single(outpad, xpad)
         _ = torch.cat([outpad[r * big : r * big + s] for r, s in enumerate(sizes)])
@@ -158,7 +162,7 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
             gpad[r * big : r * big + s] = gu[offs : offs + s]
             offs += s
         dist.all_to_all_single(recvpad, gpad)
-        torch.sum(recvpad.view(world, big), 0, out=gxpad)
+        recvpad.view(world, big).sum(0)
 
     return {
         "c10d floor": floor,
@@ -175,10 +179,14 @@ def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, payloads: list[int], iters: int, queue: Any) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, payloads: list[int], iters: int, queue: Any
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     torch.manual_seed(rank)
     rows = []
     for payload in payloads:
@@ -232,7 +240,8 @@ def run(worlds: list[int], payloads: list[int], iters: int) -> list[dict[str, An
         queue = ctx.SimpleQueue()
         port = _free_port()
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world, port, payloads, iters, queue)) for r in range(world)
+            ctx.Process(target=_rank_main, args=(r, world, port, payloads, iters, queue))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -240,7 +249,9 @@ def run(worlds: list[int], payloads: list[int], iters: int) -> list[dict[str, An
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                raise SystemExit(f"bench_comm: a rank failed at W={world}: exit codes {[p.exitcode for p in procs]}")
+                raise SystemExit(
+                    f"bench_comm: a rank failed at W={world}: exit codes {[p.exitcode for p in procs]}"
+                )
             time.sleep(0.1)
         rows.extend(queue.get())
         for p in procs:
@@ -270,7 +281,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_comm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_comm", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="W = 2, 64 KiB and 1 MiB, few repeats")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--iters", type=int, default=15)
@@ -279,11 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         worlds, payloads, iters = [2], [64 * KIB, 1024 * KIB], 5
     else:
-        worlds, payloads, iters = args.worlds, [k * KIB for k in (64, 256, 1024, 4096, 16384)], args.iters
+        worlds, payloads, iters = (
+            args.worlds,
+            [k * KIB for k in (64, 256, 1024, 4096, 16384)],
+            args.iters,
+        )
     start = time.perf_counter()
     rows = run(worlds, payloads, iters)
     print(table(rows))
-    print(f"\n({time.perf_counter() - start:.0f} s; torch {torch.__version__}; gloo on loopback, {os.cpu_count()} cores)")
+    print(
+        f"\n({time.perf_counter() - start:.0f} s; torch {torch.__version__}; gloo on loopback, {os.cpu_count()} cores)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

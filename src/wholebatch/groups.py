@@ -121,12 +121,16 @@ def init_process_group(backend: str | None = None, *, timeout_s: float | None = 
       gloo group can read the previous attempt's peer addresses and fail with
       "Connection refused"; each attempt here gets its own key prefix.
 
+    With NCCL, each process first selects the CUDA device numbered LOCAL_RANK.
+
     Args:
         backend: "gloo", "nccl", ...; None: torch's default for the devices present.
         timeout_s: the process group's timeout in seconds.
     """
     if dist.is_initialized():
         return
+    if backend is not None and "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     seconds = (
         timeout_s
         if timeout_s is not None

@@ -27,15 +27,15 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from wholebatch.errors import WholebatchError
+from wholebatch.groups import init_process_group
 
-__all__ = ["LaunchError", "LaunchSpec", "default_backend", "in_torchrun", "init_from_env", "launch"]
+__all__ = ["LaunchError", "LaunchSpec", "default_backend", "in_torchrun", "launch"]
 
 # Loggers of the elastic agent and torch.multiprocessing: on a rank's failure they
 # print the traceback again, interleaved; LaunchError carries it once instead.
@@ -94,25 +94,12 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
-    """Join the process group that torchrun's environment describes (no-op if already joined).
-
-    On NCCL each process uses the CUDA device numbered LOCAL_RANK.
-    """
-    if dist.is_initialized():
-        return
-    backend = backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-
-
 def _entry(
     fn: Callable[..., Any], args: Sequence[Any], backend: str, timeout_s: float, threads: int
 ) -> Any:
     """What each launched process runs: join the group, call `fn(*args)`, leave the group."""
     torch.set_num_threads(threads)
-    init_from_env(backend, timeout_s)
+    init_process_group(backend, timeout_s=timeout_s)
     try:
         return fn(*args)
     finally:

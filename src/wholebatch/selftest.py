@@ -350,11 +350,12 @@ def selftest_rank(as_json: bool) -> int:
 
 def run_selftest(config: SelftestConfig) -> int:
     """Run under torchrun's group if started by torchrun, else on `config.nproc` local processes."""
-    from wholebatch.launch import LaunchSpec, in_torchrun, init_from_env, launch
+    from wholebatch.groups import init_process_group
+    from wholebatch.launch import LaunchSpec, in_torchrun, launch
 
     backend = None if config.backend == "auto" else config.backend
     if in_torchrun():
-        init_from_env(backend, config.timeout)
+        init_process_group(backend, timeout_s=config.timeout)
         try:
             return selftest_rank(config.json)
         finally:
