@@ -130,6 +130,15 @@ def _agree(
     return None
 
 
+def _alone(op: str, world_size: int, err: str | None) -> bool:
+    """True in a world of one, where every op is the identity (after raising `err`, if any)."""
+    if world_size > 1:
+        return False
+    if err:
+        raise WholebatchError(f"{op}: {err}")
+    return True
+
+
 def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     return x if dtype is None or x.dtype == dtype else x.to(dtype)
 
@@ -427,9 +436,7 @@ def all_gather(
         err = (
             f"sizes[{rank}]={int(sizes[rank])} but this rank's input has {x.shape[d]} along dim={d}"
         )
-    if world_size == 1:
-        if err:
-            raise WholebatchError(f"{op}: {err}")
+    if _alone(op, world_size, err):
         return x
     fps = _agree(
         op, x, need_sizes=sizes is None, check=check, local_error=err, dim=d,
@@ -488,9 +495,7 @@ def reduce_scatter(
         if sizes is not None and err is None
         else [n // world_size] * world_size
     )
-    if world_size == 1:
-        if err:
-            raise WholebatchError(f"{op}: {err}")
+    if _alone(op, world_size, err):
         return x
     fps = _agree(
         op, x, need_sizes=False, check=check, local_error=err, dim=d,
@@ -542,9 +547,7 @@ def all_to_all(
         "send_sizes", send_sizes, world_size, x.shape[d] if err is None else None
     )
     err = err or _check_sizes("recv_sizes", recv_sizes, world_size, None)
-    if world_size == 1:
-        if err:
-            raise WholebatchError(f"{op}: {err}")
+    if _alone(op, world_size, err):
         return x
     send = [int(s) for s in send_sizes] if err is None else [0] * world_size
     recv = [int(s) for s in recv_sizes] if recv_sizes is not None and err is None else None
@@ -594,9 +597,7 @@ def all_reduce(
     name = "all_reduce"
     x = _require_tensor(name, x)
     err = None if op in _REDUCE_OPS else f"op={op!r} is not one of {list(_REDUCE_OPS)}"
-    if get_world_size(group) == 1:
-        if err:
-            raise WholebatchError(f"{name}: {err}")
+    if _alone(name, get_world_size(group), err):
         return x
     arg = _REDUCE_OPS.index(op) + 1 if err is None else 99
     fps = _agree(name, x, need_sizes=False, check=check, local_error=err, arg=arg, group=group)
@@ -635,9 +636,7 @@ def broadcast(
         if 0 <= src < world_size
         else f"src={src} is not a rank of this {world_size}-rank group"
     )
-    if world_size == 1:
-        if err:
-            raise WholebatchError(f"{op}: {err}")
+    if _alone(op, world_size, err):
         return x
     fps = _agree(op, x, need_sizes=False, check=check, local_error=err, arg=src, group=group)
     if fps is not None:
@@ -690,9 +689,7 @@ def ring_shift(
         err = err or f"shift={shift!r} must be an int"
         shift = 0
     s = shift % world_size
-    if world_size == 1:
-        if err:
-            raise WholebatchError(f"{op}: {err}")
+    if _alone(op, world_size, err):
         return x
     fps = _agree(
         op, x, need_sizes=sizes is None, check=check, local_error=err, dim=d, arg=s,
