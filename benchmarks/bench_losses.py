@@ -1,7 +1,8 @@
 """Peak memory and time of the whole-batch losses against the naive N x N implementation.
 
     .venv/bin/python -m benchmarks.bench_losses --quick     # ~1 minute
-    .venv/bin/python -m benchmarks.bench_losses             # the full table, ~10 minutes on 2 idle cores
+    .venv/bin/python -m benchmarks.bench_losses             # the full table, ~20 minutes on 2 cores
+    .venv/bin/python -m benchmarks.bench_losses --only nt_xent --only cache   # a subset
 
 Repeats: 3 (median) up to N = 8,192; one run above (each of those runs is long).
 
@@ -9,12 +10,17 @@ Every configuration runs in a FRESH subprocess (one process, CPU, float32,
 forward + backward of the loss with respect to both embeddings and the scalars).
 Peak memory is the growth of the process's peak RSS over its RSS just before
 the call: the kernel's high-water mark (VmHWM), reset through
-/proc/self/clear_refs, so nothing the process did before counts. Times are
-medians over repeats; tiled and naive run side by side in the same invocation,
-and the table reports their ratios, never a lone absolute time.
+/proc/self/clear_refs, so nothing the process did before counts. Times come
+from a separate process that runs the compared methods INTERLEAVED (naive,
+tiled, tiled, naive, ...), and the tables report the median of the per-round
+ratios: on a shared machine the load changes over seconds, and methods timed
+minutes apart in different processes are not comparable.
 
-A second table compares `CachedStep` with plain (inexact) accumulation of K
-per-micro-batch losses and with the whole batch in one pass, same model.
+Two more tables compare `CachedStep` with plain (inexact) accumulation of K
+per-micro-batch losses and with the whole batch in one pass, same model: an
+MLP whose embeddings are a large share of one micro-batch's memory and whose
+whole-batch loss is a large share of its time, and a sequence encoder (tokens
+mean-pooled), where, as in real encoders, they are not.
 
 Legend: N global rows (one process: W = 1), D embedding dim, K micro-batches.
 """
@@ -145,7 +151,9 @@ class _Tower(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        # x: (rows, d_in), or (rows, tokens, d_in) for a sequence encoder, mean-pooled
+        out = self.net(x)
+        return out.mean(1) if out.dim() == 3 else out
 
 
 class _TwoTower(nn.Module):
@@ -158,14 +166,24 @@ class _TwoTower(nn.Module):
         return F.normalize(self.img(x), dim=1), F.normalize(self.txt(y), dim=1)
 
 
-def _child_cache(mode: str, rows: int, k: int, repeats: int) -> dict[str, Any]:
+CACHE_MODES = ("one_micro_batch", "accumulate", "cached", "whole")
+
+
+def _cache_setup(rows: int, tokens: int, k: int) -> tuple[nn.Module, Callable[[str], None]]:
+    """The model and a `run(mode)` doing one optimizer step of `mode` (see CACHE_MODES).
+
+    tokens = 0: each row is one vector (an MLP tower, the embedding is its
+    output); tokens > 0: each row is a sequence of that many token vectors,
+    mean-pooled after the tower (how transformer encoders are used): activation
+    memory grows with tokens, the embeddings (rows x D) do not.
+    """
     torch.manual_seed(0)
     model = _TwoTower()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
+    shape = (rows, tokens, 256) if tokens else (rows, 256)
     mbs = [
-        (torch.randn(rows, 256, generator=gen), torch.randn(rows, 256, generator=gen))
-        for _ in range(k)
+        (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for _ in range(k)
     ]
 
     def embed(m: nn.Module, mb: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -177,7 +195,7 @@ def _child_cache(mode: str, rows: int, k: int, repeats: int) -> dict[str, Any]:
 
     cached = CachedStep(model, opt, embed, loss_fn)
 
-    def run() -> None:
+    def run(mode: str) -> None:
         if mode == "cached":
             cached.step(mbs)
             return
@@ -193,13 +211,70 @@ def _child_cache(mode: str, rows: int, k: int, repeats: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    run()  # warm-up: optimizer state and allocator pools exist before measuring
+    return model, run
+
+
+def _child_cache(mode: str, rows: int, tokens: int, k: int, repeats: int) -> dict[str, Any]:
+    """Peak memory of one mode, in a fresh process."""
+    _, run = _cache_setup(rows, tokens, k)
+    run(mode)  # warm-up: optimizer state and allocator pools exist before measuring
     times, peaks = [], []
     for _ in range(repeats):
-        t, p = _peak_growth(run)
+        t, p = _peak_growth(lambda: run(mode))
         times.append(t)
         peaks.append(p)
     return {"seconds": statistics.median(times), "peak": max(peaks)}
+
+
+def _child_cache_times(rows: int, tokens: int, k: int, rounds: int) -> dict[str, Any]:
+    """Every mode, interleaved in ONE process (order reversed every other round).
+
+    On a shared machine load comes and goes over seconds; modes timed in
+    separate processes minutes apart see different loads. Interleaved, each
+    round's ratios compare steps run seconds apart; the median ratio is robust.
+    """
+    _, run = _cache_setup(rows, tokens, k)
+    for m in CACHE_MODES:
+        run(m)  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in CACHE_MODES}
+    for r in range(rounds):
+        for m in CACHE_MODES if r % 2 == 0 else CACHE_MODES[::-1]:
+            t0 = time.perf_counter()
+            run(m)
+            times[m].append(time.perf_counter() - t0)
+    acc = times["accumulate"]
+    return {
+        m: {
+            "seconds": statistics.median(ts),
+            "vs_accumulate": statistics.median(t / a for t, a in zip(ts, acc, strict=True)),
+        }
+        for m, ts in times.items()
+    }
+
+
+def _child_loss_times(loss: str, n: int, d: int, rounds: int) -> dict[str, Any]:
+    """Tiled and naive interleaved in ONE process: median time and median per-round ratio."""
+    gen = torch.Generator().manual_seed(0)
+    a = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
+    b = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
+    sc = [torch.tensor(v, requires_grad=True) for v in SCALARS[loss]]
+    for fn in LOSSES[loss].values():
+        fn(a[:256].detach(), b[:256].detach(), *[s.detach() for s in sc])
+    times: dict[str, list[float]] = {"naive": [], "tiled": []}
+    for r in range(rounds):
+        for impl in ("naive", "tiled") if r % 2 == 0 else ("tiled", "naive"):
+            t0 = time.perf_counter()
+            LOSSES[loss][impl](a, b, *sc).backward()
+            times[impl].append(time.perf_counter() - t0)
+            a.grad = b.grad = None
+            for s in sc:
+                s.grad = None
+    ratios = [t / nv for t, nv in zip(times["tiled"], times["naive"], strict=True)]
+    return {
+        "naive": statistics.median(times["naive"]),
+        "tiled": statistics.median(times["tiled"]),
+        "ratio": statistics.median(ratios),
+    }
 
 
 def _spawn(args: list[str]) -> dict[str, Any]:
@@ -236,13 +311,20 @@ def _loss_table(plan: list[tuple[str, int, bool]], d: int, repeats: int) -> None
         naive = _spawn(["loss", loss, "naive", str(n), str(d), str(reps)]) if with_naive else None
         row = [loss, f"{n:,}"]
         if naive:
+            # Times up to 8,192: naive and tiled interleaved in one process (median
+            # of the per-round ratios); above, one run each in its memory process.
+            if n <= 8192:
+                t = _spawn(["loss_times", loss, str(n), str(d), str(repeats)])
+                secs = (t["naive"], t["tiled"], t["ratio"])
+            else:
+                secs = (naive["seconds"], tiled["seconds"], tiled["seconds"] / naive["seconds"])
             row += [
                 f"{naive['peak'] / MiB:.0f}",
                 f"{tiled['peak'] / MiB:.0f}",
                 f"{naive['peak'] / max(tiled['peak'], 1):.1f}x less",
-                f"{naive['seconds']:.2f}",
-                f"{tiled['seconds']:.2f}",
-                f"{tiled['seconds'] / naive['seconds']:.2f}",
+                f"{secs[0]:.2f}",
+                f"{secs[1]:.2f}",
+                f"{secs[2]:.2f}",
             ]
         else:
             # naive holds ~4 logits-sized float buffers (as measured where it runs)
@@ -258,15 +340,28 @@ def _loss_table(plan: list[tuple[str, int, bool]], d: int, repeats: int) -> None
         print("| " + " | ".join(row) + " |", flush=True)
 
 
-def _cache_table(rows: int, k: int, repeats: int) -> None:
+# (rows per micro-batch, tokens per row (0: one vector per row), K): the original
+# MLP configuration, where the embeddings (K·rows x 256, and their gradient) are a
+# large share of one micro-batch's memory and the whole-batch loss a large share
+# of its time; and a sequence encoder, where as in real encoders the activations
+# grow with the tokens while the embeddings do not.
+CACHE_CONFIGS = {
+    "mlp": (1024, 0, 4),
+    "sequence": (64, 16, 4),
+}
+CACHE_CONFIGS_QUICK = {"mlp": (256, 0, 4), "sequence": (32, 16, 4)}
+
+
+def _cache_table(name: str, rows: int, tokens: int, k: int, repeats: int) -> None:
+    what = f"{rows} rows of {tokens} tokens (mean-pooled)" if tokens else f"{rows} rows"
     print(
-        f"\n### CachedStep: two towers (2 x 3 layers, width 1024, dropout, D = 256), {k} micro-batches of {rows} rows\n"
+        f"\n### CachedStep, {name}: two towers (2 x 3 layers, width 1024, dropout, D = 256), "
+        f"{k} micro-batches of {what}\n"
     )
-    res = {
-        m: _spawn(["cache", m, str(rows), str(k), str(repeats)])
-        for m in ("one_micro_batch", "accumulate", "cached", "whole")
-    }
-    base, acc = res["one_micro_batch"], res["accumulate"]
+    args = [str(rows), str(tokens), str(k)]
+    mem = {m: _spawn(["cache", m, *args, str(repeats)]) for m in CACHE_MODES}
+    tim = _spawn(["cache_times", *args, str(max(3, repeats))])
+    base = mem["one_micro_batch"]
     print("| step | peak MiB | vs one micro-batch step | median s | time vs plain accumulation |")
     print("|---|---|---|---|---|")
     for m, label in (
@@ -275,10 +370,10 @@ def _cache_table(rows: int, k: int, repeats: int) -> None:
         ("cached", f"CachedStep, K = {k} (exact)"),
         ("whole", f"whole batch of {rows * k} in one pass (exact)"),
     ):
-        r = res[m]
+        r, t = mem[m], tim[m]
         print(
             f"| {label} | {r['peak'] / MiB:.0f} | {r['peak'] / max(base['peak'], 1):.2f}x | "
-            f"{r['seconds']:.2f} | {r['seconds'] / acc['seconds']:.2f}x |",
+            f"{t['seconds']:.2f} | {t['vs_accumulate']:.2f}x |",
             flush=True,
         )
 
@@ -288,6 +383,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (~1 minute)")
+    parser.add_argument(
+        "--only",
+        choices=["clip", "siglip", "nt_xent", "cache"],
+        action="append",
+        help="run only these tables' rows (repeatable); default: all",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -295,22 +396,33 @@ def main(argv: list[str] | None = None) -> None:
         if kind == "loss":
             loss, impl, n, d, reps = rest
             print(json.dumps(_child_loss(loss, impl, int(n), int(d), int(reps))))
+        elif kind == "loss_times":
+            loss, n, d, reps = rest
+            print(json.dumps(_child_loss_times(loss, int(n), int(d), int(reps))))
+        elif kind == "cache":
+            mode, rows, tokens, k, reps = rest
+            print(json.dumps(_child_cache(mode, int(rows), int(tokens), int(k), int(reps))))
         else:
-            mode, rows, k, reps = rest
-            print(json.dumps(_child_cache(mode, int(rows), int(k), int(reps))))
+            rows, tokens, k, reps = rest
+            print(json.dumps(_child_cache_times(int(rows), int(tokens), int(k), int(reps))))
         return
+    only = set(args.only or ["clip", "siglip", "nt_xent", "cache"])
     t0 = time.perf_counter()
     if args.quick:
         plan = [(loss, n, True) for loss in ("clip", "siglip", "nt_xent") for n in (2048, 4096)]
-        _loss_table(plan, 256, 1)
-        _cache_table(256, 4, 2)
+        repeats, configs = 1, CACHE_CONFIGS_QUICK
     else:
         plan = [("clip", n, True) for n in (4096, 8192, 16384)]
         plan += [("clip", 32768, False), ("clip", 65536, False)]
         plan += [("siglip", n, True) for n in (4096, 8192, 16384)]
         plan += [("nt_xent", n, True) for n in (4096, 8192)]
-        _loss_table(plan, 256, 3)
-        _cache_table(1024, 4, 3)
+        repeats, configs = 3, CACHE_CONFIGS
+    plan = [p for p in plan if p[0] in only]
+    if plan:
+        _loss_table(plan, 256, repeats)
+    if "cache" in only:
+        for name, (rows, tokens, k) in configs.items():
+            _cache_table(name, rows, tokens, k, max(2, repeats))
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
 
 

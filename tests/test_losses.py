@@ -316,3 +316,48 @@ def test_bad_input_single_process() -> None:
         nt_xent_loss(x[:0], x[:0], 0.1)
     with pytest.raises(WholebatchError, match="grad_reduction='avg'"):
         clip_loss(x, x, 1.0, grad_reduction="avg")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# NT-Xent: only the tiles on and above the diagonal, shared across ranks
+# ---------------------------------------------------------------------------
+
+
+class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts matrix products (one per logits tile and per tile gradient product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _nt_xent_products(sizes: Sequence[int], tile: int) -> tuple[int, int]:
+    """(forward, backward) matrix products of this rank's `nt_xent_loss`."""
+    xs, ys = _inputs(sizes)
+    r = get_rank()
+    x, y = xs[r].clone().requires_grad_(), ys[r].clone().requires_grad_()
+    with _CountMM() as fwd:
+        loss = nt_xent_loss(x, y, 0.6, tile_size=tile)
+    with _CountMM() as bwd:
+        loss.backward()
+    return fwd.count, bwd.count
+
+
+@pytest.mark.parametrize("sizes", [[7], [4, 1], [2, 0, 3]])
+def test_nt_xent_computes_each_tile_pair_once(sizes: list[int]) -> None:
+    # Z·Zᵀ is symmetric: of the t x t tiles only the t(t+1)/2 on and above the
+    # diagonal are computed (once in the forward, recomputed once in the backward,
+    # with one product for a diagonal tile's gradient and two for the others'), and
+    # the ranks share them. A kernel sweeping all t² tiles (or every rank doing every
+    # upper tile) fails these counts.
+    t = -(-2 * sum(sizes) // 2)  # tiles per side at tile_size=2
+    pairs = t * (t + 1) // 2
+    got = run_ranks(len(sizes), _nt_xent_products, sizes, 2)
+    assert sum(f for f, _ in got) == pairs, got
+    assert sum(b for _, b in got) == pairs + pairs + (pairs - t), got
+    assert max(f for f, _ in got) - min(f for f, _ in got) <= 1, got  # dealt evenly

@@ -30,6 +30,7 @@ Legend: W ranks, K micro-batches per rank, B rows of one micro-batch, N global r
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -109,8 +110,10 @@ class CachedStep:
     - a plain module on W > 1 ranks: left to the caller, as for the model's
       own gradients (see `wholebatch.stepping`).
 
-    Memory: activations of one micro-batch, plus the cached embeddings and
-    their gradient (O(N_rank · D)) and whatever `loss_fn` needs.
+    Memory: activations of one micro-batch (with the model's gradients, as in
+    any accumulation), plus the gradient of the cached embeddings (N_rank x D
+    per output) in pass 2; while the loss runs, the cached embeddings (one
+    copy), their gradient and whatever `loss_fn` needs.
 
     Args:
         model: the module being trained (DDP, FSDP2 or plain); `embed_fn` calls it.
@@ -171,11 +174,12 @@ class CachedStep:
         k = len(micro_batches)
         self.finisher.begin(k, op="CachedStep.step")
         cached, rngs = self._first_pass(micro_batches)
+        rows = float(sum(c[0].shape[0] for c in cached))
         loss, emb_grads, param_grads = self._loss_grads(cached)
         self._second_pass(micro_batches, rngs, cached, emb_grads, param_grads)
+        del cached, emb_grads, param_grads  # before the optimizer step allocates its state
         w = self.world_size
         mean = self.finisher.config.grad_reduction == "mean"
-        rows = float(sum(c[0].shape[0] for c in cached))
         # The loss already carries the whole-batch normalisation, and (with "mean")
         # the factor W that compensates DDP's average: the finisher must not rescale.
         return self.finisher.finish(
@@ -236,6 +240,13 @@ class CachedStep:
             torch.cat([c[j] for c in cached]).detach().requires_grad_()
             for j in range(len(cached[0]))
         ]
+        # Memory: one copy of the embeddings, not two. Each micro-batch's entry
+        # becomes a view of the concatenation, and the per-micro-batch tensors go.
+        start = 0
+        for i, c in enumerate(cached):
+            rows = c[0].shape[0]
+            cached[i] = tuple(w.detach()[start : start + rows] for w in whole)
+            start += rows
         candidates = self._loss_candidates()
         loss = self.loss_fn(*whole)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -280,8 +291,15 @@ class CachedStep:
         emb_grads: list[Tensor],
         param_grads: dict[int, Tensor],
     ) -> None:
-        """Re-run each micro-batch with its RNG state and back-propagate its slice of the gradient."""
+        """Re-run each micro-batch with its RNG state and back-propagate its slice of the gradient.
+
+        Empties `cached`: pass 2 needs only the embeddings' shapes, and their
+        memory (N_rank x D per output) is better spent on the micro-batch's activations.
+        """
         k = len(micro_batches)
+        shapes = [[t.shape for t in c] for c in cached]
+        offsets = [0, *itertools.accumulate(s[0][0] for s in shapes)]
+        cached.clear()  # no name may keep an entry (a loop variable would): the storage must go
         candidates = self._loss_candidates()
         managed = self._ddp_managed()
         in_ddp = [
@@ -291,14 +309,11 @@ class CachedStep:
             (candidates[i], g) for i, g in param_grads.items() if id(candidates[i]) not in managed
         ]
         self._reduce_outside(outside)
-        offsets = [0]
-        for c in cached:
-            offsets.append(offsets[-1] + c[0].shape[0])
         error: str | None = None
         for i, mb in enumerate(micro_batches):
             with sync_context(self.model, i, k), self._rng(rngs[i]):
                 out = _as_tuple(self.embed_fn(self.model, mb))
-                if out is None or [t.shape for t in out] != [t.shape for t in cached[i]]:
+                if out is None or [t.shape for t in out] != shapes[i]:
                     error = error or (
                         f"embed_fn returned different shapes for micro-batch {i} in the second "
                         "pass; it must be deterministic given the RNG state"

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch._tiles import SigmoidRing, TiledLSE, compute_dtype
+from wholebatch._tiles import SigmoidRing, SymmetricLSE, TiledLSE, compute_dtype
 from wholebatch.checks import per_rank
 from wholebatch.comm import all_gather, all_reduce
 from wholebatch.errors import WholebatchError, WholebatchTypeError
@@ -308,7 +308,7 @@ def clip_loss(
     acc = compute_dtype(image_BD.dtype)
     s = _scalar_tensor(logit_scale, image_BD)
     all_text_ND = all_gather(text_BD, sizes=sizes, group=group, check=False)
-    row_B, col_N = TiledLSE.apply(image_BD, all_text_ND, s, None, True, tile_size, group)  # type: ignore[no-untyped-call]
+    row_B, col_N = TiledLSE.apply(image_BD, all_text_ND, s, True, tile_size, group)  # type: ignore[no-untyped-call]
     pos = s * (image_BD.to(acc) * text_BD.to(acc)).sum()  # sum over local i of s·Iᵢ·Tᵢ
     local = (row_B.sum() + col_N[offset : offset + b].sum()) / (2 * n) - pos / n
     return _whole(local, grad_reduction, group)
@@ -381,8 +381,12 @@ def nt_xent_loss(
     positive of row i its other view (i ± N); cross-entropy averaged over all
     2N rows. τ = `temperature` divides.
 
-    Every rank of `group` must call it; each gets the same value. Rank r
-    computes its 2B rows against all 2N (one all-gather of [z1 | z2]).
+    Every rank of `group` must call it; each gets the same value. One
+    all-gather of [z1 | z2]; the logits Z·Zᵀ are symmetric, so only the tiles
+    on and above the diagonal are computed (each serves its rows and, mirrored,
+    its columns), dealt round-robin to the ranks: O(N²·D / W) work per rank,
+    half that of every rank sweeping its 2B rows against all 2N. The partial
+    log-sum-exps are combined across ranks (2 all-reduces of 2N floats).
 
     Backward (gradient contract): with the default ``grad_reduction="mean"``,
     after DDP averages over W ranks, the gradients of the encoder and of
@@ -412,9 +416,9 @@ def nt_xent_loss(
     inv_tau = 1.0 / _scalar_tensor(temperature, z1_BD)
     all_N2D = all_gather(torch.cat([z1_BD, z2_BD], 1), sizes=sizes, group=group, check=False)
     all_z_2ND = torch.cat([all_N2D[:, :d], all_N2D[:, d:]], 0)
-    q_2BD = torch.cat([z1_BD, z2_BD], 0)
-    local = torch.arange(b, device=z1_BD.device) + offset
-    exclude_2B = torch.cat([local, local + n])  # each row's own column in Z
-    row_2B, _ = TiledLSE.apply(q_2BD, all_z_2ND, inv_tau, exclude_2B, False, tile_size, group)  # type: ignore[no-untyped-call]
+    # Z·Zᵀ is symmetric: the kernel computes each tile pair once, the W ranks
+    # sharing the upper triangle, and returns every row's log-sum-exp.
+    lse_2N = SymmetricLSE.apply(all_z_2ND, inv_tau, tile_size, group)  # type: ignore[no-untyped-call]
+    mine = lse_2N[offset : offset + b].sum() + lse_2N[n + offset : n + offset + b].sum()
     pos = 2 * inv_tau * (z1_BD.to(acc) * z2_BD.to(acc)).sum()  # rows i and i + N share z1ᵢ·z2ᵢ
-    return _whole((row_2B.sum() - pos) / (2 * n), grad_reduction, group)
+    return _whole((mine - pos) / (2 * n), grad_reduction, group)
