@@ -42,6 +42,8 @@ def test_semantics_has_the_three_examples() -> None:
 
 
 @pytest.mark.parametrize("name,source,expected", SEMANTICS, ids=[e[0] for e in SEMANTICS])
-def test_semantics_example_prints_what_the_doc_says(name: str, source: str, expected: dict[int, str]) -> None:
+def test_semantics_example_prints_what_the_doc_says(
+    name: str, source: str, expected: dict[int, str]
+) -> None:
     printed = run_ranks(len(expected), _exec_example, source)
     assert {r: p for r, p in enumerate(printed)} == expected

@@ -149,7 +149,9 @@ def _all_gather_rows(row: list[int], group: ProcessGroup | None) -> list[list[in
     return [flat[r * len(row) : (r + 1) * len(row)] for r in range(world_size)]
 
 
-def exchange_text(msg: str, group: ProcessGroup | None = None, *, max_bytes: int = _MSG_BYTES) -> list[str]:
+def exchange_text(
+    msg: str, group: ProcessGroup | None = None, *, max_bytes: int = _MSG_BYTES
+) -> list[str]:
     """Every rank's `msg` (UTF-8, cut to `max_bytes`), in rank order; every rank must call it.
 
     Text travels as a fixed-size uint8 tensor: no pickle (unlike `all_gather_object`).

@@ -71,7 +71,9 @@ def _rank_main(method: str) -> list[float]:
         gathered = [torch.empty_like(padded) for _ in _SPLIT]
         dist.all_gather(gathered, padded)
         parts = [g[:n] for g, n in zip(gathered, _SPLIT, strict=True)]
-        keys_ND = torch.cat(parts)  # no gradient: torch.distributed.all_gather is not differentiable
+        keys_ND = torch.cat(
+            parts
+        )  # no gradient: torch.distributed.all_gather is not differentiable
     else:
         keys_ND = wholebatch.all_gather(e_BD)
     _loss(e_BD, keys_ND).backward()  # type: ignore[no-untyped-call]
@@ -114,7 +116,10 @@ def _fmt(values: list[float]) -> str:
 def run_demo(nproc: int = 2) -> int:
     """Run the demonstration on `nproc` (must be 2) local processes; print the table; return 0."""
     if nproc != len(_SPLIT):
-        print(f"wholebatch demo: --nproc must be {len(_SPLIT)} for this demo, got {nproc}", file=sys.stderr)
+        print(
+            f"wholebatch demo: --nproc must be {len(_SPLIT)} for this demo, got {nproc}",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     reference = _one_process().flatten().tolist()
@@ -123,7 +128,9 @@ def run_demo(nproc: int = 2) -> int:
     rows["2 processes, wholebatch.all_gather"] = _launch("wholebatch", nproc)
     ref_t = torch.tensor(reference)
     print(f"A whole batch of {_ROWS} rows split {_SPLIT[0]} + {_SPLIT[1]} over {nproc} processes.")
-    print("Gradient of the shared matrix P (summed over processes, as DDP's reduction adds them):\n")
+    print(
+        "Gradient of the shared matrix P (summed over processes, as DDP's reduction adds them):\n"
+    )
     width = max(len(k) for k in rows)
     print(f"  {'':{width}}  {'dL/dP':^42}  max rel error")
     for name, vals in rows.items():
