@@ -22,24 +22,14 @@ from wholebatch.lint.names import (
     names_in,
     walk_local,
 )
-from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.rules import Finding
 from wholebatch.lint.scope import FileContext, Scope
+from wholebatch.lint.scope import finding as _finding
 
 __all__ = ["check_dist"]
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
-
-
-def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
-    return Finding(
-        path=ctx.path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
-        code=code,
-        message=message,
-        fix=RULES[code].fix,
-    )
 
 
 def _short(q: str) -> str:

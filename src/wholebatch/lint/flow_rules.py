@@ -17,6 +17,7 @@ from wholebatch.lint.dataflow import Flow, gather_source
 from wholebatch.lint.names import dotted, last_name
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt
+from wholebatch.lint.scope import finding as _finding
 
 __all__ = ["check_flow"]
 
@@ -24,17 +25,6 @@ _INPLACE = frozenset({"sub_", "add_", "addcdiv_", "addcmul_", "mul_", "div_", "c
 _ACCUM_RE = re.compile(
     r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
 )
-
-
-def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
-    return Finding(
-        path=ctx.path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
-        code=code,
-        message=message,
-        fix=RULES[code].fix,
-    )
 
 
 def _text(node: ast.expr) -> str:

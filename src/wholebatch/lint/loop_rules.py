@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 
 from wholebatch.lint.names import dotted, last_name, names_in, walk_local
-from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.rules import Finding
 from wholebatch.lint.scope import (
     BACKWARD,
     CLIP,
@@ -33,6 +33,7 @@ from wholebatch.lint.scope import (
     Scope,
     exclusive,
 )
+from wholebatch.lint.scope import finding as _finding
 
 __all__ = ["check_loops"]
 
@@ -46,17 +47,6 @@ _LOSS_METHODS = frozenset(
     {"scale", "sum", "mean", "float", "double", "squeeze", "view", "reshape", "to", "div", "mul"}
 )
 _NOT_COMPUTE = frozenset({"item", "detach", "float", "cpu", "tolist", "numpy", "clone"})
-
-
-def _finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
-    return Finding(
-        path=ctx.path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
-        code=code,
-        message=message,
-        fix=RULES[code].fix,
-    )
 
 
 def _in(loop: ast.stmt, ev: Event) -> bool:

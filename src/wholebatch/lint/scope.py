@@ -24,6 +24,7 @@ from wholebatch.lint.names import (
     last_name,
     walk_local,
 )
+from wholebatch.lint.rules import RULES, Finding
 
 __all__ = [
     "BACKWARD",
@@ -37,6 +38,7 @@ __all__ = [
     "Scope",
     "Stmt",
     "exclusive",
+    "finding",
 ]
 
 BACKWARD = "backward"
@@ -504,3 +506,15 @@ class FileContext:
             if extra:
                 scope.events.extend(extra)
                 scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
+
+
+def finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:
+    """A `Finding` of rule `code` at `node` in the file `ctx` reads, with the rule's fix."""
+    return Finding(
+        path=ctx.path,
+        line=node.lineno,  # type: ignore[attr-defined]
+        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        code=code,
+        message=message,
+        fix=RULES[code].fix,
+    )
