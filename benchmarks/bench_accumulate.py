@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from benchmarks._common import free_port
 from wholebatch.accumulate import Accumulator
 from wholebatch.compression import GradCompression
 
@@ -255,12 +255,6 @@ def _worker(rank: int, port: int, steps: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 timed steps instead of 30")
@@ -268,7 +262,7 @@ def main() -> None:
     steps = 8 if args.quick else 30
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, steps, queue)) for r in range(W)]
     for p in procs:
         p.start()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -46,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
+
+from benchmarks._common import free_port
 
 KIB = 1024
 
@@ -227,18 +228,12 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(worlds: list[int], payloads: list[int], iters: int) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     rows: list[dict[str, Any]] = []
     for world in worlds:
         queue = ctx.SimpleQueue()
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_rank_main, args=(r, world, port, payloads, iters, queue))
             for r in range(world)
