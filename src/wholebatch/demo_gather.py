@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,29 +81,10 @@ def _rank_main(method: str) -> list[float]:
     return total.flatten().tolist()
 
 
-def _entry(method: str) -> list[float]:
-    dist.init_process_group("gloo")
-    try:
-        return _rank_main(method)
-    finally:
-        dist.destroy_process_group()
-
-
 def _launch(method: str, nproc: int) -> list[float]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from wholebatch.launch import LaunchSpec, launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"wholebatch-demo-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    results: dict[int, Any] = elastic_launch(config, _entry)(method)
+    results = launch(_rank_main, (method,), spec=LaunchSpec(nproc=nproc, backend="gloo"))
     return list(results[0])
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from wholebatch._tiles import SigmoidRing, SymmetricLSE, TiledLSE, compute_dtype
-from wholebatch.checks import per_rank
+from wholebatch.checks import exchange_text, per_rank
 from wholebatch.comm import all_gather, all_reduce
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.groups import comm_device, get_rank, get_world_size, is_distributed
@@ -119,20 +119,6 @@ def _raise(op: str, msg: str) -> NoReturn:
     raise (WholebatchTypeError if kind == "T" else WholebatchError)(f"{op}: {text}")
 
 
-def _exchange_messages(msg: str, group: ProcessGroup | None) -> list[str]:
-    w = get_world_size(group)
-    data = msg.encode("utf-8")[:_MSG_BYTES]
-    buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = all_gather(buf.to(comm_device(group)), sizes=[_MSG_BYTES] * w, group=group, check=False)
-    raw = bytes(out.cpu().tolist())
-    return [
-        raw[r * _MSG_BYTES : (r + 1) * _MSG_BYTES].rstrip(b"\0").decode("utf-8", "replace")
-        for r in range(w)
-    ]
-
-
 def _prepare(
     op: str,
     embeddings: Mapping[str, object],
@@ -174,7 +160,7 @@ def _prepare(
     w = get_world_size(group)
     table = all_gather(mine, sizes=[len(row)] * w, group=group, check=False).view(w, -1).tolist()
     if any(t[0] for t in table):
-        msgs = _exchange_messages(err or "", group)
+        msgs = exchange_text(err or "", group, max_bytes=_MSG_BYTES)
         bad = {r: m for r, m in enumerate(msgs) if table[r][0]}
         if len(set(bad.values())) == 1:
             m = next(iter(bad.values()))
