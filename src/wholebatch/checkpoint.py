@@ -21,6 +21,7 @@ Save and load at an optimizer-step boundary (after `Accumulator.step` /
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -223,6 +224,18 @@ def load(
     """
     path = Path(folder) / f"rank-{get_rank(group)}.pt"
     state = _read(path, get_rank(group), get_world_size(group))
+    return _restore(state, path, model=model, optimizer=optimizer, engine=engine)
+
+
+def _restore(
+    state: dict[str, Any],
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    engine: _Stateful | None,
+) -> Resumed:
+    """Put a read checkpoint `state` (from `path`) into the model, optimizer, engine and RNG."""
     model.load_state_dict(state["model"])
     if optimizer is not None:
         if state["optimizer"] is None:
@@ -234,7 +247,7 @@ def load(
     return Resumed(
         step=int(state["step"]),
         data_position=state["data_position"],
-        path=Path(folder),
+        path=path.parent,
         extra=state["extra"],
     )
 
@@ -283,14 +296,13 @@ def load_latest(
         step = _agree_min(candidates[-1] if candidates else -1, group)
         if step < 0:
             return None
-        folder = _step_dir(Path(root), step)
-        try:
-            _read(folder / f"rank-{rank}.pt", rank, world)
-            readable = step in local
-        except CheckpointError:
-            readable = False
-        if all_ranks_agree(readable, group=group):
-            return load(folder, model=model, optimizer=optimizer, engine=engine, group=group)
+        path = _step_dir(Path(root), step) / f"rank-{rank}.pt"
+        state: dict[str, Any] | None = None
+        with contextlib.suppress(CheckpointError):
+            state = _read(path, rank, world) if step in local else None
+        if all_ranks_agree(state is not None, group=group):
+            assert state is not None
+            return _restore(state, path, model=model, optimizer=optimizer, engine=engine)
         bound = step
 
 
