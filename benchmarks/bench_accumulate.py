@@ -15,7 +15,7 @@ Methods:
 - hand-written: the correct loop by hand: count every micro-batch's tokens first,
   all-reduce the count, `no_sync` on micro-batches 0..K-2, loss_sum * W / N,
   clip_grad_norm_, step, zero_grad;
-- Accumulator: `wholebatch.accumulate.Accumulator(ddp, opt, max_grad_norm=1.0)`;
+- Accumulator: `wholebatch.Accumulator(ddp, opt, max_grad_norm=1.0)`;
 - naive: mean of per-micro-batch means / K, no `no_sync` (K all-reduces a step);
 - Accumulator fp16 / bf16 / powersgd: `grad_compression=...` (PyTorch's DDP hooks;
   PowerSGD rank 4, plain all-reduce for its first 2 steps).
@@ -45,8 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from benchmarks._common import free_port
-from wholebatch.accumulate import Accumulator
-from wholebatch.compression import GradCompression
+from wholebatch.train.accumulate import Accumulator
+from wholebatch.train.compression import GradCompression
 
 W, K = 2, 4
 VOCAB, DIM, HIDDEN = 1000, 128, 512

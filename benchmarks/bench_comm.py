@@ -67,7 +67,7 @@ class _AllReduceGather(torch.autograd.Function):
         w = dist.get_world_size()
         ctx.rank, ctx.b = dist.get_rank(), x.shape[0]
         out = x.new_empty((w * x.shape[0], *x.shape[1:]))
-        from wholebatch._c10d import all_gather_single
+        from wholebatch.comm._c10d import all_gather_single
 
         all_gather_single(out, x.contiguous())
         return out
@@ -81,7 +81,7 @@ class _AllReduceGather(torch.autograd.Function):
 
 def _methods(n: int, world: int, rank: int) -> dict[str, Callable[[], None]]:
     import wholebatch
-    from wholebatch._c10d import all_gather_single, reduce_scatter_single
+    from wholebatch.comm._c10d import all_gather_single, reduce_scatter_single
 
     x = torch.randn(n)
     g = torch.randn(world * n)

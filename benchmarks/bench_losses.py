@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wholebatch.cache import CachedStep
-from wholebatch.losses import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.train.cache import CachedStep
 
 __all__ = ["main"]
 

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.cache import CachedStep
-from wholebatch.losses import clip_loss
-from wholebatch.verify import VerifySpec
+from wholebatch.losses.contrastive import clip_loss
+from wholebatch.train.cache import CachedStep
+from wholebatch.verify.runner import VerifySpec
 
 ROWS, D_IN, D_OUT = 24, 5, 4
 Batch = tuple[Tensor, Tensor]

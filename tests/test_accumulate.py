@@ -33,9 +33,9 @@ from tests.models import (
     split_for_ranks,
     whole_batch_loss,
 )
-from wholebatch.accumulate import Accumulator
 from wholebatch.errors import WholebatchError
-from wholebatch.stepping import StepStats, sync_context
+from wholebatch.train.accumulate import Accumulator
+from wholebatch.train.stepping import StepStats, sync_context
 
 # float64 throughout: a loss is a sum of <= ~100 token terms of size <= ~10 and a
 # gradient entry a sum of as many products, so round-off is below

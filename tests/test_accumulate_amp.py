@@ -19,8 +19,8 @@ from tests.test_accumulate import (
     train_reference,
     uneven_sizes,
 )
-from wholebatch.accumulate import Accumulator
-from wholebatch.stepping import StepStats
+from wholebatch.train.accumulate import Accumulator
+from wholebatch.train.stepping import StepStats
 
 
 def _grad(p: Tensor) -> Tensor:

@@ -21,9 +21,9 @@ from tests.test_accumulate import (
     run_split,
     train_reference,
 )
-from wholebatch.accumulate import Accumulator
-from wholebatch.compression import CommStats
-from wholebatch.stepping import StepStats
+from wholebatch.train.accumulate import Accumulator
+from wholebatch.train.compression import CommStats
+from wholebatch.train.stepping import StepStats
 
 # ---------------------------------------------------------------------------
 # Communication: exactly one gradient all-reduce per step

@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.contrastive_models import TwoTower, embed
 from tests.harness import run_ranks
 from tests.test_losses import _clip_gather_without_grad, ref_clip
-from wholebatch.cache import CachedStep
-from wholebatch.groups import get_rank, get_world_size, is_distributed
-from wholebatch.losses import clip_loss
-from wholebatch.stepping import sync_context
+from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
+from wholebatch.losses.contrastive import clip_loss
+from wholebatch.train.cache import CachedStep
+from wholebatch.train.stepping import sync_context
 
 # float64, tiny model: round-off ~1e-14; mutations are off by O(1) factors.
 F64: dict[str, float] = dict(rtol=1e-9, atol=1e-10)

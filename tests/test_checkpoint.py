@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from wholebatch import checkpoint
-from wholebatch.checkpoint import CheckpointError
+from wholebatch.train.checkpoint import CheckpointError
 
 
 def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:

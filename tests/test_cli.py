@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wholebatch.cli import main
+from wholebatch.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

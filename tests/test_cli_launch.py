@@ -1,4 +1,4 @@
-"""`wholebatch.launch`: torchrun's launcher returns each rank's value; a rank's exception becomes one LaunchError."""
+"""`wholebatch.comm.launch`: torchrun's launcher returns each rank's value; a rank's exception becomes one LaunchError."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+from wholebatch.comm.launch import LaunchError, LaunchSpec, launch
 from wholebatch.errors import WholebatchError
-from wholebatch.launch import LaunchError, LaunchSpec, launch
 
 
 def _who_am_i(tag: str) -> tuple[str, int, int, str | None]:

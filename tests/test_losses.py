@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import wholebatch.comm as comm
+import wholebatch.comm.collectives as comm
 from tests.harness import run_ranks, run_ranks_outcomes
+from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.errors import WholebatchError
-from wholebatch.groups import get_rank, get_world_size
-from wholebatch.losses import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
 
 # float64, a few hundred terms of magnitude <= ~10 per value: round-off ~1e-13;
 # 1e-10 leaves room and still rejects every mutation (they are off by factors >= 1.5).

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from tests.harness import run_ranks
 from tests.test_cli import run_cli
-from wholebatch.selftest import RTOL, _check_collective, _data, _rows
+from wholebatch.cli.selftest import RTOL, _check_collective, _data, _rows
 
 
 def test_selftest_passes_on_three_local_ranks_with_json() -> None:

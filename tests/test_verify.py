@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.test_cli import ROOT, run_cli
-from wholebatch.diagnose import compare, diagnose
-from wholebatch.verify import VerifySpec, split_batch
+from wholebatch.verify.diagnose import compare, diagnose
+from wholebatch.verify.runner import VerifySpec, split_batch
 
 EXPECTED = {
     "examples/verify_clip.py:correct": None,

@@ -1,41 +1,63 @@
-"""wholebatch: the gradient of the whole batch, however the batch is split."""
+"""wholebatch: the gradient of the whole batch, however the batch is split.
+
+The names below load on first use (PEP 562): `import wholebatch` costs no more
+than the standard library, and `import wholebatch.lint` (or `wholebatch lint`,
+or the flake8 plugin) never imports torch. Each name lives in the layer that
+owns it (DESIGN.md, "Layers"):
+
+    wholebatch.comm          collectives and process groups
+    wholebatch.losses        whole-batch contrastive losses
+    wholebatch.train         Accumulator, CachedStep, step finishing, checkpoints
+    wholebatch.verify        split-vs-whole gradient verification
+    wholebatch.integrations  drop-ins for peer libraries
+    wholebatch.lint          static rules (no torch)
+    wholebatch.cli           the `wholebatch` command
+"""
 
 from __future__ import annotations
 
-from wholebatch import checkpoint
-from wholebatch.accumulate import Accumulator, AccumulatorConfig
-from wholebatch.cache import CachedStep
-from wholebatch.comm import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    broadcast,
-    reduce_scatter,
-    ring_shift,
-)
-from wholebatch.compression import CommStats, GradCompression
-from wholebatch.debug import debug_enabled, set_debug
-from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import (
-    all_ranks_agree,
-    any_rank,
-    checks_enabled,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    set_checks,
-)
-from wholebatch.losses import clip_loss, nt_xent_loss, siglip_loss
-from wholebatch.stepping import (
-    NonFiniteStepError,
-    StepConfig,
-    StepFinisher,
-    StepStats,
-    sync_context,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Public name -> the module that defines it. A name equal to its module's last
+# component (`checkpoint`) is the module itself.
+_LAZY: dict[str, str] = {
+    "WholebatchError": "wholebatch.errors",
+    "WholebatchTypeError": "wholebatch.errors",
+    "all_gather": "wholebatch.comm.collectives",
+    "all_reduce": "wholebatch.comm.collectives",
+    "all_to_all": "wholebatch.comm.collectives",
+    "broadcast": "wholebatch.comm.collectives",
+    "reduce_scatter": "wholebatch.comm.collectives",
+    "ring_shift": "wholebatch.comm.collectives",
+    "debug_enabled": "wholebatch.comm.debug",
+    "set_debug": "wholebatch.comm.debug",
+    "all_ranks_agree": "wholebatch.comm.groups",
+    "any_rank": "wholebatch.comm.groups",
+    "checks_enabled": "wholebatch.comm.groups",
+    "get_rank": "wholebatch.comm.groups",
+    "get_world_size": "wholebatch.comm.groups",
+    "init_process_group": "wholebatch.comm.groups",
+    "set_checks": "wholebatch.comm.groups",
+    "clip_loss": "wholebatch.losses.contrastive",
+    "nt_xent_loss": "wholebatch.losses.contrastive",
+    "siglip_loss": "wholebatch.losses.contrastive",
+    "Accumulator": "wholebatch.train.accumulate",
+    "AccumulatorConfig": "wholebatch.train.accumulate",
+    "CachedStep": "wholebatch.train.cache",
+    "checkpoint": "wholebatch.train.checkpoint",
+    "CommStats": "wholebatch.train.compression",
+    "GradCompression": "wholebatch.train.compression",
+    "NonFiniteStepError": "wholebatch.train.stepping",
+    "StepConfig": "wholebatch.train.stepping",
+    "StepFinisher": "wholebatch.train.stepping",
+    "StepStats": "wholebatch.train.stepping",
+    "sync_context": "wholebatch.train.stepping",
+}
+
+# Written out (not computed) so mypy and IDEs read it; a test keeps it equal to _LAZY.
 __all__ = [
     "Accumulator",
     "AccumulatorConfig",
@@ -70,3 +92,50 @@ __all__ = [
     "siglip_loss",
     "sync_context",
 ]
+
+if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loads these
+    from wholebatch.comm.collectives import (
+        all_gather,
+        all_reduce,
+        all_to_all,
+        broadcast,
+        reduce_scatter,
+        ring_shift,
+    )
+    from wholebatch.comm.debug import debug_enabled, set_debug
+    from wholebatch.comm.groups import (
+        all_ranks_agree,
+        any_rank,
+        checks_enabled,
+        get_rank,
+        get_world_size,
+        init_process_group,
+        set_checks,
+    )
+    from wholebatch.errors import WholebatchError, WholebatchTypeError
+    from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+    from wholebatch.train import checkpoint
+    from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
+    from wholebatch.train.cache import CachedStep
+    from wholebatch.train.compression import CommStats, GradCompression
+    from wholebatch.train.stepping import (
+        NonFiniteStepError,
+        StepConfig,
+        StepFinisher,
+        StepStats,
+        sync_context,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wholebatch' has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    value = loaded if module.rsplit(".", 1)[1] == name else getattr(loaded, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

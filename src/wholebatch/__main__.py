@@ -1,5 +1,5 @@
 import sys
 
-from wholebatch.cli import main
+from wholebatch.cli.main import main
 
 sys.exit(main())

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wholebatch
 from wholebatch import checkpoint
-from wholebatch.accumulate import Accumulator
+from wholebatch.train.accumulate import Accumulator
 
 K, MB, ROWS = 3, 4, 240
 

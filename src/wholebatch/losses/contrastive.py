@@ -14,7 +14,7 @@ rank back-propagates its L: each rank's gradients are W·dl_r, and DDP's 1/W
 turns their sum into exactly dL. Gradient to remote rows flows back through the
 collectives' adjoints (all-gather -> reduce-scatter, ring_shift(1) -> ring_shift(-1)).
 
-Logits are never materialised: see `wholebatch._tiles` (tiles of T x T,
+Logits are never materialised: see `wholebatch.losses.tiles` (tiles of T x T,
 recomputed in backward from the inputs and the per-row log-sum-exp).
 
 Legend: W ranks, B this rank's rows, N global rows (sum of B), D embedding dim,
@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch._tiles import SigmoidRing, SymmetricLSE, TiledLSE, compute_dtype
-from wholebatch.checks import exchange_text, per_rank
-from wholebatch.comm import all_gather, all_reduce
+from wholebatch.comm.checks import exchange_text, per_rank
+from wholebatch.comm.collectives import all_gather, all_reduce
+from wholebatch.comm.groups import comm_device, get_rank, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import comm_device, get_rank, get_world_size, is_distributed
+from wholebatch.losses.tiles import SigmoidRing, SymmetricLSE, TiledLSE, compute_dtype
 
 __all__ = ["GradReduction", "clip_loss", "nt_xent_loss", "siglip_loss"]
 

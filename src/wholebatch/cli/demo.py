@@ -159,9 +159,9 @@ def _gradient_check(
     """The first step's split gradient vs one process on the whole batch (float64); memory of each."""
     import torch.distributed as dist
 
-    from wholebatch.cache import CachedStep
-    from wholebatch.losses import clip_loss
-    from wholebatch.recording import GradRecorder, SavedTensorMeter
+    from wholebatch.losses.contrastive import clip_loss
+    from wholebatch.train.cache import CachedStep
+    from wholebatch.verify.recording import GradRecorder, SavedTensorMeter
 
     recorder = GradRecorder(inner.parameters())
     scale = inner.logit_scale
@@ -199,8 +199,8 @@ def _rank_main(config: DemoConfig) -> dict[str, Any] | None:
     from torch.nn.parallel import DistributedDataParallel
     from tqdm import tqdm
 
-    from wholebatch.cache import CachedStep
-    from wholebatch.losses import clip_loss
+    from wholebatch.losses.contrastive import clip_loss
+    from wholebatch.train.cache import CachedStep
 
     rank, w, k = dist.get_rank(), dist.get_world_size(), config.micro_batches
     left, right, test_left, test_right = _data(config.seed)
@@ -310,7 +310,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
 def run_demo(config: DemoConfig) -> int:
     """Train on `config.nproc` local processes; write summary.json and training.png; return 0."""
-    from wholebatch.launch import LaunchSpec, launch
+    from wholebatch.comm.launch import LaunchSpec, launch
 
     for module in ("sklearn", "tqdm", "matplotlib"):
         try:

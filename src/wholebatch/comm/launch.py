@@ -1,6 +1,6 @@
 """Run a function on N local processes through torchrun's own launcher, and get each rank's value.
 
-    from wholebatch.launch import launch, LaunchSpec
+    from wholebatch.comm.launch import launch, LaunchSpec
     values = launch(my_module_level_fn, ("arg",), spec=LaunchSpec(nproc=4))  # [rank 0's, rank 1's, ...]
 
 wholebatch adds no spawner of its own: `launch` hands the function to
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wholebatch.comm.groups import init_process_group
 from wholebatch.errors import WholebatchError
-from wholebatch.groups import init_process_group
 
 __all__ = ["LaunchError", "LaunchSpec", "default_backend", "in_torchrun", "launch"]
 

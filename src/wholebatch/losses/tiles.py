@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from wholebatch.comm import ring_shift
-from wholebatch.groups import get_rank, get_world_size, is_distributed
+from wholebatch.comm.collectives import ring_shift
+from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 
 __all__ = ["SigmoidRing", "SymmetricLSE", "TiledLSE", "compute_dtype"]
 

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch import checks
-from wholebatch._c10d import all_gather_single, global_rank, reduce_scatter_single
-from wholebatch.debug import arrive
+from wholebatch.comm import checks
+from wholebatch.comm._c10d import all_gather_single, global_rank, reduce_scatter_single
+from wholebatch.comm.debug import arrive
+from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import checks_enabled, get_rank, get_world_size
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter", "ring_shift"]
 

@@ -91,9 +91,9 @@ def _config(cls: type, args: argparse.Namespace) -> Any:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from wholebatch.demo import DemoConfig
-    from wholebatch.selftest import SelftestConfig
-    from wholebatch.verify import VerifyConfig
+    from wholebatch.cli.demo import DemoConfig
+    from wholebatch.cli.selftest import SelftestConfig
+    from wholebatch.verify.runner import VerifyConfig
 
     parser = argparse.ArgumentParser(
         prog="wholebatch",
@@ -159,10 +159,10 @@ def _usage_error(command: str, message: str) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from wholebatch.demo import DemoConfig, run_demo
+    from wholebatch.cli.demo import DemoConfig, run_demo
 
     if args.gather:
-        from wholebatch.demo_gather import run_demo as run_gather
+        from wholebatch.cli.demo_gather import run_demo as run_gather
 
         return run_gather(nproc=2 if args.nproc == DemoConfig.nproc else args.nproc)
     try:
@@ -175,8 +175,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> int:
     import json
 
-    from wholebatch.launch import LaunchError
-    from wholebatch.verify import TargetError, VerifyConfig, run_verify
+    from wholebatch.comm.launch import LaunchError
+    from wholebatch.verify.runner import TargetError, VerifyConfig, run_verify
 
     try:
         config = _config(VerifyConfig, args)
@@ -201,8 +201,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_selftest(args: argparse.Namespace) -> int:
-    from wholebatch.launch import LaunchError
-    from wholebatch.selftest import SelftestConfig, run_selftest
+    from wholebatch.cli.selftest import SelftestConfig, run_selftest
+    from wholebatch.comm.launch import LaunchError
 
     try:
         config = _config(SelftestConfig, args)

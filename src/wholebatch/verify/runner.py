@@ -29,7 +29,7 @@ What runs (see docs/verify.md):
    error, relative to the reference's largest entry), and the ratio
    <g, g_ref> / <g_ref, g_ref>. If the model has dropout, the same again with
    dropout off; if the spec gives `equal_batch`, the same on it (dropout off).
-   The diagnosis reads the patterns (`wholebatch.diagnose`).
+   The diagnosis reads the patterns (`wholebatch.verify.diagnose`).
 
 Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 """
@@ -49,10 +49,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from wholebatch.diagnose import Comparison, VerifyReport, compare, diagnose, error_report
+from wholebatch.comm.launch import LaunchSpec, launch
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.launch import LaunchSpec, launch
-from wholebatch.recording import GradRecorder, install_tape_dropout
+from wholebatch.verify.diagnose import Comparison, VerifyReport, compare, diagnose, error_report
+from wholebatch.verify.recording import GradRecorder, install_tape_dropout
 
 __all__ = [
     "TargetError",
@@ -437,7 +437,7 @@ def run_verify(targets: Sequence[str], config: VerifyConfig | None = None) -> li
 
     Raises:
         TargetError: a TARGET cannot be loaded or gives no VerifySpec, or its batch is too small.
-        wholebatch.launch.LaunchError: a rank died (a step that raises is reported in its report).
+        wholebatch.comm.launch.LaunchError: a rank died (a step that raises is reported in its report).
     """
     config = config or VerifyConfig()
     specs = {t: _check_target(t, config) for t in targets}

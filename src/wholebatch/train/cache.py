@@ -15,7 +15,7 @@ arXiv:2101.06983) computes the whole-batch loss on cached embeddings instead:
    draws new masks and the cached gradient belongs to a different network) and
    back-propagate its slice of the cached gradient; DDP's reduction is skipped
    (`no_sync`) on all but the last;
-4. finish like the `Accumulator`: `wholebatch.stepping.StepFinisher` agrees
+4. finish like the `Accumulator`: `wholebatch.train.stepping.StepFinisher` agrees
    non-finite flags, unscales, clips, steps and zeroes.
 
 Activation memory is that of one micro-batch; the cost is one extra forward per
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.comm import all_reduce
+from wholebatch.comm.collectives import all_reduce
+from wholebatch.comm.groups import any_rank, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import any_rank, get_world_size
-from wholebatch.stepping import (
+from wholebatch.train.stepping import (
     GradReduction,
     OnNonFinite,
     StepConfig,
@@ -108,7 +108,7 @@ class CachedStep:
     - outside the DDP (or FSDP2) module: `step` averages it over ranks itself,
       as the wrapper averages the rest (one all-reduce of their gradients);
     - a plain module on W > 1 ranks: left to the caller, as for the model's
-      own gradients (see `wholebatch.stepping`).
+      own gradients (see `wholebatch.train.stepping`).
 
     Memory: activations of one micro-batch (with the model's gradients, as in
     any accumulation), plus the gradient of the cached embeddings (N_rank x D

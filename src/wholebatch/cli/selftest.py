@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import wholebatch
-from wholebatch.checks import exchange_text
+from wholebatch.comm.checks import exchange_text
+from wholebatch.comm.groups import comm_device
 from wholebatch.errors import WholebatchError
-from wholebatch.groups import comm_device
-from wholebatch.losses import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
 
 __all__ = ["SelftestConfig", "run_checks", "run_selftest"]
 
@@ -350,8 +350,8 @@ def selftest_rank(as_json: bool) -> int:
 
 def run_selftest(config: SelftestConfig) -> int:
     """Run under torchrun's group if started by torchrun, else on `config.nproc` local processes."""
-    from wholebatch.groups import init_process_group
-    from wholebatch.launch import LaunchSpec, in_torchrun, launch
+    from wholebatch.comm.groups import init_process_group
+    from wholebatch.comm.launch import LaunchSpec, in_torchrun, launch
 
     backend = None if config.backend == "auto" else config.backend
     if in_torchrun():

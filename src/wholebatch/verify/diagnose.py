@@ -336,7 +336,7 @@ def _patterns(main: Comparison, w: int, k: int) -> list[Diagnosis]:
             "its gradient, while every encoder gradient is right: the loss is evaluated once per "
             "micro-batch (open_clip's accum_freq), so the scalar's gradient is counted K times. "
             "Fix: take the loss's gradient once on the cached embeddings "
-            "(wholebatch.cache.CachedStep).",
+            "(wholebatch.CachedStep).",
         ))  # fmt: skip
     elif w > 1 and all(_multiple(p, float(w)) for p in bad):
         out.append(Diagnosis(
@@ -393,7 +393,7 @@ def diagnose(
                 "forward of the same micro-batch (gradient caching, recomputation) drew new "
                 "dropout masks, so the cached gradient is back-propagated through a different "
                 "network. Fix: save the RNG state before the first pass and restore it for the "
-                "second (wholebatch.cache.CachedStep does), or torch.utils.checkpoint with "
+                "second (wholebatch.CachedStep does), or torch.utils.checkpoint with "
                 "preserve_rng_state=True.",
             ))  # fmt: skip
         elif equal is not None and equal.ok:
@@ -403,7 +403,7 @@ def diagnose(
                 "and differ on the ragged batch: each micro-batch (or rank) divides by its own "
                 "item count and the results are averaged, which over-weights short micro-batches. "
                 "Fix: sum item losses and divide once by the global item count, agreed across "
-                "ranks before backward (wholebatch.accumulate.Accumulator).",
+                "ranks before backward (wholebatch.Accumulator).",
             ))  # fmt: skip
         if not [d for d in found if d.code != "optimizer-steps"]:
             worst = max(main.params, key=lambda p: p.rel_err)

@@ -47,9 +47,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from wholebatch.compression import CommStats, GradCompression, register_compression
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.stepping import (
+from wholebatch.train.compression import CommStats, GradCompression, register_compression
+from wholebatch.train.stepping import (
     GradReduction,
     OnNonFinite,
     StepConfig,

@@ -92,7 +92,7 @@ class GradCompression:
             return cls(kind=spec.lower())  # type: ignore[arg-type]
         raise WholebatchError(
             f"grad_compression={spec!r}; expected None, one of {list(_KINDS)}, or a "
-            "wholebatch.compression.GradCompression"
+            "wholebatch.GradCompression"
         )
 
 

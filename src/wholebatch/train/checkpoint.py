@@ -34,8 +34,14 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.groups import (
+    all_ranks_agree,
+    comm_device,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
 from wholebatch.errors import WholebatchError
-from wholebatch.groups import all_ranks_agree, comm_device, get_rank, get_world_size, is_distributed
 
 __all__ = [
     "CheckpointError",

@@ -17,7 +17,7 @@ the same sequence number. Then, on every rank:
 
 It uses the store c10d already has (no pickle, no extra transport), costs a
 few store round trips per op, and is off by default. Without debug mode the
-fingerprint exchange in `wholebatch.checks` still catches mismatched shapes,
+fingerprint exchange in `wholebatch.comm.checks` still catches mismatched shapes,
 dtypes and ops, but a rank that never arrives is only seen at the group timeout.
 """
 
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
-from wholebatch.groups import get_rank, get_world_size, is_distributed
 
 __all__ = ["arrive", "call_site", "debug_enabled", "set_debug"]
 

@@ -82,7 +82,7 @@ def _rank_main(method: str) -> list[float]:
 
 
 def _launch(method: str, nproc: int) -> list[float]:
-    from wholebatch.launch import LaunchSpec, launch
+    from wholebatch.comm.launch import LaunchSpec, launch
 
     results = launch(_rank_main, (method,), spec=LaunchSpec(nproc=nproc, backend="gloo"))
     return list(results[0])

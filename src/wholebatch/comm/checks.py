@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.groups import comm_device, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import comm_device, get_world_size
 
 __all__ = [
     "MAX_DIMS",
@@ -138,7 +138,7 @@ def _encode(
 
 
 def _all_gather_rows(row: list[int], group: ProcessGroup | None) -> list[list[int]]:
-    from wholebatch._c10d import all_gather_single
+    from wholebatch.comm._c10d import all_gather_single
 
     world_size = get_world_size(group)
     device = comm_device(group)
@@ -156,7 +156,7 @@ def exchange_text(
 
     Text travels as a fixed-size uint8 tensor: no pickle (unlike `all_gather_object`).
     """
-    from wholebatch._c10d import all_gather_single
+    from wholebatch.comm._c10d import all_gather_single
 
     world_size = get_world_size(group)
     if world_size == 1:

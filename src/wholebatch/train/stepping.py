@@ -1,6 +1,6 @@
 """Finish an optimizer step on the whole-batch gradient, the same way on every rank.
 
-Shared by `wholebatch.accumulate.Accumulator` and any other engine that runs
+Shared by `wholebatch.Accumulator` and any other engine that runs
 K micro-batches per optimizer step. An engine does three things:
 
     finisher = StepFinisher(model, optimizer, scaler=scaler, config=StepConfig(max_grad_norm=1.0))
@@ -43,8 +43,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.groups import comm_device, get_world_size, is_distributed
 
 try:  # FSDP2 (torch >= 2.6 exports it here)
     from torch.distributed.fsdp import FSDPModule

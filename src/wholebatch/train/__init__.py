@@ -1,0 +1,35 @@
+"""Training engines: exact accumulation, gradient caching, step finishing, checkpoints.
+
+`accumulate` holds the `Accumulator`, `cache` gradient caching (`CachedStep`),
+`stepping` the end of a step that both share (agreed non-finite handling,
+clipping, `no_sync`), `compression` the DDP comm hooks, `checkpoint` exact
+resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+"""
+
+from __future__ import annotations
+
+from wholebatch.train import checkpoint
+from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
+from wholebatch.train.cache import CachedStep
+from wholebatch.train.compression import CommStats, GradCompression
+from wholebatch.train.stepping import (
+    NonFiniteStepError,
+    StepConfig,
+    StepFinisher,
+    StepStats,
+    sync_context,
+)
+
+__all__ = [
+    "Accumulator",
+    "AccumulatorConfig",
+    "CachedStep",
+    "CommStats",
+    "GradCompression",
+    "NonFiniteStepError",
+    "StepConfig",
+    "StepFinisher",
+    "StepStats",
+    "checkpoint",
+    "sync_context",
+]
