@@ -5,24 +5,43 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on these machines' disk; a looser spec pulls a
 # multi-GB CUDA build. The library itself only asks for torch>=2.4 (pyproject.toml).
 TORCH_PIN ?= torch==2.13.0
+# Peers installed without their dependencies: both pull torchvision, whose PyPI
+# build cannot load beside the CPU torch; the tests load only their loss modules.
+NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
+# -qq: pip's errors only; the lines below say what the bootstrap is doing.
+PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[dev,demo]"
-	touch $@
+	@echo "==> .venv: creating it with $(PYTHON)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@echo "==> .venv: $(TORCH_PIN) (CPU build) and wholebatch with its demo and dev extras"
+	@$(PIP) "$(TORCH_PIN)"
+	@$(PIP) -e ".[dev,demo]" "$(TORCH_PIN)"
+	@touch $@
+	@echo "==> .venv: ready"
+
+# The test suite also compares against the peer libraries (the `peers` extra).
+$(VENV)/.peers: $(VENV)/.installed
+	@echo "==> .venv: peer libraries for the tests (transformers, accelerate, sentence-transformers, open_clip, lightly)"
+	@$(PIP) -e ".[dev,demo,peers]" "$(TORCH_PIN)"
+	@$(PIP) --no-deps $(NODEPS_PEERS)
+	@touch $@
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/wholebatch demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.peers
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/wholebatch bench
+
+# On a machine with CUDA: the CUDA tests and the GPU loss benchmark (benchmarks/gpu.sh).
+gpu: $(VENV)/.installed
+	bash benchmarks/gpu.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
