@@ -51,6 +51,11 @@ try:  # FSDP2 (torch >= 2.6 exports it here)
 except ImportError:  # pragma: no cover - older torch: no FSDP2 support
     FSDPModule = None  # type: ignore[assignment,misc]
 
+try:  # FSDP1: refused by nothing here, but it does reduce gradients
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+except ImportError:  # pragma: no cover - torch without distributed
+    FSDP1 = None  # type: ignore[assignment,misc]
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - older torch
@@ -64,7 +69,9 @@ __all__ = [
     "StepFinisher",
     "StepStats",
     "grad_sync_mode",
+    "is_data_parallel",
     "sync_context",
+    "unwrapped_error",
 ]
 
 GradReduction = Literal["mean", "sum"]
@@ -140,6 +147,10 @@ class StepConfig:
     rank (reported in `StepStats`) or "raise" `NonFiniteStepError` on every rank. With a
     GradScaler an overflowing gradient under a finite loss is always skipped, as AMP does."""
 
+    rank_local: bool = False
+    """Allow a plain module (no DDP/FSDP) on W > 1 ranks: each rank steps on its own
+    gradient. Without it `begin` raises on every rank (see `unwrapped_error`)."""
+
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (
             isinstance(self.max_grad_norm, (int, float))
@@ -165,6 +176,36 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     if FSDPModule is None:
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """Whether `model` reduces its gradients over ranks: DDP, FSDP2 (on it or a submodule), or FSDP1.
+
+    Looks through `torch.compile`'s wrapper (`_orig_mod`).
+    """
+    inner = getattr(model, "_orig_mod", model)
+    if grad_sync_mode(inner) != "none":
+        return True
+    return FSDP1 is not None and any(isinstance(m, FSDP1) for m in inner.modules())
+
+
+def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
+    """The error text for a plain module trained on `world_size` > 1 ranks, else None.
+
+    Nothing reduces such a module's gradients, so each rank would step on its own
+    (accelerate skips its DDP wrap without a word in some set-ups; passing
+    `ddp.module` does the same). Engines refuse it unless told `rank_local=True`.
+    """
+    if world_size <= 1 or is_data_parallel(model):
+        return None
+    return (
+        "the model is a plain module, not wrapped for data parallelism (DDP or "
+        f"FSDP2), but the group has {world_size} ranks: nothing would reduce its gradients, "
+        "so every rank would step on its own gradient and the replicas drift apart. Pass "
+        "the DistributedDataParallel (or fully_shard) module itself (not ddp.module; with "
+        f"accelerate, the model accelerator.prepare returned), or {op}(..., rank_local=True) "
+        "if each rank is meant to train on its own data alone"
+    )
 
 
 def grad_sync_mode(model: nn.Module) -> SyncMode:
@@ -326,12 +367,18 @@ class StepFinisher:
         One small all-gather. Raises the same `WholebatchError` on every rank when K
         differs across ranks (DDP's last-micro-batch reduction would pair with a
         different collective on a peer: a hang or wrong data), when every rank has
-        K = 0, or when a rank's parameters already hold gradients (they would be
-        added to the step's and break its normalisation).
+        K = 0, when a rank's parameters already hold gradients (they would be
+        added to the step's and break its normalisation), or when the model is a plain
+        module on W > 1 ranks without `config.rank_local` (nothing reduces its gradients).
         """
         stale = any(p.grad is not None for p in self.params())
-        row = torch.tensor([int(num_micro_batches), int(stale)], dtype=torch.int64)
+        plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
+        row = torch.tensor([int(num_micro_batches), int(stale), int(bool(plain))])
         rows = _gather_rows(row, self.group)
+        plain_ranks = _ranks(rows[:, 2])
+        if plain_ranks:
+            text = unwrapped_error(nn.Identity(), self.world_size, op.split(".")[0])
+            raise WholebatchError(f"{op}: on ranks {plain_ranks}, {text}")
         ks = {r: int(k) for r, k in enumerate(rows[:, 0].tolist())}
         if len(set(ks.values())) > 1:
             raise WholebatchError(
