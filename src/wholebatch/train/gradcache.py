@@ -116,14 +116,27 @@ def _fsdp_sync_state(modules: list[nn.Module]) -> list[bool]:
     return out
 
 
-def _agree(op: str, error: str | None, group: ProcessGroup | None) -> None:
-    """Raise the same `WholebatchError` on every rank if any rank has an `error` (one small all-gather)."""
+def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | None = None) -> None:
+    """Raise the same `WholebatchError` on every rank if any rank has an `error` (one small all-gather).
+
+    With `k`, also if the ranks' micro-batch counts differ: FSDP2 gathers the
+    parameters in every forward (and DDP may broadcast buffers), so every rank
+    must run as many forwards as every other.
+    """
     if not is_distributed(group):
         if error is not None:
             raise WholebatchError(f"{op}: {error}")
         return
-    flags = _gather_rows(torch.tensor([float(error is not None)], dtype=torch.float64), group)
-    if not bool(flags.any()):
+    row = torch.tensor([float(error is not None), float(-1 if k is None else k)])
+    flags = _gather_rows(row.to(torch.float64), group)
+    ks = [int(x) for x in flags[:, 1].tolist()]
+    if not bool(flags[:, 0].any()) and len(set(ks)) > 1:
+        raise WholebatchError(
+            f"{op}: micro_batches differ in number across ranks {dict(enumerate(ks))}; every "
+            "rank must pass the same number (each forward of FSDP2 gathers parameters from "
+            "every rank). Give a short rank micro-batches of 0 rows"
+        )
+    if not bool(flags[:, 0].any()):
         return
     texts = exchange_text(error or "", group)
     bad = {r: t for r, t in enumerate(texts) if flags[r, 0]}
@@ -210,7 +223,8 @@ class GradCache:
     What one micro-batch is: one call of `embed_fn`, i.e. one forward's worth of
     activations. It may return any number of outputs (queries, positives, k hard
     negatives), each with its own row count; the activation memory of the step
-    is that of the largest micro-batch. On each rank K may differ (at least 1).
+    is that of the largest micro-batch. Every rank passes the same K >= 1 (a
+    rank with fewer rows passes micro-batches of 0 rows).
 
     Gradient contract: after `loss.backward()` (and the wrapper's reduction), every
     parameter's gradient is what one backward of `loss` would give if `loss_fn`
@@ -286,14 +300,16 @@ class GradCache:
         `torch.no_grad()` only pass 1 and the loss run.
 
         Args:
-            micro_batches: this rank's K >= 1 micro-batches (any iterable).
+            micro_batches: this rank's K >= 1 micro-batches (any iterable), the same K
+                on every rank.
             loss_fn: `(*embeddings) -> scalar Tensor`, each argument one output of
                 `embed_fn` concatenated over the micro-batches.
             model: the module for this call, if not the constructor's (e.g. the
                 DDP-wrapped model a trainer's `compute_loss` receives).
 
         Raises:
-            WholebatchError: on every rank, when a rank has no micro-batch, embed_fn
+            WholebatchError: on every rank, when a rank has no micro-batch or K differs
+                across ranks, embed_fn
                 returns something other than tensors with rows, a plain module runs
                 on W > 1 ranks without `rank_local=True`, or the loss is not a scalar.
         """
@@ -313,7 +329,7 @@ class GradCache:
         mbs = list(micro_batches)
         k = len(mbs)
         group = self._group(model)
-        _agree(op, self._static_error(model, k, group), group)
+        _agree(op, self._static_error(model, k, group), group, k=k)
         grad = torch.is_grad_enabled()
         ddp = _ddp_of(model)
         fsdp = _fsdp_modules(model)
@@ -437,8 +453,6 @@ class GradCache:
         self, pending: _Pending, leaves: list[Tensor], model: nn.Module, group: ProcessGroup | None
     ) -> None:
         """Which of the loss's own leaves DDP reduces (fed a zero) and which pass 2 averages."""
-        if self.rank_local or get_world_size(group) == 1:
-            return
         ddp = _ddp_of(model)
         managed: set[int] = set()
         if ddp is not None and not ddp.find_unused_parameters:
@@ -452,10 +466,11 @@ class GradCache:
                 for name, p in ddp.module.named_parameters()
                 if name not in ignored and p.requires_grad
             }
+        alone = self.rank_local or get_world_size(group) == 1
         for leaf in leaves:
             if id(leaf) in managed:
                 pending.zero_feed.append(leaf)
-            elif not _is_dtensor(leaf):
+            elif not alone and not _is_dtensor(leaf):
                 pending.average.append(leaf)
 
     # -- pass 2 (inside the backward) ------------------------------------------------
