@@ -204,7 +204,7 @@ def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
         "so every rank would step on its own gradient and the replicas drift apart. Pass "
         "the DistributedDataParallel (or fully_shard) module itself (not ddp.module; with "
         f"accelerate, the model accelerator.prepare returned), or {op}(..., rank_local=True) "
-        "if each rank is meant to train on its own data alone"
+        "if each rank is meant to train on its own gradient (or you reduce it yourself)"
     )
 
 
