@@ -22,9 +22,11 @@ Gradient convention (DESIGN.md, "Data parallelism averages"): after the wrapper'
 reduction the gradient must be d(sum of item losses / N)/dθ, N the global item
 count. DDP and FSDP2 divide the summed gradient by W (`grad_reduction="mean"`),
 so the rescale multiplies by W; a caller whose reduction sums says
-`grad_reduction="sum"`. A plain module (no wrapper) is not reduced at all: each
-rank's gradient is W (mean) or 1 (sum) times d(its own item losses / N)/dθ, which
-a later mean (or sum) all-reduce turns into the whole-batch gradient.
+`grad_reduction="sum"`. A plain module (no wrapper) is not reduced at all: on
+W > 1 ranks `begin` refuses it (`unwrapped_error`) unless `rank_local=True`, in
+which case each rank's gradient is W (mean) or 1 (sum) times d(its own item
+losses / N)/dθ, which a later mean (or sum) all-reduce turns into the
+whole-batch gradient.
 
 Legend: W world size, K micro-batches per step, N global item count.
 """
@@ -110,7 +112,7 @@ class StepStats:
 
     grad_norm: float
     """L2 norm of the whole-batch gradient before clipping (after unscaling). For a plain
-    module on W > 1 ranks (gradients not reduced) it is this rank's own norm."""
+    module on W > 1 ranks (`rank_local=True`: not reduced) it is this rank's own norm."""
 
     clip_coef: float
     """Factor clipping applied to the gradient (1.0 when no clipping happened)."""
