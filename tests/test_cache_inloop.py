@@ -140,9 +140,11 @@ def _reference(scenario: str, batches: list[list[list[MicroBatch]]]) -> dict[str
     return _grads(model, scale)
 
 
-def check(world: int, scenario: str, mutation: str | None = None) -> list[int]:
+def check(
+    world: int, scenario: str, mutation: str | None = None, rows: Any = None
+) -> list[int]:
     steps = 2 if scenario == "accumulate" else 1
-    batches = [make_batches(ROWS[world], seed=s) for s in range(steps)]
+    batches = [make_batches(rows or ROWS[world], seed=s) for s in range(steps)]
     ref = _reference(scenario, batches)
     got = run_ranks(world, _rank_loop, scenario, batches, mutation)
     for r, (grads, _) in enumerate(got):
@@ -162,6 +164,15 @@ def test_user_loop_equals_whole_batch(world: int, scenario: str) -> None:
         # DDP reduced exactly once per optimizer step: on the last micro-batch of the
         # last cache call (the first call ran under the caller's own no_sync).
         assert counts == [1] * world
+
+
+@pytest.mark.parametrize("scenario", ["ddp_inside", "accumulate", "fsdp2"])
+def test_one_micro_batch_per_rank(scenario: str) -> None:
+    # K = 1: under DDP the only micro-batch is the one DDP synchronises on, so its
+    # graph is not kept (its forward must follow the outer backward); elsewhere it is.
+    counts = check(2, scenario, rows=[[3], [2]])
+    if scenario != "fsdp2":
+        assert counts == [1, 1]
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
@@ -274,3 +285,41 @@ def test_a_rank_without_micro_batches_is_the_same_error_everywhere() -> None:
         run_ranks(2, _empty_k_on_rank1)
     text = str(info.value)
     assert text.count("micro_batches is empty on this rank") == 2 and "(on ranks [1])" in text
+
+
+def _cuda_grads(mutation: str | None) -> dict[str, Tensor]:
+    dev = torch.device("cuda")
+    model, scale = _build("plain")
+    model.to(dev)
+    scale = nn.Parameter(scale.detach().to(dev))
+    batches = [tuple(t.to(dev) for t in mb) for mb in make_batches([[2, 3, 1]])[0]]
+    torch.manual_seed(100)  # seeds the CUDA generator too: dropout on CUDA draws from it
+    cache_class(mutation)(model, embed3)(
+        batches, lambda q, p, n: info_nce(q, p, n, scale)
+    ).backward()
+    return {k: v.cpu() for k, v in _grads(model, scale).items()}
+
+
+def _cuda_reference() -> dict[str, Tensor]:
+    dev = torch.device("cuda")
+    model, scale = _build("plain")
+    model.to(dev)
+    scale = nn.Parameter(scale.detach().to(dev))
+    batches = [tuple(t.to(dev) for t in mb) for mb in make_batches([[2, 3, 1]])[0]]
+    torch.manual_seed(100)
+    outs = [embed3(model, mb) for mb in batches]
+    q, p, n = (torch.cat([o[j] for o in outs]) for j in range(3))
+    info_nce(q, p, n, scale).backward()
+    return {k: v.cpu() for k, v in _grads(model, scale).items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_replay_equals_whole_batch() -> None:
+    # Dropout on a CUDA tensor draws from the CUDA generator: pass 2 must restore it.
+    ref = _cuda_reference()
+    for name, value in _cuda_grads(None).items():
+        torch.testing.assert_close(value, ref[name], **F64, msg=name)
+    wrong = _cuda_grads("no_replay")
+    with pytest.raises(AssertionError):
+        for name, value in wrong.items():
+            torch.testing.assert_close(value, ref[name], **F64, msg=name)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -291,7 +291,7 @@ class GradCache:
     # -- the call (pass 1 and the loss) ---------------------------------------------
 
     def __call__(
-        self, micro_batches: Sequence[Any], loss_fn: LossFn, *, model: nn.Module | None = None
+        self, micro_batches: Iterable[Any], loss_fn: LossFn, *, model: nn.Module | None = None
     ) -> Tensor:
         """Embed this rank's micro-batches, return `loss_fn(*whole_embeddings)`; its backward runs pass 2.
 
@@ -308,17 +308,17 @@ class GradCache:
                 DDP-wrapped model a trainer's `compute_loss` receives).
 
         Raises:
-            WholebatchError: on every rank, when a rank has no micro-batch or K differs
-                across ranks, embed_fn
-                returns something other than tensors with rows, a plain module runs
-                on W > 1 ranks without `rank_local=True`, or the loss is not a scalar.
+            WholebatchError: on every rank, when a rank has no micro-batch, K differs
+                across ranks, embed_fn returns something other than tensors with rows,
+                or a plain module runs on W > 1 ranks without `rank_local=True`; when
+                the loss is not a scalar.
         """
         loss, _ = self.run(micro_batches, loss_fn, model=model, op="GradCache")
         return loss
 
     def run(
         self,
-        micro_batches: Sequence[Any],
+        micro_batches: Iterable[Any],
         loss_fn: LossFn,
         *,
         model: nn.Module | None = None,
