@@ -207,7 +207,7 @@ class _CacheNode(torch.autograd.Function):
         pending.grads = [g.detach() for g in grads]
         pending.done = True
         engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-        engine.queue_callback(pending.cache._second_pass_callback(pending))
+        engine.queue_callback(lambda: pending.cache._second_pass(pending))
         return None, None
 
 
@@ -256,8 +256,7 @@ class GradCache:
         group: the data-parallel group; None: DDP's own, else the world.
     """
 
-    # Tests turn these off to show what each is for.
-    _replay_rng: bool = True
+    _replay_rng: bool = True  # tests turn these off to show what each is for
     _reuse_last: bool = True
 
     def __init__(
@@ -474,12 +473,6 @@ class GradCache:
                 pending.average.append(leaf)
 
     # -- pass 2 (inside the backward) ------------------------------------------------
-
-    def _second_pass_callback(self, pending: _Pending) -> Callable[[], None]:
-        def run() -> None:
-            self._second_pass(pending)
-
-        return run
 
     def _second_pass(self, p: _Pending) -> None:
         """Back-propagate each micro-batch's slice of the embeddings' gradient; reduce once."""

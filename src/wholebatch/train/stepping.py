@@ -22,11 +22,9 @@ Gradient convention (DESIGN.md, "Data parallelism averages"): after the wrapper'
 reduction the gradient must be d(sum of item losses / N)/dθ, N the global item
 count. DDP and FSDP2 divide the summed gradient by W (`grad_reduction="mean"`),
 so the rescale multiplies by W; a caller whose reduction sums says
-`grad_reduction="sum"`. A plain module (no wrapper) is not reduced at all: on
-W > 1 ranks `begin` refuses it (`unwrapped_error`) unless `rank_local=True`, in
-which case each rank's gradient is W (mean) or 1 (sum) times d(its own item
-losses / N)/dθ, which a later mean (or sum) all-reduce turns into the
-whole-batch gradient.
+`grad_reduction="sum"`. A plain module on W > 1 ranks is refused unless
+`rank_local=True`: then each rank's gradient is W (mean) or 1 (sum) times
+d(its own item losses / N)/dθ, for the caller's own all-reduce.
 
 Legend: W world size, K micro-batches per step, N global item count.
 """
@@ -53,7 +51,7 @@ try:  # FSDP2 (torch >= 2.6 exports it here)
 except ImportError:  # pragma: no cover - older torch: no FSDP2 support
     FSDPModule = None  # type: ignore[assignment,misc]
 
-try:  # FSDP1: refused by nothing here, but it does reduce gradients
+try:  # FSDP1 reduces gradients too (a plain module is refused on W > 1 ranks, FSDP1 not)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 except ImportError:  # pragma: no cover - torch without distributed
     FSDP1 = None  # type: ignore[assignment,misc]
@@ -150,8 +148,8 @@ class StepConfig:
     GradScaler an overflowing gradient under a finite loss is always skipped, as AMP does."""
 
     rank_local: bool = False
-    """Allow a plain module (no DDP/FSDP) on W > 1 ranks: each rank steps on its own
-    gradient. Without it `begin` raises on every rank (see `unwrapped_error`)."""
+    """Allow a plain module on W > 1 ranks (each rank steps on its own gradient);
+    without it `begin` raises on every rank (`unwrapped_error`)."""
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (
@@ -181,10 +179,7 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def is_data_parallel(model: nn.Module) -> bool:
-    """Whether `model` reduces its gradients over ranks: DDP, FSDP2 (on it or a submodule), or FSDP1.
-
-    Looks through `torch.compile`'s wrapper (`_orig_mod`).
-    """
+    """Whether `model` reduces gradients over ranks: DDP, FSDP2/FSDP1 anywhere in it, or compiled DDP."""
     inner = getattr(model, "_orig_mod", model)
     if grad_sync_mode(inner) != "none":
         return True
@@ -192,12 +187,7 @@ def is_data_parallel(model: nn.Module) -> bool:
 
 
 def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
-    """The error text for a plain module trained on `world_size` > 1 ranks, else None.
-
-    Nothing reduces such a module's gradients, so each rank would step on its own
-    (accelerate skips its DDP wrap without a word in some set-ups; passing
-    `ddp.module` does the same). Engines refuse it unless told `rank_local=True`.
-    """
+    """The error for a plain module on `world_size` > 1 ranks (nothing reduces it), else None."""
     if world_size <= 1 or is_data_parallel(model):
         return None
     return (
@@ -377,8 +367,7 @@ class StepFinisher:
         plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
         row = torch.tensor([int(num_micro_batches), int(stale), int(bool(plain))])
         rows = _gather_rows(row, self.group)
-        plain_ranks = _ranks(rows[:, 2])
-        if plain_ranks:
+        if plain_ranks := _ranks(rows[:, 2]):
             text = unwrapped_error(nn.Identity(), self.world_size, op.split(".")[0])
             raise WholebatchError(f"{op}: on ranks {plain_ranks}, {text}")
         ks = {r: int(k) for r, k in enumerate(rows[:, 0].tolist())}
