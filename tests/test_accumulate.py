@@ -154,6 +154,7 @@ def train_split(run: Run) -> Result:
             grad_reduction=run.grad_reduction,  # type: ignore[arg-type]
             loss_reduction=run.loss_reduction,  # type: ignore[arg-type]
             on_nonfinite=run.on_nonfinite,  # type: ignore[arg-type]
+            rank_local=run.wrap == "plain",  # the plain-module tests reduce (or not) themselves
         )
     stats: list[StepStats | float] = []
     grads: list[list[Tensor] | None] = []

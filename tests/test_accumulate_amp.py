@@ -76,7 +76,9 @@ def _overflow_on_one_rank() -> tuple[list[StepStats], list[float], list[Tensor],
     model = TinyLM()
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
-    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, rank_local=True
+    )
     mbs = split_for_ranks(make_sequences([5, 6, 7, 4]), ((1, 1), (1, 1)))[rank]
 
     def huge_on_rank1(m: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:

@@ -30,6 +30,7 @@ from tests.test_losses import _clip_gather_without_grad, ref_clip
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.losses.contrastive import clip_loss
 from wholebatch.train.cache import CachedStep
+from wholebatch.train.gradcache import GradCache
 from wholebatch.train.stepping import sync_context
 
 # float64, tiny model: round-off ~1e-14; mutations are off by O(1) factors.
@@ -54,17 +55,19 @@ class PerMicroBatchLoss(CachedStep):
     from each of the K evaluations: K times its true gradient.
     """
 
-    def _second_pass(
-        self,
-        micro_batches: Sequence[Any],
-        rngs: list[Any],
-        cached: list[tuple[Tensor, ...]],
-        emb_grads: list[Tensor],
-        param_grads: dict[int, Tensor],
-    ) -> None:
+    def _forward_backward(self, micro_batches: Sequence[Any]) -> tuple[Tensor, int]:
         k = len(micro_batches)
+        rngs = []
+        with torch.no_grad():
+            cached = []
+            for mb in micro_batches:
+                rngs.append(torch.get_rng_state())
+                cached.append(self.embed_fn(self.model, mb))
+        after = torch.get_rng_state()
+        total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro_batches):
-            with sync_context(self.model, i, k), self._rng(rngs[i]):
+            with sync_context(self.model, i, k):
+                torch.set_rng_state(rngs[i])
                 out = self.embed_fn(self.model, mb)
                 whole = [
                     torch.cat(
@@ -72,7 +75,11 @@ class PerMicroBatchLoss(CachedStep):
                     )
                     for j in range(len(out))
                 ]
-                self.loss_fn(*whole).backward()
+                loss = self.loss_fn(*whole)
+                loss.backward()
+                total = loss.detach()
+        torch.set_rng_state(after)
+        return total, sum(int(c[0].shape[0]) for c in cached)
 
 
 STEPS: dict[str, type[CachedStep]] = {
@@ -239,40 +246,42 @@ def test_clipping_and_stats_follow_the_whole_batch_gradient() -> None:
         torch.testing.assert_close(p.detach(), old[n] - coef * g[n], **F64)
 
 
-class _WatchCached(CachedStep):
-    """Records weak references to every cached embedding once the loss has its gradient."""
+class _WatchCache(GradCache):
+    """Records weak references to every pass-1 embedding (and the concatenation the loss saw)."""
 
     refs: list[Any]
 
-    def _first_pass(self, micro_batches: Sequence[Any]) -> Any:
-        cached, rngs = super()._first_pass(micro_batches)
-        self.refs = [weakref.ref(t) for c in cached for t in c]  # pass 1's own tensors
-        return cached, rngs
-
-    def _loss_grads(self, cached: list[tuple[Tensor, ...]]) -> Any:
-        out = super()._loss_grads(cached)
-        self.refs += [weakref.ref(t) for c in cached for t in c]  # views of the concatenation
-        self.refs += [weakref.ref(t._base) for c in cached for t in c if t._base is not None]
-        return out
+    def _first_pass(self, *args: Any) -> Any:
+        parts, rngs, autocasts, kept, error = super()._first_pass(*args)
+        self.refs = [weakref.ref(t) for c in parts for t in c]  # pass 1's own tensors
+        self.refs += [weakref.ref(t) for t in kept or ()]  # the kept graph's outputs
+        return parts, rngs, autocasts, kept, error
 
 
 def test_cached_embeddings_are_freed_before_pass_two() -> None:
     # Pass 2 needs the embeddings' gradient, not the embeddings: holding them
     # (N_rank x D per output) while a micro-batch's activations live costs memory
     # for nothing (the benchmark's MLP: 8 MiB of a 60 MiB step). Every tensor that
-    # held them must be gone by the first forward of pass 2.
+    # held them (pass 1's, the kept graph's outputs, the concatenation the loss saw)
+    # must be gone by the first re-run forward of pass 2.
     batches = _batches(1, 3)[0]
     model, scale = _build("outside")
     opt = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
     alive: list[int] = []
+    whole: list[Any] = []
 
     def watching_embed(m: nn.Module, mb: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        if torch.is_grad_enabled():  # pass 2
-            alive.append(sum(r() is not None for r in step.refs))
+        if torch.is_grad_enabled() and hasattr(step.cache, "refs") and whole:  # pass 2
+            alive.append(sum(r() is not None for r in [*step.cache.refs, *whole]))
         return embed(m, mb)
 
-    step = _WatchCached(model, opt, watching_embed, lambda i, t: clip_loss(i, t, scale))
+    def loss_fn(i: Tensor, t: Tensor) -> Tensor:
+        whole.extend([weakref.ref(i), weakref.ref(t)])
+        return clip_loss(i, t, scale)
+
+    step = CachedStep(model, opt, watching_embed, loss_fn)
+    step.cache = _WatchCache(model, watching_embed)
     torch.manual_seed(100)
     step.step(batches)
-    assert len(step.refs) == 3 * 2 * 3  # 3 micro-batches x 2 outputs x (original, view, base)
-    assert alive == [0, 0, 0], alive
+    assert len(step.cache.refs) == 3 * 2 + 2  # 3 micro-batches x 2 outputs + the kept graph's 2
+    assert alive == [0, 0], alive  # micro-batches 0 and 1 re-run; 2 reused its graph

@@ -7,7 +7,7 @@ owns it (DESIGN.md, "Layers"):
 
     wholebatch.comm          collectives and process groups
     wholebatch.losses        whole-batch contrastive losses
-    wholebatch.train         Accumulator, CachedStep, step finishing, checkpoints
+    wholebatch.train         Accumulator, GradCache, CachedStep, step finishing, checkpoints
     wholebatch.verify        split-vs-whole gradient verification
     wholebatch.integrations  drop-ins for peer libraries
     wholebatch.lint          static rules (no torch)
@@ -50,6 +50,7 @@ _LAZY: dict[str, str] = {
     "checkpoint": "wholebatch.train.checkpoint",
     "CommStats": "wholebatch.train.compression",
     "GradCompression": "wholebatch.train.compression",
+    "GradCache": "wholebatch.train.gradcache",
     "NonFiniteStepError": "wholebatch.train.stepping",
     "StepConfig": "wholebatch.train.stepping",
     "StepFinisher": "wholebatch.train.stepping",
@@ -63,6 +64,7 @@ __all__ = [
     "AccumulatorConfig",
     "CachedStep",
     "CommStats",
+    "GradCache",
     "GradCompression",
     "NonFiniteStepError",
     "StepConfig",
@@ -118,6 +120,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
     from wholebatch.train.cache import CachedStep
     from wholebatch.train.compression import CommStats, GradCompression
+    from wholebatch.train.gradcache import GradCache
     from wholebatch.train.stepping import (
         NonFiniteStepError,
         StepConfig,

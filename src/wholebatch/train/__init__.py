@@ -1,6 +1,7 @@
 """Training engines: exact accumulation, gradient caching, step finishing, checkpoints.
 
-`accumulate` holds the `Accumulator`, `cache` gradient caching (`CachedStep`),
+`accumulate` holds the `Accumulator`, `gradcache` gradient caching inside the
+loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
 clipping, `no_sync`), `compression` the DDP comm hooks, `checkpoint` exact
 resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
@@ -12,6 +13,7 @@ from wholebatch.train import checkpoint
 from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
+from wholebatch.train.gradcache import GradCache
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
@@ -25,6 +27,7 @@ __all__ = [
     "AccumulatorConfig",
     "CachedStep",
     "CommStats",
+    "GradCache",
     "GradCompression",
     "NonFiniteStepError",
     "StepConfig",

@@ -91,6 +91,11 @@ class AccumulatorConfig:
     """A non-finite loss/gradient on any rank, or a step with no items: "skip" the step
     on every rank (reported in StepStats) or "raise" NonFiniteStepError on every rank."""
 
+    rank_local: bool = False
+    """Allow a plain module (no DDP/FSDP) on W > 1 ranks, each rank stepping on its own
+    gradient. Without it `step` raises the same error on every rank: nothing would reduce
+    the gradients (accelerate's silent no-DDP mode, or `ddp.module` passed by mistake)."""
+
     def __post_init__(self) -> None:
         if self.loss_reduction not in ("sum", "mean", "none"):
             raise WholebatchError(
@@ -112,6 +117,7 @@ class AccumulatorConfig:
             max_grad_norm=self.max_grad_norm,
             grad_reduction=self.grad_reduction,
             on_nonfinite=self.on_nonfinite,
+            rank_local=self.rank_local,
         )
 
 
@@ -132,6 +138,7 @@ class Accumulator:
         grad_reduction: see `AccumulatorConfig.grad_reduction`.
         loss_reduction: see `AccumulatorConfig.loss_reduction`.
         on_nonfinite: see `AccumulatorConfig.on_nonfinite`.
+        rank_local: see `AccumulatorConfig.rank_local`.
         group: the data-parallel group; None: DDP's process group, else the world.
         config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
     """
@@ -147,6 +154,7 @@ class Accumulator:
         *,
         loss_reduction: LossReduction = "sum",
         on_nonfinite: OnNonFinite = "skip",
+        rank_local: bool = False,
         group: ProcessGroup | None = None,
         config: AccumulatorConfig | None = None,
     ) -> None:
@@ -157,6 +165,7 @@ class Accumulator:
                 grad_reduction=grad_reduction,
                 loss_reduction=loss_reduction,
                 on_nonfinite=on_nonfinite,
+                rank_local=rank_local,
             )
         self.config = config
         self.model = model
@@ -244,8 +253,9 @@ class Accumulator:
             skipped or not, micro-batch count (identical on every rank).
 
         Raises:
-            WholebatchError: on every rank, when K differs across ranks or is 0, or the
-                parameters hold gradients before the step.
+            WholebatchError: on every rank, when K differs across ranks or is 0, the
+                parameters hold gradients before the step, or the model is a plain module
+                on W > 1 ranks without `rank_local=True`.
             NonFiniteStepError: on every rank, with on_nonfinite="raise".
         """
         mbs: Sequence[MB] = list(micro_batches)

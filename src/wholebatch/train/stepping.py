@@ -22,9 +22,9 @@ Gradient convention (DESIGN.md, "Data parallelism averages"): after the wrapper'
 reduction the gradient must be d(sum of item losses / N)/dθ, N the global item
 count. DDP and FSDP2 divide the summed gradient by W (`grad_reduction="mean"`),
 so the rescale multiplies by W; a caller whose reduction sums says
-`grad_reduction="sum"`. A plain module (no wrapper) is not reduced at all: each
-rank's gradient is W (mean) or 1 (sum) times d(its own item losses / N)/dθ, which
-a later mean (or sum) all-reduce turns into the whole-batch gradient.
+`grad_reduction="sum"`. A plain module on W > 1 ranks is refused unless
+`rank_local=True`: then each rank's gradient is W (mean) or 1 (sum) times
+d(its own item losses / N)/dθ, for the caller's own all-reduce.
 
 Legend: W world size, K micro-batches per step, N global item count.
 """
@@ -51,6 +51,11 @@ try:  # FSDP2 (torch >= 2.6 exports it here)
 except ImportError:  # pragma: no cover - older torch: no FSDP2 support
     FSDPModule = None  # type: ignore[assignment,misc]
 
+try:  # FSDP1 reduces gradients too (a plain module is refused on W > 1 ranks, FSDP1 not)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+except ImportError:  # pragma: no cover - torch without distributed
+    FSDP1 = None  # type: ignore[assignment,misc]
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - older torch
@@ -64,7 +69,9 @@ __all__ = [
     "StepFinisher",
     "StepStats",
     "grad_sync_mode",
+    "is_data_parallel",
     "sync_context",
+    "unwrapped_error",
 ]
 
 GradReduction = Literal["mean", "sum"]
@@ -103,7 +110,7 @@ class StepStats:
 
     grad_norm: float
     """L2 norm of the whole-batch gradient before clipping (after unscaling). For a plain
-    module on W > 1 ranks (gradients not reduced) it is this rank's own norm."""
+    module on W > 1 ranks (`rank_local=True`: not reduced) it is this rank's own norm."""
 
     clip_coef: float
     """Factor clipping applied to the gradient (1.0 when no clipping happened)."""
@@ -140,6 +147,10 @@ class StepConfig:
     rank (reported in `StepStats`) or "raise" `NonFiniteStepError` on every rank. With a
     GradScaler an overflowing gradient under a finite loss is always skipped, as AMP does."""
 
+    rank_local: bool = False
+    """Allow a plain module on W > 1 ranks (each rank steps on its own gradient);
+    without it `begin` raises on every rank (`unwrapped_error`)."""
+
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (
             isinstance(self.max_grad_norm, (int, float))
@@ -165,6 +176,28 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     if FSDPModule is None:
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """Whether `model` reduces gradients over ranks: DDP, FSDP2/FSDP1 anywhere in it, or compiled DDP."""
+    inner = getattr(model, "_orig_mod", model)
+    if grad_sync_mode(inner) != "none":
+        return True
+    return FSDP1 is not None and any(isinstance(m, FSDP1) for m in inner.modules())
+
+
+def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
+    """The error for a plain module on `world_size` > 1 ranks (nothing reduces it), else None."""
+    if world_size <= 1 or is_data_parallel(model):
+        return None
+    return (
+        "the model is a plain module, not wrapped for data parallelism (DDP or "
+        f"FSDP2), but the group has {world_size} ranks: nothing would reduce its gradients, "
+        "so every rank would step on its own gradient and the replicas drift apart. Pass "
+        "the DistributedDataParallel (or fully_shard) module itself (not ddp.module; with "
+        f"accelerate, the model accelerator.prepare returned), or {op}(..., rank_local=True) "
+        "if each rank is meant to train on its own gradient (or you reduce it yourself)"
+    )
 
 
 def grad_sync_mode(model: nn.Module) -> SyncMode:
@@ -326,12 +359,17 @@ class StepFinisher:
         One small all-gather. Raises the same `WholebatchError` on every rank when K
         differs across ranks (DDP's last-micro-batch reduction would pair with a
         different collective on a peer: a hang or wrong data), when every rank has
-        K = 0, or when a rank's parameters already hold gradients (they would be
-        added to the step's and break its normalisation).
+        K = 0, when a rank's parameters already hold gradients (they would be
+        added to the step's and break its normalisation), or when the model is a plain
+        module on W > 1 ranks without `config.rank_local` (nothing reduces its gradients).
         """
         stale = any(p.grad is not None for p in self.params())
-        row = torch.tensor([int(num_micro_batches), int(stale)], dtype=torch.int64)
+        plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
+        row = torch.tensor([int(num_micro_batches), int(stale), int(bool(plain))])
         rows = _gather_rows(row, self.group)
+        if plain_ranks := _ranks(rows[:, 2]):
+            text = unwrapped_error(nn.Identity(), self.world_size, op.split(".")[0])
+            raise WholebatchError(f"{op}: on ranks {plain_ranks}, {text}")
         ks = {r: int(k) for r, k in enumerate(rows[:, 0].tolist())}
         if len(set(ks.values())) > 1:
             raise WholebatchError(
