@@ -88,6 +88,8 @@ class _RingView(Sequence[int]):
         return len(self._sizes)
 
     def __getitem__(self, q: int) -> int:  # type: ignore[override]
+        if not -len(self._sizes) <= q < len(self._sizes):
+            raise IndexError(q)  # ends iteration, as a list's index does
         return ring_block(self._sizes, q, self._step)
 
 

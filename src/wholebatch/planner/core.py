@@ -194,7 +194,13 @@ def _choose_k(c: PlanConfig, n: int, b: int, tile: int) -> int:
     if per_row == 0 or fixed + per_row > c.budget:
         return b
     rows = max(1, (c.budget - fixed) // per_row)
-    return max(2, math.ceil(b / rows))
+    k = max(2, math.ceil(b / rows))
+    # ceil(B / K) rows per micro-batch: settle the estimate on the exact smallest K
+    while k > 2 and _memory(c, n, b, k - 1, tile).peak <= c.budget:
+        k -= 1
+    while k < b and _memory(c, n, b, k, tile).peak > c.budget:
+        k += 1
+    return k
 
 
 def _choose_tile(c: PlanConfig, n: int, b: int) -> int:
@@ -218,24 +224,25 @@ def _choose_tile(c: PlanConfig, n: int, b: int) -> int:
     return best
 
 
-def _fits_any_k(c: PlanConfig, n: int, tile: int) -> bool:
+def _fits_any_k(c: PlanConfig, n: int) -> bool:
     b = math.ceil(n / c.world)
+    tile = _choose_tile(c, n, b)  # the tile a plan at this batch would choose
     k = c.micro_batches or max(1, b)
     return _memory(c, n, b, min(k, max(b, 1)), tile).peak <= c.budget
 
 
-def _largest_batch(c: PlanConfig, tile: int, fixed_k: bool) -> int | None:
+def _largest_batch(c: PlanConfig, fixed_k: bool) -> int | None:
     if c.loss == "tokens" and not fixed_k:
         return None  # more micro-batches always fit: activations are one micro-batch's
     probe = c if fixed_k else dataclasses.replace(c, micro_batches=0)
     lo, hi = 0, c.world
-    while _fits_any_k(probe, hi, tile):
+    while _fits_any_k(probe, hi):
         lo, hi = hi, hi * 2
         if hi > 2**50:
             return None
     while hi - lo > max(1, lo // 1000):  # to 0.1%: no false precision
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits_any_k(probe, mid, tile) else (lo, mid)
+        lo, hi = (mid, hi) if _fits_any_k(probe, mid) else (lo, mid)
     return lo
 
 
@@ -383,8 +390,8 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
         config=c, rows_per_rank=(min(rows), b), ranks_counted=tuple(ranks), micro_batches=k,
         micro_batch_rows=math.ceil(b / k) if b else 0, tile=tile, fits=mem.peak <= c.budget,
         memory=mem, collectives=tuple(collectives), times=times,
-        max_batch=_largest_batch(c, tile, fixed_k=False),
-        max_batch_at_k=_largest_batch(dataclasses.replace(c, micro_batches=k), tile, fixed_k=True),
+        max_batch=_largest_batch(c, fixed_k=False),
+        max_batch_at_k=_largest_batch(dataclasses.replace(c, micro_batches=k), fixed_k=True),
         strategies=tuple(_strategies(c, n, rows, busiest, tile, traffic)),
         assumptions=tuple(_assumptions(c)), seconds=time.perf_counter() - t0,
     )  # fmt: skip
