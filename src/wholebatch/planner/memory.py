@@ -32,7 +32,8 @@ Strategies the library does not use, for comparison (their published
 measurements are in docs/plan.md): the full N x N logits on every rank ("naive",
 4 logits-sized float32 buffers, measured by benchmarks/bench_losses.py: 266,
 1,040, 4,120 MiB at N = 4,096 / 8,192 / 16,384) and open_clip's local loss
-(B x N logits: the same 4 buffers, B x N each, plus the gathered features).
+(B x N logits: the same 4 buffers, B x N each); both add the gathered
+features of both towers and their gradients (4·N·D·e).
 """
 
 from __future__ import annotations
@@ -91,10 +92,12 @@ def loss_memory(
         w: W.
     """
     views = 2 if loss == "nt_xent" else 1
+    # both towers' gathered features and their gradients (gather_with_grad)
+    gathered = 4 * n * dim * elem if w > 1 else 0
     if strategy == "naive":  # every rank holds the whole (views·N)^2 logits
-        return 4 * (views * n) ** 2 * acc + 2 * n * dim * elem * (1 if w > 1 else 0)
-    if strategy == "local":  # B x N logits per direction, gathered features of both towers
-        return 4 * (views * b) * (views * n) * acc + 2 * n * dim * elem * (1 if w > 1 else 0)
+        return 4 * (views * n) ** 2 * acc + gathered
+    if strategy == "local":  # B x N logits per direction (open_clip's local_loss, DisCo-CLIP)
+        return 4 * (views * b) * (views * n) * acc + gathered
     alpha, beta = _coefficients(loss, strategy, w, elem, acc)
     lse = 4 * views * n * acc if strategy == "gather + tiled" else 0
     return int(alpha * n * dim + beta * b * dim + 2 * tile * tile * acc + lse)
