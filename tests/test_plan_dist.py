@@ -194,3 +194,11 @@ def test_planned_loss_memory_within_15_percent_of_peak_rss() -> None:
         )  # fmt: skip
         for rank, peak in enumerate(measured[spec]):
             assert abs(planned - peak) <= 0.15 * peak, (spec, rank, planned, peak)
+    # Mutation: CLIP's memory modelled as if it held only B x D blocks (forgetting
+    # the gathered N x D texts and their gradient) is rejected by the same bound.
+    loss, n, dim, tile, _ = MEMORY_CASES[0].split(":")
+    wrong = loss_memory(
+        loss, strategy="ring + tiled", n=int(n), b=int(n) // world, dim=int(dim), elem=4,
+        acc=4, tile=int(tile), w=world,
+    )  # fmt: skip
+    assert all(abs(wrong - peak) > 0.15 * peak for peak in measured[MEMORY_CASES[0]])
