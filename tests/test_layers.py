@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "train": 3,
     "verify": 4,
     "plan": 4,
+    "planner": 4,
     "integrations": 5,
     "cli": 6,
 }

@@ -9,6 +9,7 @@ owns it (DESIGN.md, "Layers"):
     wholebatch.losses        whole-batch contrastive losses
     wholebatch.train         Accumulator, GradCache, CachedStep, step finishing, checkpoints
     wholebatch.verify        split-vs-whole gradient verification
+    wholebatch.planner       `wholebatch.plan`: a step's memory, bytes and time per rank
     wholebatch.integrations  drop-ins for peer libraries
     wholebatch.lint          static rules (no torch)
     wholebatch.cli           the `wholebatch` command
@@ -56,6 +57,9 @@ _LAZY: dict[str, str] = {
     "StepFinisher": "wholebatch.train.stepping",
     "StepStats": "wholebatch.train.stepping",
     "sync_context": "wholebatch.train.stepping",
+    "plan": "wholebatch.planner.core",
+    "Plan": "wholebatch.planner.core",
+    "PlanConfig": "wholebatch.planner.config",
 }
 
 # Written out (not computed) so mypy and IDEs read it; a test keeps it equal to _LAZY.
@@ -67,6 +71,8 @@ __all__ = [
     "GradCache",
     "GradCompression",
     "NonFiniteStepError",
+    "Plan",
+    "PlanConfig",
     "StepConfig",
     "StepFinisher",
     "StepStats",
@@ -87,6 +93,7 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "nt_xent_loss",
+    "plan",
     "reduce_scatter",
     "ring_shift",
     "set_checks",
@@ -116,6 +123,8 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     )
     from wholebatch.errors import WholebatchError, WholebatchTypeError
     from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+    from wholebatch.planner.config import PlanConfig
+    from wholebatch.planner.core import Plan, plan
     from wholebatch.train import checkpoint
     from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
     from wholebatch.train.cache import CachedStep

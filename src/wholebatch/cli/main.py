@@ -6,6 +6,7 @@
     wholebatch selftest                # every collective and loss on the real group (under torchrun too)
     wholebatch bench                   # the benchmarks, quick mode (from a source checkout)
     wholebatch lint PATH...            # static checks for the classic gradient mistakes
+    wholebatch plan --loss clip ...    # memory, bytes and time per rank of a step, before the run
 
 Exit codes: 0 ok; 1 a check failed (verify mismatch, selftest failure, lint
 findings); 2 bad usage (a bad flag value, a TARGET that does not exist).
@@ -148,6 +149,17 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=1800.0, help="seconds per benchmark")
 
     sub.add_parser("lint", help="find classic gradient mistakes in training code", add_help=False)
+
+    from wholebatch.planner.config import PlanConfig
+
+    plan = sub.add_parser(
+        "plan",
+        help="memory, bytes and time per rank of one whole-batch step, at any W (docs/plan.md)",
+        description="Size one optimizer step per rank before the run: memory (loss, activations at "
+        "K, gradient caching), bytes each collective sends and receives, comm vs compute time, the "
+        "K and tile to use, the largest batch that fits, and the contrastive strategies compared.",
+    )
+    _add_config_flags(plan, PlanConfig)
     return parser
 
 
@@ -263,6 +275,28 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from wholebatch.planner import PlanConfig, plan
+
+    try:
+        config = _config(PlanConfig, args)
+    except WholebatchError as exc:
+        return _usage_error("plan", str(exc))
+    result = plan(config)
+    if config.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(result.format())
+    if config.plots:
+        from wholebatch.planner.plots import write_plots
+
+        for path in write_plots(config, config.plots):
+            print(f"wrote {path}", file=sys.stderr if config.json else sys.stdout)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 findings/failure, 2 usage error)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -280,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify": _run_verify,
         "selftest": _run_selftest,
         "bench": _run_bench,
+        "plan": _run_plan,
     }
     result: int = runners[args.command](args)
     return result

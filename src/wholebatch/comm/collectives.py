@@ -28,6 +28,7 @@ from wholebatch.comm import checks
 from wholebatch.comm._c10d import all_gather_single, global_rank, reduce_scatter_single
 from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
+from wholebatch.comm.sizes import gather_splits, reduce_scatter_splits, shift_splits
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter", "ring_shift"]
@@ -160,9 +161,10 @@ def _gather_rows(x_BR: Tensor, sizes: Sequence[int], group: ProcessGroup | None)
         # Each rank sends its B rows to every peer: (W-1)·B sent, N-B received,
         # the ring minimum, where padding to the largest B would move W·max.
         send = x_BR.repeat(world_size, *([1] * (x_BR.dim() - 1)))
+        splits = gather_splits(sizes, x_BR.shape[0])
         dist.all_to_all_single(
-            out_NR, send, output_split_sizes=list(sizes),
-            input_split_sizes=[x_BR.shape[0]] * world_size, group=group,
+            out_NR, send, output_split_sizes=list(splits.recv),
+            input_split_sizes=list(splits.send), group=group,
         )  # fmt: skip
     return out_NR
 
@@ -191,9 +193,11 @@ def _reduce_scatter_rows(
     # reduce-scatter sends twice the bytes and runs 1.5-2x slower
     # (benchmarks/RESULTS.md; torch.distributed.nn does the same on gloo).
     recv = x_NR.new_empty((world_size * b, *rest))
+    splits = reduce_scatter_splits(sizes, rank)
     dist.all_to_all_single(
-        recv, x_NR, output_split_sizes=[b] * world_size, input_split_sizes=list(sizes), group=group
-    )
+        recv, x_NR, output_split_sizes=list(splits.recv), input_split_sizes=list(splits.send),
+        group=group,
+    )  # fmt: skip
     return recv.view(world_size, b, *rest).to(out_dtype).sum(0)
 
 
@@ -374,7 +378,7 @@ class _RingShift(torch.autograd.Function):
         world_size, rank = len(sizes), get_rank(group)
         ctx.shift, ctx.dim, ctx.sizes, ctx.wire, ctx.group = shift, dim, sizes, wire, group
         ctx.rank = rank
-        recv_rows = sizes[(rank - shift) % world_size]
+        _, recv_rows = shift_splits(sizes, rank, shift)
         out = _shift_rows(_cast(_front(x, dim), wire), shift, recv_rows, rank, world_size, group)
         return _back(out.to(x.dtype), dim)
 
@@ -384,7 +388,8 @@ class _RingShift(torch.autograd.Function):
         arrive("ring_shift backward", grad, ctx.group)
         world_size = len(ctx.sizes)
         g = _cast(_front(grad, ctx.dim), ctx.wire)
-        back = _shift_rows(g, -ctx.shift, ctx.sizes[ctx.rank], ctx.rank, world_size, ctx.group)
+        sent_rows, _ = shift_splits(ctx.sizes, ctx.rank, ctx.shift)  # they come back
+        back = _shift_rows(g, -ctx.shift, sent_rows, ctx.rank, world_size, ctx.group)
         return _back(back.to(grad.dtype), ctx.dim), None, None, None, None, None
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from wholebatch.comm.collectives import ring_shift
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
+from wholebatch.comm.sizes import ring_sizes
 
 __all__ = ["SigmoidRing", "SymmetricLSE", "TiledLSE", "compute_dtype"]
 
@@ -233,8 +234,7 @@ class SymmetricLSE(torch.autograd.Function):
 
 def _ring_sizes(sizes: tuple[int, ...], step: int) -> list[int]:
     """Rows each rank holds at ring step `step`: rank q holds the block of rank q - step."""
-    w = len(sizes)
-    return [sizes[(q - step) % w] for q in range(w)]
+    return list(ring_sizes(sizes, step))
 
 
 def _softplus_sum(

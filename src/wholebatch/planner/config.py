@@ -1,0 +1,147 @@
+"""`PlanConfig`: what `wholebatch plan` needs to know about the run, the model and the cluster.
+
+Every field is a flag of `wholebatch plan` (`--act-mib` is `act_mib`), its help
+the docstring under it. Units are in the names: GiB and MiB are 2^30 and 2^20
+bytes; GB/s is 10^9 bytes per second; TFLOP/s is 10^12.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from wholebatch.errors import WholebatchError
+
+__all__ = ["DTYPE_BYTES", "LOSSES", "PlanConfig"]
+
+LOSSES = ("clip", "siglip", "nt_xent", "info_nce", "tokens")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """One training configuration to size: loss, batch, model, devices, links."""
+
+    loss: str = "clip"
+    """clip, siglip, nt_xent, info_nce (whole-batch contrastive losses), or tokens
+    (token-level accumulation of a per-item loss: no loss collectives)."""
+
+    batch: int = 32768
+    """N, the global batch of one optimizer step: pairs (clip, siglip, info_nce),
+    samples of two views (nt_xent), or sequences (tokens)."""
+
+    dim: int = 512
+    """D, the embedding dim the contrastive loss receives."""
+
+    dtype: str = "bf16"
+    """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64
+    (the tiled kernels compute in float32 for 16-bit inputs)."""
+
+    world: int = 8
+    """W, ranks (one per GPU) in the data-parallel group."""
+
+    gpus_per_node: int = 8
+    """GPUs per node: rings within a node use the intra-node link, the rest the inter-node link."""
+
+    memory_gib: float = 80.0
+    """Memory of one device, GiB."""
+
+    reserve_gib: float = 3.0
+    """Device memory tensors cannot use (CUDA context, NCCL buffers, allocator slack), GiB."""
+
+    act_mib: float = 0.0
+    """The model's activation memory per sample, MiB: what one sample's forward keeps for
+    backward (wholebatch.planner.measure_model measures it on CPU)."""
+
+    params: float = 0.0
+    """The model's parameter count (e.g. 4.28e8)."""
+
+    state_bytes: float = 16.0
+    """Bytes per parameter held for training: weights, gradients, optimizer state
+    (16: fp32 weights and gradients plus Adam's two moments)."""
+
+    grad_bytes: int = 4
+    """Bytes per gradient element on DDP's all-reduce (4: fp32; 2: bf16/fp16 compression)."""
+
+    tokens: int = 256
+    """Tokens (or patches) per sample, for the compute estimate 6 x params x tokens FLOPs."""
+
+    flops_per_sample: float = 0.0
+    """The model's forward + backward FLOPs per sample; 0: 6 x params x tokens."""
+
+    micro_batches: int = 0
+    """K, micro-batches per rank per step; 0: the smallest K that fits."""
+
+    tile: int = 0
+    """T, rows and columns of one logits tile; 0: chosen from the batch and the device memory."""
+
+    intra_gbs: float = 300.0
+    """Achieved bandwidth per GPU per direction inside a node, GB/s (NVLink: 300-450)."""
+
+    inter_gbs: float = 40.0
+    """Achieved bandwidth per GPU per direction between nodes, GB/s (400 Gb/s InfiniBand: ~45)."""
+
+    latency_us: float = 10.0
+    """Latency of one message round, microseconds."""
+
+    tflops: float = 400.0
+    """Achieved dense matmul throughput of one device, TFLOP/s (H100 bf16 peak: 989)."""
+
+    hbm_gbs: float = 2500.0
+    """Achieved device memory bandwidth, GB/s (the tiles' elementwise passes are bound by it)."""
+
+    json: bool = False
+    """Print the plan as JSON instead of tables."""
+
+    plots: str = ""
+    """Folder to write PNG plots of memory and bytes against W and batch ("": none)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, need: str) -> WholebatchError:
+            return WholebatchError(f"{name}={value!r} {need}")
+
+        if self.loss not in LOSSES:
+            raise bad("loss", self.loss, f"is not one of {', '.join(LOSSES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
+        for name in ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, value, "must be a positive int")
+        for name in ("micro_batches", "tile"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(name, value, "must be an int >= 0 (0: chosen by the planner)")
+        if self.world > 65536:
+            raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
+        if self.batch < self.world and self.loss != "tokens":
+            raise bad(
+                "batch", self.batch, f"is smaller than world={self.world}: give every rank a row"
+            )
+        positive = ("memory_gib", "intra_gbs", "inter_gbs", "tflops", "hbm_gbs", "state_bytes")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise bad(name, value, "must be a number > 0")
+        for name in ("reserve_gib", "act_mib", "params", "flops_per_sample", "latency_us"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise bad(name, value, "must be a number >= 0")
+        if self.reserve_gib >= self.memory_gib:
+            raise bad(
+                "reserve_gib", self.reserve_gib, f"must be below memory_gib={self.memory_gib}"
+            )
+
+    @property
+    def elem(self) -> int:
+        """Bytes per embedding element."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def acc(self) -> int:
+        """Bytes per element of the tiled kernels' compute dtype (float32 unless float64)."""
+        return max(4, self.elem)
+
+    @property
+    def budget(self) -> int:
+        """Bytes tensors may use on one device."""
+        return int((self.memory_gib - self.reserve_gib) * 2**30)
