@@ -153,6 +153,10 @@ TORCH_FREE = {
         "list(Plugin(ast.parse('x = 1\\n'), 'x.py', ['x = 1\\n']).run())"
     ),
     "version": "import wholebatch; wholebatch.__version__; dir(wholebatch)",
+    "wholebatch plan": (
+        "from wholebatch.cli import main\n"
+        "assert main(['plan', '--world', '65536', '--batch', '1048576', '--json']) == 0"
+    ),
 }
 
 

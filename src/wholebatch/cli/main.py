@@ -91,10 +91,15 @@ def _config(cls: type, args: argparse.Namespace) -> Any:
         raise WholebatchError(text) from None
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    from wholebatch.cli.demo import DemoConfig
-    from wholebatch.cli.selftest import SelftestConfig
-    from wholebatch.verify.runner import VerifyConfig
+def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand gets its flags.
+
+    Each subcommand's config lives beside code that imports torch; building only
+    the one asked for keeps `wholebatch plan` (pure Python) from loading torch.
+    """
+
+    def wants(name: str) -> bool:
+        return command is None or command == name
 
     parser = argparse.ArgumentParser(
         prog="wholebatch",
@@ -111,12 +116,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "ranks and micro-batches; check the first step's gradient against one process; report "
         "held-out retrieval, memory, a plot and a JSON summary.",
     )
-    _add_config_flags(demo, DemoConfig)
-    demo.add_argument(
-        "--gather", action="store_true",
-        help="instead: the 2-process demonstration of the gradient through all_gather "
-        "(torch.distributed.all_gather vs wholebatch.all_gather)",
-    )  # fmt: skip
+    if wants("demo"):
+        from wholebatch.cli.demo import DemoConfig
+
+        _add_config_flags(demo, DemoConfig)
+        demo.add_argument(
+            "--gather", action="store_true",
+            help="instead: the 2-process demonstration of the gradient through all_gather "
+            "(torch.distributed.all_gather vs wholebatch.all_gather)",
+        )  # fmt: skip
 
     verify = sub.add_parser(
         "verify",
@@ -126,10 +134,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "the likely mistake. TARGET: 'module:function' or 'path/to/file.py:function' returning a "
         "wholebatch.verify.VerifySpec.",
     )
-    verify.add_argument(
-        "targets", nargs="+", metavar="TARGET", help="module:function or file.py:function"
-    )
-    _add_config_flags(verify, VerifyConfig)
+    if wants("verify"):
+        from wholebatch.verify.runner import VerifyConfig
+
+        verify.add_argument(
+            "targets", nargs="+", metavar="TARGET", help="module:function or file.py:function"
+        )
+        _add_config_flags(verify, VerifyConfig)
 
     selftest = sub.add_parser(
         "selftest",
@@ -137,7 +148,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Under torchrun: checks the group torchrun built (any backend, any number "
         "of nodes). Otherwise: starts --nproc local processes.",
     )
-    _add_config_flags(selftest, SelftestConfig)
+    if wants("selftest"):
+        from wholebatch.cli.selftest import SelftestConfig
+
+        _add_config_flags(selftest, SelftestConfig)
 
     bench = sub.add_parser("bench", help="run the benchmarks (quick mode) and print their tables")
     bench.add_argument("--full", action="store_true", help="the full configurations, not --quick")
@@ -150,8 +164,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("lint", help="find classic gradient mistakes in training code", add_help=False)
 
-    from wholebatch.planner.config import PlanConfig
-
     plan = sub.add_parser(
         "plan",
         help="memory, bytes and time per rank of one whole-batch step, at any W (docs/plan.md)",
@@ -159,7 +171,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "K, gradient caching), bytes each collective sends and receives, comm vs compute time, the "
         "K and tile to use, the largest batch that fits, and the contrastive strategies compared.",
     )
-    _add_config_flags(plan, PlanConfig)
+    if wants("plan"):
+        from wholebatch.planner.config import PlanConfig
+
+        _add_config_flags(plan, PlanConfig)
     return parser
 
 
@@ -304,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from wholebatch.lint import main as lint_main
 
         return lint_main(args_list[1:])
-    parser = _build_parser()
+    known = ("demo", "verify", "selftest", "bench", "plan")
+    parser = _build_parser(args_list[0] if args_list and args_list[0] in known else None)
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
