@@ -112,7 +112,9 @@ def gpt2_trainer() -> TrainerSpec:
     return TrainerSpec(build_model=gpt2, batch=lm_batch(), train=train, reference_loss=lm_reference)
 
 
-def _accelerate(run: TrainerRun) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer, list[Batch]]:
+def _accelerate(
+    run: TrainerRun,
+) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer, list[Batch]]:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=run.micro_batches)
     loader = DataLoader(run.dataset, batch_size=run.per_device_rows)
     model, optimizer, loader = accelerator.prepare(run.model, run.optimizer, loader)

@@ -145,7 +145,9 @@ def locate(comparisons: Sequence[Comparison]) -> tuple[str | None, str | None]:
             scope = "micro-batches"
     off = _find(comparisons, w, k, False) if drop else None
     if off is not None and off is not main:
-        parts.append("only with dropout (exact with dropout off)" if off.ok else "also with dropout off")
+        parts.append(
+            "only with dropout (exact with dropout off)" if off.ok else "also with dropout off"
+        )
     equal = _find(comparisons, w, k, False, equal=True)
     if equal is not None:
         parts.append(
@@ -189,7 +191,10 @@ def _read_fit(fit: Fit | None, w: int) -> tuple[str, float] | None:
         sums = {r: sum(a[j] for j in js) for r, js in per_rank.items()}
         within = all(
             b[js[0]] > 0
-            and all(abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= _RATIO_TOL * abs(a[js[0]] / b[js[0]]) for j in js)
+            and all(
+                abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= _RATIO_TOL * abs(a[js[0]] / b[js[0]])
+                for j in js
+            )
             for js in per_rank.values()
         )
         if within and all(abs(s - 1.0 / w) <= _RATIO_TOL / w for s in sums.values()):
@@ -234,7 +239,9 @@ def _wrong_count_text(c: float, counts: Mapping[str, int], fit: Fit | None) -> s
 def _evidence_causes(ev: Evidence, main: Comparison) -> list[Diagnosis]:
     out: list[Diagnosis] = []
     calls = ev.step_calls
-    if calls and (max(calls) > 1 or len(set(calls)) > 1 or (ev.kind == "trainer" and min(calls) == 0)):
+    if calls and (
+        max(calls) > 1 or len(set(calls)) > 1 or (ev.kind == "trainer" and min(calls) == 0)
+    ):
         shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(calls))
         if max(calls) == 0:
             what = (
@@ -367,13 +374,28 @@ def _gradient_causes(
             "losses and divide once by the global item count, agreed across ranks before "
             "backward (wholebatch.Accumulator).",
         ))  # fmt: skip
-    ratio = _common_ratio(clean) if not clean.ok else None
+    if (
+        k > 1
+        and bad
+        and all(p.ref_max > 0 and math.prod(p.shape) == 1 and _multiple(p, float(k)) for p in bad)
+    ):
+        out.append(Diagnosis(
+            code="replicated-K",
+            message=f"{at}only the replicated scalar(s) {_names(bad)} differ, each at K = {k} "
+            "times its gradient, while every encoder gradient is right: the loss is evaluated once "
+            "per micro-batch (open_clip's accum_freq), so the scalar's gradient is counted K "
+            "times. Fix: take the loss's gradient once on the cached embeddings "
+            "(wholebatch.CachedStep).",
+        ))  # fmt: skip
+    replicated = any(d.code == "replicated-K" for d in out)
+    ratio = _common_ratio(clean) if not clean.ok and not replicated else None
+    uniform = ratio is not None and all(not p.ok for p in clean.params if p.ref_max > 0)
     if ratio is not None and w > 1 and _near(ratio, 1.0 / w):
         if gathers:
             out.append(Diagnosis(
                 code="gather-no-grad",
-                message=f"{at}every gradient is exactly 1/W = 1/{w} of the whole-batch gradient "
-                f"and the step passed features needing gradient to a collective without one "
+                message=f"{at}every differing gradient is exactly 1/W = 1/{w} of the whole-batch "
+                f"gradient and the step passed features needing gradient to a collective without one "
                 f"({gathers}): the gathered features are constants but the local slice put back, "
                 "so each rank trains only through its own rows (open_clip's "
                 "gather_with_grad=False). Fix: wholebatch.all_gather (backward: reduce-scatter), "
@@ -395,12 +417,13 @@ def _gradient_causes(
     elif ratio is not None and w > 1 and _near(ratio, float(w)):
         out.append(Diagnosis(
             code="double-compensated",
-            message=f"{at}every gradient is exactly W = {w} times the whole-batch gradient: "
+            message=f"{at}every differing gradient is exactly W = {w} times the whole-batch "
+            "gradient: "
             "DDP's 1/W is compensated twice (the loss multiplied by W on top of a wholebatch loss "
             "or an HF Trainer that already multiplies), or gradients are summed where the loss "
             "expected DDP's mean. Pass the same grad_reduction everywhere.",
         ))  # fmt: skip
-    elif ratio is not None and not _near(ratio, 1.0):
+    elif ratio is not None and uniform and not _near(ratio, 1.0):
         named = _wrong_count_text(ratio, ev.item_counts, fit)
         proportional = reading is not None and reading[0] == "uniform"
         if named or proportional:
@@ -421,17 +444,6 @@ def _gradient_causes(
                 "factor (a loss divided by a wrong count or number of micro-batches, a loss scale "
                 "not removed, or clipped gradients: verify's reference does not clip).",
             ))  # fmt: skip
-    if k > 1 and bad and all(
-        p.ref_max > 0 and math.prod(p.shape) == 1 and _multiple(p, float(k)) for p in bad
-    ):
-        out.append(Diagnosis(
-            code="replicated-K",
-            message=f"{at}only the replicated scalar(s) {_names(bad)} differ, each at K = {k} "
-            "times its gradient, while every encoder gradient is right: the loss is evaluated once "
-            "per micro-batch (open_clip's accum_freq), so the scalar's gradient is counted K "
-            "times. Fix: take the loss's gradient once on the cached embeddings "
-            "(wholebatch.CachedStep).",
-        ))  # fmt: skip
     if gathers and not any(d.code == "gather-no-grad" for d in out) and scope in ("ranks", "each"):
         out.append(Diagnosis(
             code="gather-no-grad",
@@ -494,29 +506,47 @@ def _generic(
         ask = (
             " If the loss is a mean over items (tokens), give the spec an equal_batch (every row "
             "the same item count) so verify can tell a normalisation mistake apart"
-            + (": reference_loss is not a sum over micro-batches here, so the weights could not "
-               "be read from the gradient" if fit is not None else "")
+            + (
+                f" (the weights could not be read from the gradient: {fit.note})"
+                if fit is not None and fit.note
+                else ""
+            )
             + "."
         )
     text = {
-        "unsplit": ("breaks-unsplit", "the split step differs from reference_loss even on one "
-                    "rank with one micro-batch: they compute different losses (a different "
-                    "normalisation, a term only one of them has, clipping, a frozen or detached "
-                    "part). Compare the step's loss with reference_loss on the whole batch."),
-        "ranks": ("breaks-across-ranks", "exact on one rank, wrong across ranks: a cross-rank "
-                  "term has the wrong gradient or weight (a gather without gradient, a "
-                  "per-rank normalisation, a rank-dependent label offset, a parameter outside "
-                  "DDP)."),
-        "micro-batches": ("breaks-across-micro-batches", "exact with one micro-batch, wrong "
-                          "across micro-batches: accumulation weighs or connects them wrongly "
-                          "(a per-micro-batch mean, a loss over only the live micro-batch, a "
-                          "missing no_sync/sync, a second pass that differs)."),
-        "both-ways": ("breaks-split-both-ways", "exact split across ranks alone and across "
-                      "micro-batches alone, wrong when split both ways: the step combines ranks "
-                      "and micro-batches wrongly (a count agreed per rank but not across "
-                      "micro-batches, or the reverse)."),
-        "each": ("breaks-each-way", "wrong across ranks alone and across micro-batches alone: "
-                 "look for a normalisation or a gather that depends on how the batch is cut."),
+        "unsplit": (
+            "breaks-unsplit",
+            "the split step differs from reference_loss even on one "
+            "rank with one micro-batch: they compute different losses (a different "
+            "normalisation, a term only one of them has, clipping, a frozen or detached "
+            "part). Compare the step's loss with reference_loss on the whole batch.",
+        ),
+        "ranks": (
+            "breaks-across-ranks",
+            "exact on one rank, wrong across ranks: a cross-rank "
+            "term has the wrong gradient or weight (a gather without gradient, a "
+            "per-rank normalisation, a rank-dependent label offset, a parameter outside "
+            "DDP).",
+        ),
+        "micro-batches": (
+            "breaks-across-micro-batches",
+            "exact with one micro-batch, wrong "
+            "across micro-batches: accumulation weighs or connects them wrongly "
+            "(a per-micro-batch mean, a loss over only the live micro-batch, a "
+            "missing no_sync/sync, a second pass that differs).",
+        ),
+        "both-ways": (
+            "breaks-split-both-ways",
+            "exact split across ranks alone and across "
+            "micro-batches alone, wrong when split both ways: the step combines ranks "
+            "and micro-batches wrongly (a count agreed per rank but not across "
+            "micro-batches, or the reverse).",
+        ),
+        "each": (
+            "breaks-each-way",
+            "wrong across ranks alone and across micro-batches alone: "
+            "look for a normalisation or a gather that depends on how the batch is cut.",
+        ),
     }
     if scope in text:
         code, what = text[scope]

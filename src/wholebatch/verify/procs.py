@@ -97,7 +97,7 @@ def _run_child(
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=os.environ.get("_WHOLEBATCH_VERIFY_PORT", "29500"),
             )  # fmt: skip
-            store = dist.FileStore(store_path, nproc)
+            store = dist.FileStore(store_path, nproc)  # type: ignore[attr-defined]
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=nproc,
                 timeout=timedelta(seconds=timeout_s),
@@ -225,9 +225,9 @@ def root_main(fd: int) -> None:
     torch.set_num_threads(1)
     # Preloaded once for every fork: DistributedDataParallel's first construction imports
     # torch._dynamo (~800 modules, seconds), which would otherwise repeat in every rank.
-    import torch._dynamo  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.utils.checkpoint  # noqa: F401
+    import torch._dynamo
+    import torch.nn.parallel
+    import torch.utils.checkpoint
 
     from wholebatch.verify import recording, worker  # noqa: F401
 
@@ -276,7 +276,9 @@ class Session:
         self._cwd = os.getcwd()
         self._sys_path = [os.path.abspath(p) if p else self._cwd for p in sys.path]
         parent_sock, child_sock = socket.socketpair()
-        code = "import sys; from wholebatch.verify.procs import root_main; root_main(int(sys.argv[1]))"
+        code = (
+            "import sys; from wholebatch.verify.procs import root_main; root_main(int(sys.argv[1]))"
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         # The root's stdout goes to our stderr: what a step prints never mixes with --json.
         self._proc = subprocess.Popen(
@@ -305,7 +307,15 @@ class Session:
         from wholebatch.verify.spec import TargetError
 
         deadline = deadline_s if deadline_s is not None else 4 * self.timeout_s + 60
-        _send(self._conn, (where, self._cwd, self._sys_path, (fn, args, nproc, distributed, self.timeout_s, deadline)))
+        _send(
+            self._conn,
+            (
+                where,
+                self._cwd,
+                self._sys_path,
+                (fn, args, nproc, distributed, self.timeout_s, deadline),
+            ),
+        )
         # The module's import and the run's own deadline come first; this one catches a stalled tree.
         if not self._conn.poll(deadline + 300):
             self.close()

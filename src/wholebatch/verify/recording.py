@@ -128,10 +128,8 @@ class TapeDropout(nn.Module):
         elif in_backward():
             # A checkpoint recomputing this module in the reference's backward: the mask of
             # the latest forward call of that shape (what preserve_rng_state=True redraws).
-            keep = next((m for m in reversed(self._replayed) if m.shape == x.shape), None)
-            if keep is None:
-                keep = self._next_rows(x)
-            keep = keep.to(x.device)
+            seen = next((m for m in reversed(self._replayed) if m.shape == x.shape), None)
+            keep = (seen if seen is not None else self._next_rows(x)).to(x.device)
         else:
             keep = self._next_rows(x)
             self._replayed.append(keep)
@@ -237,6 +235,7 @@ _WATCHED = (
     "scatter",
 )
 _SEEN: collections.Counter[str] = collections.Counter()
+_DEPTH = [0]
 
 
 def _needs_grad(value: Any) -> bool:
@@ -250,11 +249,16 @@ def _needs_grad(value: Any) -> bool:
 def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and (
+        # A collective may re-enter itself (a TorchFunctionMode hands it back): count once.
+        if not _DEPTH[0] and torch.is_grad_enabled() and (
             any(_needs_grad(a) for a in args) or any(_needs_grad(v) for v in kwargs.values())
         ):
             _SEEN[f"torch.distributed.{name}"] += 1
-        return fn(*args, **kwargs)
+        _DEPTH[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
 
     call.__wholebatch_watched__ = True  # type: ignore[attr-defined]
     return call
@@ -343,8 +347,9 @@ class RowRecorder:
         if isinstance(batch, Tensor):
             return batch.detach().cpu()
         if isinstance(batch, Mapping):
-            if isinstance(batch.get("input_ids"), Tensor):
-                return batch["input_ids"].detach().cpu()
+            ids = batch.get("input_ids")
+            if isinstance(ids, Tensor):
+                return ids.detach().cpu()
             values = list(batch.values())
         else:
             values = list(batch)

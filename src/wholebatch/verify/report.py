@@ -190,6 +190,9 @@ class Fit:
     """Item counts of each micro-batch by a counting rule ("count_items", "labels != -100",
     "labels[..., 1:] != -100"), where known."""
 
+    note: str = ""
+    """Why the weights could not be read, when they could not."""
+
     @property
     def usable(self) -> bool:
         """Both gradients are (to round-off) weighted sums of the micro-batch gradients."""
@@ -295,6 +298,7 @@ class VerifyReport:
                 "split_residual": num(self.fit.split_residual),
                 "reference_residual": num(self.fit.reference_residual),
                 "counts": {k: list(v) for k, v in self.fit.counts.items()},
+                "note": self.fit.note,
             },
             "variants": [
                 {

@@ -372,7 +372,9 @@ def load_spec(target: str) -> Spec:
             names = sorted(
                 n
                 for n, v in vars(module).items()
-                if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
+                if inspect.isfunction(v)
+                and v.__module__ == module.__name__
+                and not n.startswith("_")
             )
             raise TargetError(
                 f"verify: {where!r} has no {attr!r}; its functions: {', '.join(names)}"
@@ -408,7 +410,9 @@ def target_of(fn: Callable[[], Spec] | str) -> str:
     if module and module != "__main__":
         loaded = sys.modules.get(module)
         if loaded is not None and getattr(loaded, "__spec__", None) is not None:
-            found = importlib.util.find_spec(module) if not module.startswith("_wholebatch") else None
+            found = (
+                importlib.util.find_spec(module) if not module.startswith("_wholebatch") else None
+            )
             if found is not None and found.origin and source and Path(found.origin) == Path(source):
                 return f"{module}:{qualname}"
     if source is None:

@@ -77,7 +77,7 @@ class Condition:
 
     @property
     def label(self) -> str:
-        """"as given", "dropout off", "equal items, dropout off"."""
+        """ "as given", "dropout off", "equal items, dropout off"."""
         if self.equal:
             return "equal items" + ("" if self.dropout else ", dropout off")
         return "as given" if self.dropout else "dropout off"
@@ -210,7 +210,7 @@ def split_rank(
     named = list(model.named_parameters())
     before = [p.detach().clone() for _, p in named]
     optimizer = GradRecorder([p for _, p in named])
-    k, n = micro_batches, rows(batch)
+    k, _n = micro_batches, rows(batch)
     collectives_seen(reset=True)
     meter = DtypeMeter()
     with meter:
@@ -291,7 +291,9 @@ def _ref_grads(
     seed: int,
 ) -> tuple[dict[str, Tensor | None], set[torch.dtype]]:
     model, tapes = _build(spec, "record" if masks is not None else "off")
-    for name, tape in tapes.items() if masks is not None else ():
+    for name, tape in tapes.items():
+        if masks is None:
+            break
         per_rank = [m.get(name) for m in masks]
         if any(m is None for m in per_rank):
             raise WholebatchError(
@@ -338,21 +340,36 @@ def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) 
     for name, shape in shapes.items():
         g = grads.get(name)
         parts.append(
-            g.double().flatten() if g is not None else torch.zeros(math.prod(shape), dtype=torch.float64)
+            g.double().flatten()
+            if g is not None
+            else torch.zeros(math.prod(shape), dtype=torch.float64)
         )
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float]:
-    """Weights w minimising ||M w - y|| and the relative residual; residual inf if M is degenerate."""
-    if m_PJ.shape[0] < m_PJ.shape[1] or float(y_P.norm()) == 0:
-        return [math.nan] * m_PJ.shape[1], math.inf
+def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
+    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
+    p, j = m_PJ.shape
+    if p < j:
+        return (
+            [math.nan] * j,
+            math.inf,
+            (f"the model has {p} parameter entries, too few to tell {j} micro-batches apart"),
+        )
+    if float(y_P.norm()) == 0:
+        return [math.nan] * j, math.inf, "the gradient is zero"
     s = torch.linalg.svdvals(m_PJ)
     if float(s.min()) <= 1e-9 * float(s.max()):
-        return [math.nan] * m_PJ.shape[1], math.inf
+        return (
+            [math.nan] * j,
+            math.inf,
+            (
+                "the micro-batches' gradients are linearly dependent, so their weights are not unique"
+            ),
+        )
     w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
     residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
-    return [float(x) for x in w], residual
+    return [float(x) for x in w], residual, ""
 
 
 def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
@@ -376,14 +393,18 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
     for idx in req.pieces:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        spec.reference_loss(model, select_rows(batch, idx)).reshape(()).backward()
-        columns.append(
-            _flat({n: p.grad for n, p in model.named_parameters()}, shapes)
-        )
+        torch.autograd.backward(spec.reference_loss(model, select_rows(batch, idx)).reshape(()))
+        columns.append(_flat({n: p.grad for n, p in model.named_parameters()}, shapes))
     m_PJ = torch.stack(columns, dim=1)
     whole, _ = _ref_grads(spec, batch, None, seed)
-    a, ra = _lstsq(m_PJ, _flat(req.fit_to, shapes))
-    b, rb = _lstsq(m_PJ, _flat(whole, shapes))
+    a, ra, why_a = _lstsq(m_PJ, _flat(req.fit_to, shapes))
+    b, rb, why_b = _lstsq(m_PJ, _flat(whole, shapes))
+    note = why_b or why_a
+    if not note and rb >= 1e-5:
+        note = (
+            "reference_loss is not a weighted sum of its values on each micro-batch "
+            f"(residual {rb:.1e}), as a mean over items would be"
+        )
     counts: dict[str, list[int]] = {}
     for idx in req.pieces:
         for rule, n in item_counts(spec, select_rows(batch, idx)).items():
@@ -395,6 +416,7 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
         split_residual=ra,
         reference_residual=rb,
         counts={k: tuple(v) for k, v in counts.items()},
+        note=note,
     )
 
 
@@ -418,7 +440,9 @@ def reference(req: RefRequest) -> RefResult:
         backwards = select_rows(batch, list(range(rows(batch) - 1, -1, -1)))
         reordered, _ = _ref_grads(spec, backwards, None, seed)
         floor = _rel_diff(plain, reordered)
-    fit = _fit(spec, batch, req, seed) if req.pieces is not None and req.fit_to is not None else None
+    fit = (
+        _fit(spec, batch, req, seed) if req.pieces is not None and req.fit_to is not None else None
+    )
     model, _ = _build(spec, "off")
     return RefResult(
         grads=grads,
@@ -436,4 +460,3 @@ def eps_of(dtypes: Sequence[str]) -> float:
     """Machine epsilon of the least precise floating dtype named (float64's if none)."""
     eps = [torch.finfo(getattr(torch, d)).eps for d in dtypes if hasattr(torch, d)]
     return max(eps, default=torch.finfo(torch.float64).eps)
-
