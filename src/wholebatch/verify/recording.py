@@ -44,6 +44,7 @@ __all__ = [
     "collectives_seen",
     "in_backward",
     "install_tape_dropout",
+    "unwatch_collectives",
     "watch_collectives",
 ]
 
@@ -250,8 +251,10 @@ def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         # A collective may re-enter itself (a TorchFunctionMode hands it back): count once.
-        if not _DEPTH[0] and torch.is_grad_enabled() and (
-            any(_needs_grad(a) for a in args) or any(_needs_grad(v) for v in kwargs.values())
+        if (
+            not _DEPTH[0]
+            and torch.is_grad_enabled()
+            and (any(_needs_grad(a) for a in args) or any(_needs_grad(v) for v in kwargs.values()))
         ):
             _SEEN[f"torch.distributed.{name}"] += 1
         _DEPTH[0] += 1
@@ -284,6 +287,21 @@ def watch_collectives() -> None:
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is fn:
             setattr(dist, name, wrapped)
+
+
+def unwatch_collectives() -> None:
+    """Undo `watch_collectives` (restore torch.distributed's own functions)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in _WATCHED:
+        fn = getattr(c10d, name, None)
+        if fn is None or not getattr(fn, "__wholebatch_watched__", False):
+            continue
+        original = fn.__wrapped__
+        setattr(c10d, name, original)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, original)
 
 
 def collectives_seen(reset: bool = False) -> dict[str, int]:
@@ -330,13 +348,16 @@ class RowRecorder:
     Rows are recognised by content: the batch's key tensor ("input_ids" for a dict
     batch that has it, else its first tensor) is indexed by row bytes, and the
     first argument of the forward with the same dtype and row shape is looked up.
-    `calls` holds one list of whole-batch row indices per recognised forward.
+    `calls` holds one list of whole-batch row indices per recognised forward; a row
+    is taken once (a second pass over the same rows is not recorded), so `calls`
+    is the first pass.
     """
 
     def __init__(self, model: nn.Module, batch: Any) -> None:
         self.calls: list[list[int]] = []
         self._key = self._key_tensor(batch)
         self._index: dict[bytes, list[int]] = {}
+        self._used: collections.Counter[bytes] = collections.Counter()
         if self._key is not None:
             for i, row in enumerate(self._key):
                 self._index.setdefault(row.numpy().tobytes(), []).append(i)
@@ -369,7 +390,7 @@ class RowRecorder:
                 and t.dim() == self._key.dim()
                 and t.shape[1:] == self._key.shape[1:]
             ):
-                used: collections.Counter[bytes] = collections.Counter()
+                used = collections.Counter(self._used)
                 found = []
                 for row in t.detach().cpu():
                     key = row.numpy().tobytes()
@@ -380,6 +401,7 @@ class RowRecorder:
                     used[key] += 1
                 else:
                     self.calls.append(found)
+                    self._used = used
                     return
 
     def remove(self) -> None:
