@@ -80,6 +80,8 @@ def test_verify_diagnoses_every_shipped_mistake() -> None:
     assert gather["evidence"]["collectives_without_gradient"][0] == {
         "torch.distributed.all_gather": 2
     }
+    # a pass says what its batch could not test: 24 rows cut into 6 chunks of 4
+    assert "every micro-batch holds 4 rows" in got["examples/verify_clip.py:correct"]["notes"][0]
     # the logit_scale counted K times: only across micro-batches
     per_mb = got["examples/verify_clip.py:per_micro_batch_loss"]
     assert per_mb["where"].startswith("breaks only across micro-batches"), per_mb["where"]

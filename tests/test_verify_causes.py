@@ -93,6 +93,7 @@ def test_2_checkpoint_recomputation_is_not_taken_for_the_next_micro_batch(
 ) -> None:
     good = reports[f"{STEPS}:checkpointed"]
     assert good["passed"] and len(good["variants"]) == 1  # judged with dropout on
+    assert good["notes"] == []  # ragged tokens per micro-batch: normalisation was tested
     # MUTATION: the same step without RNG preservation is caught, and told apart
     bad = reports[f"{STEPS}:checkpoint_without_rng"]
     by_variant = {v["variant"]: v["passed"] for v in bad["variants"]}

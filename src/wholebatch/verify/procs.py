@@ -25,16 +25,19 @@ imported torch is safe here because none of these processes has started a
 thread or touched an accelerator before forking (torch runs with one thread).
 Linux (fork) only.
 
-Messages are pickled with plain `pickle` (tensors by value). A run that does not
-answer in time is killed; the parent kills the whole tree if the root stalls.
+Messages are `torch.save` bytes read back with `torch.load(weights_only=True)`
+and an allowlist of verify's own result classes: tensors by value, and no
+message can build anything else or carry code (a run names the function to
+call). A run that does not answer in time is killed; the parent kills the whole
+tree if the root stalls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -63,12 +66,45 @@ class ChildFailure:
         return f"ChildFailure(rank={self.rank}, kind={self.kind!r}, message={self.message!r})"
 
 
+def _allowed() -> list[Any]:
+    """The only classes a message may build (besides tensors, containers and primitives)."""
+    from wholebatch.verify.report import Fit
+    from wholebatch.verify.worker import (
+        Condition,
+        Description,
+        RankResult,
+        RefRequest,
+        RefResult,
+    )
+
+    return [ChildFailure, Condition, Description, Fit, RankResult, RefRequest, RefResult]
+
+
 def _send(conn: Connection, obj: Any) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    conn.send_bytes(buf.getvalue())
 
 
 def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    import torch
+
+    data = conn.recv_bytes()
+    with torch.serialization.safe_globals(_allowed()):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _runs() -> dict[str, Callable[..., Any]]:
+    """What a run may call, by name (a message names the function, it never carries code)."""
+    from wholebatch.verify import worker
+
+    return {
+        "describe": worker.describe,
+        "split_rank": worker.split_rank,
+        "reference": worker.reference,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -78,7 +114,7 @@ def _recv(conn: Connection) -> Any:
 
 def _run_child(
     conn: Connection,
-    fn: Callable[..., Any],
+    fn_name: str,
     args: tuple[Any, ...],
     rank: int,
     nproc: int,
@@ -102,13 +138,14 @@ def _run_child(
                 "gloo", store=store, rank=rank, world_size=nproc,
                 timeout=timedelta(seconds=timeout_s),
             )  # fmt: skip
+        fn = _runs()[fn_name]
         value = fn(*args, rank, nproc) if store_path is not None else fn(*args)
         payload: Any = ("ok", value)
     except BaseException as exc:  # report anything, SystemExit included
         payload = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
     try:
         _send(conn, payload)
-    except Exception as exc:  # the value does not pickle
+    except Exception as exc:  # the value does not serialise
         _send(conn, ("error", f"verify could not send the result back: {exc}", ""))
     if store_path is not None:
         import torch.distributed as dist
@@ -124,7 +161,7 @@ def _free_port() -> int:
 
 
 def _fork_run(
-    fn: Callable[..., Any],
+    fn_name: str,
     args: tuple[Any, ...],
     nproc: int,
     distributed: bool,
@@ -141,7 +178,7 @@ def _fork_run(
             recv_end, send_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_run_child,
-                args=(send_end, fn, args, rank, nproc, store, timeout_s),
+                args=(send_end, fn_name, args, rank, nproc, store, timeout_s),
             )
             proc.start()
             send_end.close()
@@ -168,6 +205,10 @@ def _fork_run(
                     procs[rank].join(timeout=5)
                     results[rank] = ChildFailure(
                         rank, "died", f"exited with code {procs[rank].exitcode} without a result"
+                    )
+                except Exception as exc:  # a result verify refuses to read back
+                    results[rank] = ChildFailure(
+                        rank, "raised", f"verify could not read its result: {exc}"
                     )
                 del pending[rank]
         for rank in pending:
@@ -212,8 +253,11 @@ def _module_main(conn: Connection, where: str, cwd: str, sys_path: list[str]) ->
             return
         if msg is None:
             return
-        fn, args, nproc, distributed, timeout_s, deadline_s = msg
-        _send(conn, _fork_run(fn, args, nproc, distributed, timeout_s, deadline_s))
+        fn_name, args, nproc, distributed, timeout_s, deadline_s = msg
+        if fn_name not in _runs():
+            _send(conn, [ChildFailure(0, "raised", f"verify: no run named {fn_name!r}")])
+            continue
+        _send(conn, _fork_run(fn_name, args, nproc, distributed, timeout_s, deadline_s))
 
 
 def root_main(fd: int) -> None:
@@ -307,15 +351,11 @@ class Session:
         from wholebatch.verify.spec import TargetError
 
         deadline = deadline_s if deadline_s is not None else 4 * self.timeout_s + 60
-        _send(
-            self._conn,
-            (
-                where,
-                self._cwd,
-                self._sys_path,
-                (fn, args, nproc, distributed, self.timeout_s, deadline),
-            ),
-        )
+        name = fn.__name__
+        if _runs().get(name) is not fn:
+            raise ValueError(f"verify: {name} is not one of the runs {sorted(_runs())}")
+        call = (name, args, nproc, distributed, self.timeout_s, deadline)
+        _send(self._conn, (where, self._cwd, self._sys_path, call))
         # The module's import and the run's own deadline come first; this one catches a stalled tree.
         if not self._conn.poll(deadline + 300):
             self.close()

@@ -250,6 +250,9 @@ class VerifyReport:
     fit: Fit | None = None
     """Implied micro-batch weights, when verify computed them."""
 
+    notes: tuple[str, ...] = ()
+    """What this run could not test (they do not fail it), e.g. micro-batches of equal size."""
+
     @property
     def passed(self) -> bool:
         """The step is one optimizer step with the whole-batch gradient (nothing says otherwise)."""
@@ -328,6 +331,7 @@ class VerifyReport:
                 for c in self.comparisons
             ],
             "diagnoses": [{"code": d.code, "message": d.message} for d in self.diagnoses],
+            "notes": list(self.notes),
         }
 
     def to_json_text(self) -> str:
@@ -394,6 +398,7 @@ class VerifyReport:
             )
             for d in self.diagnoses:
                 lines.append(f"Likely cause [{d.code}]: {d.message}")
+        lines += [f"Note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 

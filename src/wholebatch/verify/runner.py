@@ -36,6 +36,7 @@ Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -138,6 +139,7 @@ class _Target:
                 condition=condition,
                 masks=tuple(o.masks for o in outs) if replay else None,
                 probe=probe,
+                count_pieces=tuple(tuple(p) for o in outs for p in o.pieces) if probe else None,
             )
         )
 
@@ -275,10 +277,30 @@ class _Target:
             rtol=rtol,
             rtol_from=rtol_from,
         )
-        return diagnose(
+        report = diagnose(
             target=self.target, world_size=w, micro_batches=k, rows=self.desc.rows,
             wrap=self.desc.wrap, comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
         )  # fmt: skip
+        return dataclasses.replace(report, notes=_blind_spots(ref.piece_counts))
+
+
+def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:
+    """What this batch cannot reveal: with equal micro-batches a mean of means is exact."""
+    rules = {k: v for k, v in piece_counts.items() if k != "rows"} or piece_counts
+    if not rules or any(len(v) < 2 or len(set(v)) > 1 for v in rules.values()):
+        return ()
+    (rule, counts), *_ = rules.items()
+    if rule == "rows":
+        return (
+            f"every micro-batch holds {counts[0]} rows. If the loss is a mean over rows, a mean "
+            "of per-micro-batch means equals it on this batch, so a step that normalises per "
+            "micro-batch would pass too: use a row count not divisible by W·K to test that.",
+        )
+    return (
+        f"every micro-batch holds {counts[0]} items ({rule}). On such a batch a mean of "
+        "per-micro-batch means equals the whole-batch mean, so a step that normalises per "
+        "micro-batch would pass too: give a ragged batch to test normalisation.",
+    )
 
 
 def _describe(session: Session, target: str, config: VerifyConfig) -> Description:

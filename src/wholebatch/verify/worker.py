@@ -123,6 +123,7 @@ class RefRequest:
     pieces: tuple[tuple[int, ...], ...] | None = None
     piece_ranks: tuple[int, ...] = ()
     fit_to: Mapping[str, Tensor | None] | None = None
+    count_pieces: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,6 +136,7 @@ class RefResult:
     floor: float | None
     fit: Fit | None
     item_counts: dict[str, int]
+    piece_counts: dict[str, list[int]]
     params_fp: float
     batch_fp: float
 
@@ -385,6 +387,16 @@ def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
     return out
 
 
+def _piece_counts(
+    spec: Spec, batch: Batch, pieces: Sequence[Sequence[int]]
+) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {"rows": [len(p) for p in pieces]}
+    for idx in pieces:
+        for rule, n in item_counts(spec, select_rows(batch, idx)).items():
+            counts.setdefault(rule, []).append(n)
+    return counts
+
+
 def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
     assert req.pieces is not None and req.fit_to is not None
     model, _ = _build(spec, "off")
@@ -405,10 +417,8 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
             "reference_loss is not a weighted sum of its values on each micro-batch "
             f"(residual {rb:.1e}), as a mean over items would be"
         )
-    counts: dict[str, list[int]] = {}
-    for idx in req.pieces:
-        for rule, n in item_counts(spec, select_rows(batch, idx)).items():
-            counts.setdefault(rule, []).append(n)
+    counts = _piece_counts(spec, batch, req.pieces)
+    del counts["rows"]
     return Fit(
         ranks=tuple(req.piece_ranks),
         split=tuple(a),
@@ -451,6 +461,7 @@ def reference(req: RefRequest) -> RefResult:
         floor=floor,
         fit=fit,
         item_counts=item_counts(spec, batch),
+        piece_counts=_piece_counts(spec, batch, req.count_pieces or ()),
         params_fp=_params_fp(model),
         batch_fp=fingerprint(batch),
     )
