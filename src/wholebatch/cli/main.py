@@ -123,7 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run each TARGET's split step on W processes with K micro-batches each, "
         "the whole-batch reference in one process, compare every parameter's gradient, and name "
         "the likely mistake. TARGET: 'module:function' or 'path/to/file.py:function' returning a "
-        "wholebatch.verify.VerifySpec.",
+        "wholebatch.verify.VerifySpec (or a TrainerSpec for a trainer that owns the split).",
     )
     verify.add_argument(
         "targets", nargs="+", metavar="TARGET", help="module:function or file.py:function"
