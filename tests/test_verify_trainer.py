@@ -1,7 +1,8 @@
 """Verifying trainers that own the split: the HF Trainer (transformers 5.23) and Accelerate loops (issue 11, 7-8).
 
-One command (W = 2 x K = 3, --json) runs examples/verify_hf.py's targets and the
-fixed Trainer below, on models built from tiny configs in float64:
+One command (W = 2 x K = 3, --json) runs examples/verify_hf.py's targets (named
+through this module) and the fixed Trainer below, on models built from tiny
+configs in float64:
 
 - the stock Trainer on GPT2LMHeadModel (loss_type None) counts labels before the
   causal shift: every gradient is (predicted tokens)/(labels) = 107/131 of the
@@ -91,8 +92,16 @@ def fixed_gpt2_trainer() -> TrainerSpec:
     )
 
 
-EX = "examples/verify_hf.py"
-HERE = f"{Path(__file__).relative_to(ROOT)}:fixed_gpt2_trainer"
+# The examples' targets, named through this module so that one process imports
+# transformers once for all of them (each TARGET module is imported in its own process).
+gpt2_trainer = hf.gpt2_trainer
+gpt2_accelerate = hf.gpt2_accelerate
+gpt2_accelerate_mean = hf.gpt2_accelerate_mean
+llama_accumulator = hf.llama_accumulator
+llama_accumulator_strict = hf.llama_accumulator_strict
+
+EX = str(Path(__file__).relative_to(ROOT))
+HERE = f"{EX}:fixed_gpt2_trainer"
 EXPECTED: dict[str, str | None] = {
     f"{EX}:gpt2_trainer": "wrong-count",
     HERE: None,
