@@ -30,6 +30,7 @@ from wholebatch.verify.report import (
     Floor,
     ParamError,
     VerifyReport,
+    error_report,
 )
 
 __all__ = ["CAUSES", "diagnose", "error_report", "locate"]
@@ -588,27 +589,4 @@ def diagnose(
         floor=floor,
         evidence=evidence,
         fit=fit,
-    )
-
-
-def error_report(
-    *,
-    target: str,
-    world_size: int,
-    micro_batches: int,
-    rows: int,
-    wrap: str,
-    error: str,
-    code: str = "step-raised",
-) -> VerifyReport:
-    """The report of a step that raised (or hung) instead of producing gradients."""
-    return VerifyReport(
-        target=target,
-        world_size=world_size,
-        micro_batches=micro_batches,
-        rows=rows,
-        wrap=wrap,
-        comparisons=(),
-        diagnoses=(Diagnosis(code=code, message=error.splitlines()[0]),),
-        error=error,
     )

@@ -28,6 +28,7 @@ __all__ = [
     "ParamError",
     "VerifyReport",
     "compare",
+    "error_report",
 ]
 
 
@@ -462,4 +463,27 @@ def compare(
         params=params,
         rtol=rtol,
         step_calls=tuple(step_calls),
+    )
+
+
+def error_report(
+    *,
+    target: str,
+    world_size: int,
+    micro_batches: int,
+    rows: int,
+    wrap: str,
+    error: str,
+    code: str = "step-raised",
+) -> VerifyReport:
+    """The report of a step that raised (or hung) instead of producing gradients."""
+    return VerifyReport(
+        target=target,
+        world_size=world_size,
+        micro_batches=micro_batches,
+        rows=rows,
+        wrap=wrap,
+        comparisons=(),
+        diagnoses=(Diagnosis(code=code, message=error.splitlines()[0]),),
+        error=error,
     )
