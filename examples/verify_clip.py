@@ -1,7 +1,7 @@
 """`wholebatch verify` targets: a CLIP step over W ranks x K micro-batches, right and wrong.
 
     wholebatch verify examples/verify_clip.py:correct                # PASS
-    wholebatch verify examples/verify_clip.py:gather_no_grad         # FAIL: scaled-1/W
+    wholebatch verify examples/verify_clip.py:gather_no_grad         # FAIL: gather-no-grad
     wholebatch verify examples/verify_clip.py:per_micro_batch_loss   # FAIL: replicated-K
     wholebatch verify examples/verify_clip.py:no_rng_replay          # FAIL: no-rng-replay
 
@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wholebatch.losses.contrastive import clip_loss
 from wholebatch.train.cache import CachedStep
-from wholebatch.verify.runner import VerifySpec
+from wholebatch.verify import VerifySpec
 
 ROWS, D_IN, D_OUT = 24, 5, 4
 Batch = tuple[Tensor, Tensor]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from wholebatch.train.accumulate import Accumulator
-from wholebatch.verify.runner import VerifySpec
+from wholebatch.verify import VerifySpec
 
 ROWS, SEQ, VOCAB, DIM = 24, 6, 11, 8
 Batch = tuple[Tensor, Tensor, Tensor]  # tokens, targets (ROWS x SEQ), mask of real tokens

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "losses": 2,
     "train": 3,
     "verify": 4,
+    "testing": 4,
     "plan": 4,
     "planner": 4,
     "integrations": 5,

@@ -132,7 +132,7 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Run each TARGET's split step on W processes with K micro-batches each, "
         "the whole-batch reference in one process, compare every parameter's gradient, and name "
         "the likely mistake. TARGET: 'module:function' or 'path/to/file.py:function' returning a "
-        "wholebatch.verify.VerifySpec.",
+        "wholebatch.verify.VerifySpec (or a TrainerSpec for a trainer that owns the split).",
     )
     if wants("verify"):
         from wholebatch.verify.runner import VerifyConfig

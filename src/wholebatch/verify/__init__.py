@@ -1,20 +1,35 @@
-"""Verification: run a user's step split and whole, compare every gradient, name the mistake.
+"""Verification: run a user's step (or trainer) split and whole, compare every gradient, name the mistake.
 
-`runner` runs a `VerifySpec` over W ranks x K micro-batches against one process
-on the whole batch, `diagnose` compares and names the likely cause, `recording`
-holds the gradient recorder and the dropout tape. `wholebatch verify` (the CLI)
-drives it.
+`spec` holds what a TARGET returns (`VerifySpec`, `TrainerSpec`), `runner` runs
+it over W ranks x K micro-batches against one process on the whole batch, in
+clean processes (`procs`, `worker`), `report` and `diagnose` compare and name
+the likely cause, `recording` holds the instruments (gradient recorder, dropout
+tape, collective watch). `wholebatch verify` (the CLI) and `wholebatch.testing`
+drive it.
 """
 
 from __future__ import annotations
 
-from wholebatch.verify.runner import (
+from wholebatch.verify.report import VerifyReport
+from wholebatch.verify.runner import run_verify
+from wholebatch.verify.spec import (
     TargetError,
+    TrainerRun,
+    TrainerSpec,
     VerifyConfig,
     VerifySpec,
     load_spec,
-    run_verify,
     split_batch,
 )
 
-__all__ = ["TargetError", "VerifyConfig", "VerifySpec", "load_spec", "run_verify", "split_batch"]
+__all__ = [
+    "TargetError",
+    "TrainerRun",
+    "TrainerSpec",
+    "VerifyConfig",
+    "VerifyReport",
+    "VerifySpec",
+    "load_spec",
+    "run_verify",
+    "split_batch",
+]

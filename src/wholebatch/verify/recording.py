@@ -11,26 +11,41 @@
 - `SavedTensorMeter`: the peak bytes of activations held for backward (tensors
   saved by autograd, parameters excluded): a deterministic measure of
   activation memory that works on CPU.
+- `watch_collectives` / `collectives_seen`: counts the `torch.distributed`
+  collectives a step calls on tensors that need gradient (they carry none).
+- `DtypeMeter`: the floating dtypes a forward computes in (a float64 model may
+  compute its norms in float32), which set the round-off floor.
+- `RowRecorder`: which rows of the whole batch each forward of a model saw (a
+  trainer's sampler decides them).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from wholebatch.errors import WholebatchError
 
 __all__ = [
     "DropoutMode",
+    "DtypeMeter",
     "GradRecorder",
+    "RowRecorder",
     "SavedTensorMeter",
     "TapeDropout",
+    "collectives_seen",
+    "in_backward",
     "install_tape_dropout",
+    "unwatch_collectives",
+    "watch_collectives",
 ]
 
 DropoutMode = Literal["record", "replay", "off"]
@@ -70,32 +85,57 @@ class GradRecorder(torch.optim.Optimizer):
         return None if p.grad is None else p.grad.detach().to(torch.float64).clone()
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (where checkpointing recomputes its forward)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and int(current()) != -1
+
+
 class TapeDropout(nn.Module):
     """`nn.Dropout(p)` whose masks can be recorded, replayed or switched off.
 
     "record": in training mode draw a mask from torch's global RNG (so a step that
-    restores the RNG state redraws the same mask) and append it to `tape`;
+    restores the RNG state redraws the same mask) and append it to `tape`; a mask
+    drawn during a backward pass (activation checkpointing recomputing its
+    forward) is kept apart in `recomputed`, since it covers rows already seen.
     "replay": take the mask rows from `tape` in order (rows = dim 0), for a
-    reference that sees the same rows in the same order; "off": identity.
+    reference that sees the same rows in the same order (a recomputation during
+    backward gets the mask its forward got). "off": identity, and `p`
+    reads 0 so code that applies the module's `p` itself (attention kernels'
+    `dropout_p`) draws nothing either.
     """
 
     def __init__(self, p: float, mode: DropoutMode = "record", name: str = "") -> None:
         super().__init__()
-        self.p = p
+        self.rate = p
         self.mode: DropoutMode = mode
         self.name = name
         self.tape: list[Tensor] = []
+        self.recomputed: list[Tensor] = []
+        self._replayed: list[Tensor] = []
         self._replay_row = 0
 
+    @property
+    def p(self) -> float:
+        """The drop probability (0 when off)."""
+        return 0.0 if self.mode == "off" else self.rate
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.mode == "off" or not self.training or self.p == 0.0:
+        if self.mode == "off" or not self.training or self.rate == 0.0:
             return x
         if self.mode == "record":
-            keep = torch.rand(x.shape, device=x.device) >= self.p
-            self.tape.append(keep.cpu())
+            keep = torch.rand(x.shape, device=x.device) >= self.rate
+            (self.recomputed if in_backward() else self.tape).append(keep.cpu())
+        elif in_backward():
+            # A checkpoint recomputing this module in the reference's backward: the mask of
+            # the latest forward call of that shape (what preserve_rng_state=True redraws).
+            seen = next((m for m in reversed(self._replayed) if m.shape == x.shape), None)
+            keep = (seen if seen is not None else self._next_rows(x)).to(x.device)
         else:
-            keep = self._next_rows(x).to(x.device)
-        return x * keep.to(x.dtype) / (1.0 - self.p)
+            keep = self._next_rows(x)
+            self._replayed.append(keep)
+            keep = keep.to(x.device)
+        return x * keep.to(x.dtype) / (1.0 - self.rate)
 
     def _next_rows(self, x: Tensor) -> Tensor:
         whole = torch.cat(self.tape) if len(self.tape) != 1 else self.tape[0]
@@ -123,7 +163,7 @@ class TapeDropout(nn.Module):
         return torch.cat(taken)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, mode={self.mode}"
+        return f"p={self.rate}, mode={self.mode}"
 
 
 def install_tape_dropout(model: nn.Module, mode: DropoutMode) -> dict[str, TapeDropout]:
@@ -173,3 +213,197 @@ class SavedTensorMeter:
         """Count saved tensors inside this context."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
+
+
+# ---------------------------------------------------------------------------
+# Collectives without gradient
+# ---------------------------------------------------------------------------
+
+# The torch.distributed collectives whose result carries no gradient. A step that
+# passes them a tensor which needs gradient (in grad mode) cuts the graph there:
+# what verify reports as "a gather without gradient".
+_WATCHED = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "gather",
+    "scatter",
+)
+_SEEN: collections.Counter[str] = collections.Counter()
+_DEPTH = [0]
+
+
+def _needs_grad(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.requires_grad
+    if isinstance(value, list | tuple):
+        return any(_needs_grad(v) for v in value)
+    return False
+
+
+def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # A collective may re-enter itself (a TorchFunctionMode hands it back): count once.
+        if (
+            not _DEPTH[0]
+            and torch.is_grad_enabled()
+            and (any(_needs_grad(a) for a in args) or any(_needs_grad(v) for v in kwargs.values()))
+        ):
+            _SEEN[f"torch.distributed.{name}"] += 1
+        _DEPTH[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+
+    call.__wholebatch_watched__ = True  # type: ignore[attr-defined]
+    return call
+
+
+def watch_collectives() -> None:
+    """Count calls of torch.distributed's collectives on tensors that need gradient (idempotent).
+
+    Patches `torch.distributed` and `torch.distributed.distributed_c10d` in this
+    process; call it before the code under test imports its names. Calls made
+    inside an autograd Function's forward (grad mode off: differentiable
+    collectives such as `wholebatch.all_gather` or `torch.distributed.nn`) are not
+    counted.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in _WATCHED:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "__wholebatch_watched__", False):
+            continue
+        wrapped = _watched(name, fn)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, wrapped)
+
+
+def unwatch_collectives() -> None:
+    """Undo `watch_collectives` (restore torch.distributed's own functions)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in _WATCHED:
+        fn = getattr(c10d, name, None)
+        if fn is None or not getattr(fn, "__wholebatch_watched__", False):
+            continue
+        original = fn.__wrapped__
+        setattr(c10d, name, original)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, original)
+
+
+def collectives_seen(reset: bool = False) -> dict[str, int]:
+    """Collectives without gradient called on tensors needing gradient since the last reset."""
+    seen = dict(_SEEN)
+    if reset:
+        _SEEN.clear()
+    return seen
+
+
+# ---------------------------------------------------------------------------
+# Dtypes and rows
+# ---------------------------------------------------------------------------
+
+
+class DtypeMeter(TorchFunctionMode):
+    """While active, collects the floating dtypes of torch functions' outputs that need gradient.
+
+    Only the differentiable computation sets how precise a gradient can be: a float32
+    bookkeeping tensor (a count, a mask) does not, a float32 norm inside the model does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad:
+                self.dtypes.add(t.dtype)
+        return out
+
+
+class RowRecorder:
+    """Records which rows of the whole batch each forward of `model` receives (outside backward).
+
+    Rows are recognised by content: the batch's key tensor ("input_ids" for a dict
+    batch that has it, else its first tensor) is indexed by row bytes, and the
+    first argument of the forward with the same dtype and row shape is looked up.
+    `calls` holds one list of whole-batch row indices per recognised forward; a row
+    is taken once (a second pass over the same rows is not recorded), so `calls`
+    is the first pass.
+    """
+
+    def __init__(self, model: nn.Module, batch: Any) -> None:
+        self.calls: list[list[int]] = []
+        self._key = self._key_tensor(batch)
+        self._index: dict[bytes, list[int]] = {}
+        self._used: collections.Counter[bytes] = collections.Counter()
+        if self._key is not None:
+            for i, row in enumerate(self._key):
+                self._index.setdefault(row.numpy().tobytes(), []).append(i)
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    @staticmethod
+    def _key_tensor(batch: Any) -> Tensor | None:
+        if isinstance(batch, Tensor):
+            return batch.detach().cpu()
+        if isinstance(batch, Mapping):
+            ids = batch.get("input_ids")
+            if isinstance(ids, Tensor):
+                return ids.detach().cpu()
+            values = list(batch.values())
+        else:
+            values = list(batch)
+        first = next((v for v in values if isinstance(v, Tensor)), None)
+        return None if first is None else first.detach().cpu()
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._key is None or in_backward():
+            return
+        candidates = [*args, *kwargs.values()]
+        if "input_ids" in kwargs:
+            candidates.insert(0, kwargs["input_ids"])
+        for t in candidates:
+            if (
+                isinstance(t, Tensor)
+                and t.dtype == self._key.dtype
+                and t.dim() == self._key.dim()
+                and t.shape[1:] == self._key.shape[1:]
+            ):
+                used = collections.Counter(self._used)
+                found = []
+                for row in t.detach().cpu():
+                    key = row.numpy().tobytes()
+                    options = self._index.get(key, [])
+                    if used[key] >= len(options):
+                        break
+                    found.append(options[used[key]])
+                    used[key] += 1
+                else:
+                    self.calls.append(found)
+                    self._used = used
+                    return
+
+    def remove(self) -> None:
+        """Remove the hook."""
+        self._handle.remove()

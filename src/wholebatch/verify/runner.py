@@ -5,31 +5,31 @@
     wholebatch verify mypkg.checks:clip_step --nproc 3 --micro-batches 2 --json
 
 TARGET names a function (`module:function` or `path/to/file.py:function`) that
-returns a `VerifySpec`: how to build the model, the whole batch, the split step
-and the whole-batch reference loss. Every process (W ranks and the reference)
-calls the function itself, so the spec holds plain closures and never pickles;
-it must therefore build the same model and batch every time (seed generators).
+returns a `VerifySpec` (a step written as `step(model, optimizer, micro_batches)`)
+or a `TrainerSpec` (a trainer that owns the split: HF `Trainer`, an Accelerate
+loop). Every process calls the function itself, so the spec holds plain
+closures and never pickles; it must build the same model and batch every time.
 
-What runs (see docs/verify.md):
+What runs, per TARGET (docs/cli.md; processes: `wholebatch.verify.procs`):
 
-1. W processes (torchrun's launcher, gloo). Each builds the model after
-   `torch.manual_seed(spec.seed)`, wraps it in `DistributedDataParallel` (unless
-   `spec.wrap == "none"`), reseeds with `seed + 1 + rank` (ranks draw different
-   dropout masks, as in training) and calls `spec.step(model, optimizer, micro_batches)`
-   with its K micro-batches: the whole batch's rows cut into W·K contiguous
-   chunks, rank r holding chunks rK..rK+K-1. The optimizer is a `GradRecorder`:
-   its `step()` records the gradients and changes nothing, so the step may call
-   `optimizer.step()`/`zero_grad()` (an `Accumulator` or `CachedStep` does). If
-   it never steps, the parameters' `.grad` after the step are compared.
-2. One process: the same model, `spec.reference_loss(model, whole_batch).backward()`.
-   `nn.Dropout` modules replay the masks the split step drew in its first pass
-   (the first calls on each rank that cover that rank's rows), so a correct step
-   with dropout matches exactly.
-3. Every parameter of every rank against the reference (max abs and relative
-   error, relative to the reference's largest entry), and the ratio
-   <g, g_ref> / <g_ref, g_ref>. If the model has dropout, the same again with
-   dropout off; if the spec gives `equal_batch`, the same on it (dropout off).
-   The diagnosis reads the patterns (`wholebatch.verify.diagnose`).
+1. The split run: W ranks, each a clean fork, joined in a gloo group. Each builds
+   the model after `torch.manual_seed(spec.seed)`, verify wraps it in
+   `DistributedDataParallel` (`wrap="ddp"`), reseeds with `seed + 1 + rank` and
+   calls the step with its K chunks of the whole batch (W·K contiguous chunks,
+   rank r holding chunks rK..rK+K-1), or the trainer with the whole batch. The
+   optimizer is a `GradRecorder`: its `step()` records the gradients and changes
+   nothing.
+2. The reference: one process, `reference_loss(model, whole_batch).backward()`,
+   replaying the dropout masks the split run drew in its first pass; run twice
+   with different seeds (randomness verify cannot replay would differ).
+3. The comparison of every parameter of every rank, and the evidence: a step
+   that calls `optimizer.step()` more than once, changes parameters itself, or
+   has nothing to judge fails whatever its gradients.
+4. Only when it fails: the same step again with dropout off, on `equal_batch`,
+   and at (W, 1), (1, K), (1, 1), each against its own reference; the reference
+   on the batch with its rows reversed (the round-off floor) and on each
+   micro-batch alone (the weights the wrong gradient gives each micro-batch).
+   `wholebatch.verify.diagnose` reads the patterns.
 
 Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 """
@@ -37,25 +37,42 @@ Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import inspect
-import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
 
-from wholebatch.comm.launch import LaunchSpec, launch
-from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.verify.diagnose import Comparison, VerifyReport, compare, diagnose, error_report
-from wholebatch.verify.recording import GradRecorder, install_tape_dropout
+from wholebatch.verify.diagnose import diagnose, error_report
+from wholebatch.verify.procs import ChildFailure, Session
+from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, VerifyReport, compare
+from wholebatch.verify.spec import (
+    Spec,
+    TargetError,
+    TrainerRun,
+    TrainerSpec,
+    VerifyConfig,
+    VerifySpec,
+    load_spec,
+    rows,
+    split_batch,
+    split_target,
+    target_of,
+)
+from wholebatch.verify.worker import (
+    Condition,
+    Description,
+    RankResult,
+    RefRequest,
+    RefResult,
+    describe,
+    eps_of,
+    reference,
+    split_rank,
+)
 
 __all__ = [
     "TargetError",
+    "TrainerRun",
+    "TrainerSpec",
     "VerifyConfig",
     "VerifySpec",
     "load_spec",
@@ -64,387 +81,254 @@ __all__ = [
     "split_batch",
 ]
 
-Batch = Any
-Wrap = Literal["ddp", "none"]
+# A measured reordering error above this is not round-off: the loss depends on row order.
+_MAX_MEASURED_FLOOR = 1e-3
 
 
-class TargetError(WholebatchError):
-    """TARGET cannot be found, imported, or does not return a `VerifySpec` (a usage error: exit 2)."""
+def auto_rtol(dtypes: Sequence[str]) -> tuple[float, str]:
+    """The default tolerance from the dtypes the model computes in, and why."""
+    eps = eps_of(dtypes)
+    if eps <= torch.finfo(torch.float64).eps:
+        return 1e-10, "from the dtypes: all float64"
+    if eps <= torch.finfo(torch.float32).eps:
+        return 1e-5, "from the dtypes: float32 is the least precise"
+    return 1e-2, "from the dtypes: a half-precision dtype"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VerifySpec:
-    """What `wholebatch verify` needs to check one training step. Returned by the TARGET function."""
+class _Target:
+    """One TARGET's runs and report."""
 
-    build_model: Callable[[], nn.Module]
-    """Builds the model; called after `torch.manual_seed(seed)` in every process, so it must
-    give the same parameters each time. Every trained parameter (a `logit_scale` included)
-    must be in it."""
+    def __init__(
+        self, session: Session, target: str, desc: Description, config: VerifyConfig
+    ) -> None:
+        self.session = session
+        self.target = target
+        self.where = split_target(target)[0]
+        self.desc = desc
+        self.config = config
+        self._refs: dict[Condition, RefResult] = {}
 
-    batch: Batch
-    """The whole batch: a Tensor, or a tuple/list/dict of Tensors with the same number of
-    rows (dim 0). Built deterministically (a seeded generator): every process builds it."""
-
-    step: Callable[[nn.Module, torch.optim.Optimizer, list[Batch]], object]
-    """The split step under test: `step(model, optimizer, micro_batches)` on every rank, with
-    the model wrapped as `wrap` says and this rank's K micro-batches. It runs forward and
-    backward however the user's training does (collectives, accumulation, caching); it may
-    call `optimizer.step()` once and `zero_grad()`. It must not clip gradients."""
-
-    reference_loss: Callable[[nn.Module, Batch], Tensor]
-    """The whole-batch loss on one process: `reference_loss(model, batch)` -> scalar. Plain
-    math on the whole batch; it must pass all rows through each dropout module once, in order."""
-
-    equal_batch: Batch | None = None
-    """Optional: a batch like `batch` but with every row holding the same number of items
-    (no padding), rows divisible by W·K. If given, verify also runs it: a step that fails
-    only on the ragged `batch` normalises a mean of means."""
-
-    wrap: Wrap = "ddp"
-    """"ddp": verify wraps the model in DistributedDataParallel and compares the gradients
-    after its mean over ranks. "none": the step gets the plain module and must reduce the
-    gradients itself; every rank's gradients are compared."""
-
-    seed: int = 0
-    """Seed for `build_model` (rank r's step runs with seed + 1 + r)."""
-
-    rtol: float = 1e-5
-    """Largest accepted error per parameter, relative to the reference's largest entry. The
-    default suits float32; float64 models agree to about 1e-14."""
-
-    def __post_init__(self) -> None:
-        for name in ("build_model", "step", "reference_loss"):
-            if not callable(getattr(self, name)):
-                raise WholebatchTypeError(
-                    f"VerifySpec: {name} must be callable, got {type(getattr(self, name)).__name__}"
-                )
-        if self.wrap not in ("ddp", "none"):
-            raise WholebatchError(f"VerifySpec: wrap={self.wrap!r}; expected 'ddp' or 'none'")
-        if not (isinstance(self.rtol, float | int) and self.rtol > 0):
-            raise WholebatchError(f"VerifySpec: rtol={self.rtol!r} must be a positive number")
-        rows(self.batch, "batch")
-        if self.equal_batch is not None:
-            rows(self.equal_batch, "equal_batch")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VerifyConfig:
-    """How `wholebatch verify` splits the batch. (The CLI's flags.)"""
-
-    nproc: int = 2
-    """W: processes (ranks) to run the split step on."""
-
-    micro_batches: int = 3
-    """K: micro-batches per rank."""
-
-    timeout: float = 120.0
-    """Seconds a collective may wait for a peer before the run fails."""
-
-    json: bool = False
-    """Print the report as JSON (for CI) instead of the table."""
-
-    def __post_init__(self) -> None:
-        for name in ("nproc", "micro_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise WholebatchError(f"{name}={value!r} must be an integer >= 1")
-        if not self.timeout > 0:
-            raise WholebatchError(f"timeout={self.timeout!r} must be > 0 seconds")
-
-
-# ---------------------------------------------------------------------------
-# Batches
-# ---------------------------------------------------------------------------
-
-
-def rows(batch: Batch, what: str = "batch") -> int:
-    """Rows (dim 0) of a batch: a Tensor, or a tuple/list/dict of Tensors with equal rows."""
-    if isinstance(batch, Tensor):
-        if batch.dim() == 0:
-            raise WholebatchError(f"VerifySpec: {what} is a 0-d tensor; it needs rows (dim 0)")
-        return int(batch.shape[0])
-    parts = list(batch.values()) if isinstance(batch, Mapping) else batch
-    if not isinstance(parts, (tuple, list)) or not parts:
-        raise WholebatchTypeError(
-            f"VerifySpec: {what} must be a Tensor or a non-empty tuple/list/dict of Tensors, "
-            f"got {type(batch).__name__}"
+    def _split(self, condition: Condition, w: int, k: int) -> list[RankResult] | ChildFailure:
+        values = self.session.call(
+            self.where, split_rank, (self.target, condition, k), nproc=w, distributed=True
         )
-    counts = {rows(p, what) for p in parts}
-    if len(counts) != 1:
-        raise WholebatchError(
-            f"VerifySpec: the tensors of {what} have different row counts {sorted(counts)}; "
-            "row i of each must be the same sample"
-        )
-    return counts.pop()
+        failures = [v for v in values if isinstance(v, ChildFailure)]
+        if failures:
+            first = next((f for f in failures if f.kind == "raised"), failures[0])
+            ranks = [f.rank for f in failures]
+            first.message = f"on ranks {ranks}: {first.message}"
+            return first
+        return [v for v in values if isinstance(v, RankResult)]
 
+    def _reference(self, req: RefRequest) -> RefResult | ChildFailure:
+        reuse = req.masks is None and req.pieces is None and not req.floor
+        if reuse and req.condition in self._refs:
+            return self._refs[req.condition]
+        (value,) = self.session.call(self.where, reference, (req,))
+        if isinstance(value, RefResult) and reuse:
+            self._refs[req.condition] = value
+        return value  # type: ignore[no-any-return]
 
-def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Cut a batch's rows into `parts` contiguous chunks (sizes differ by at most one)."""
-    if isinstance(batch, Tensor):
-        return list(torch.tensor_split(batch, parts))
-    if isinstance(batch, Mapping):
-        cols = {k: split_batch(v, parts) for k, v in batch.items()}
-        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
-    pieces = [split_batch(b, parts) for b in batch]
-    return [type(batch)(p[i] for p in pieces) for i in range(parts)]
-
-
-def _fingerprint(batch: Batch) -> float:
-    if isinstance(batch, Tensor):
-        return float(batch.detach().double().sum()) + float((batch != 0).sum())
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    return sum(_fingerprint(b) for b in values)
-
-
-# ---------------------------------------------------------------------------
-# Targets
-# ---------------------------------------------------------------------------
-
-
-def _load_module(where: str) -> Any:
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        path = Path(where)
-        if not path.is_file():
-            raise TargetError(f"verify: TARGET file {where!r} does not exist")
-        name = "_wholebatch_target_" + path.resolve().stem
-        spec = importlib.util.spec_from_file_location(name, path.resolve())
-        if spec is None or spec.loader is None:
-            raise TargetError(f"verify: cannot load {where!r} as a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-    # As `python -m` does, let the current directory's modules be found.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(where)
-    except ModuleNotFoundError as exc:
-        if exc.name and (where == exc.name or where.startswith(exc.name + ".")):
-            raise TargetError(
-                f"verify: no module named {where!r} (from TARGET); pass 'module:function' "
-                "importable from the current directory, or 'path/to/file.py:function'"
-            ) from None
-        raise
-
-
-def load_spec(target: str) -> VerifySpec:
-    """Resolve TARGET (`module:function` or `file.py:function`), call it, and check it gave a `VerifySpec`."""
-    where, sep, attr = target.rpartition(":")
-    if not sep or not where or not attr:
-        raise TargetError(
-            f"verify: TARGET {target!r} must be 'module:function' or 'path/to/file.py:function'"
-        )
-    module = _load_module(where)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        names = sorted(
-            n
-            for n, v in vars(module).items()
-            if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
-        )
-        raise TargetError(f"verify: {where!r} has no {attr!r}; its functions: {', '.join(names)}")
-    if not callable(fn):
-        raise TargetError(f"verify: {target!r} is a {type(fn).__name__}, not a function")
-    spec = fn()
-    if not isinstance(spec, VerifySpec):
-        raise TargetError(
-            f"verify: {target}() returned {type(spec).__name__}; it must return a "
-            "wholebatch.verify.VerifySpec"
-        )
-    return spec
-
-
-# ---------------------------------------------------------------------------
-# The split run (on each rank) and the reference (one process)
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Variant:
-    name: str
-    equal: bool  # use spec.equal_batch
-    dropout: bool  # dropout on (recorded, replayed in the reference)
-
-
-def _variants(spec: VerifySpec, has_dropout: bool) -> list[_Variant]:
-    out = [_Variant(name="as given", equal=False, dropout=True)]
-    if has_dropout:
-        out.append(_Variant(name="dropout off", equal=False, dropout=False))
-    if spec.equal_batch is not None:
-        out.append(_Variant(name="equal items, dropout off", equal=True, dropout=False))
-    return out
-
-
-def _build(spec: VerifySpec, dropout: bool) -> tuple[nn.Module, dict[str, Any]]:
-    torch.manual_seed(spec.seed)
-    model = spec.build_model()
-    if not isinstance(model, nn.Module):
-        raise WholebatchTypeError(
-            f"VerifySpec: build_model() returned {type(model).__name__}, not a torch.nn.Module"
-        )
-    tapes = install_tape_dropout(model, "record" if dropout else "off")
-    return model, tapes
-
-
-def _param_fingerprint(model: nn.Module) -> float:
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
-
-
-def _run_variant(spec: VerifySpec, variant: _Variant, k: int) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, w = dist.get_rank(), dist.get_world_size()
-    model, tapes = _build(spec, variant.dropout)
-    module: nn.Module = DistributedDataParallel(model) if spec.wrap == "ddp" else model
-    optimizer = GradRecorder(model.parameters())
-    batch = spec.equal_batch if variant.equal else spec.batch
-    mine = split_batch(batch, w * k)[rank * k : (rank + 1) * k]
-    torch.manual_seed(spec.seed + 1 + rank)
-    spec.step(module, optimizer, mine)
-    my_rows = sum(rows(mb) for mb in mine)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = optimizer.gradient(p)
-        grads[name] = None if g is None else g.cpu()
-    return {
-        "grads": grads,
-        "masks": {n: t.first_rows(my_rows) for n, t in tapes.items()},
-        "calls": optimizer.calls,
-        "params": _param_fingerprint(model),
-        "batch": _fingerprint(batch),
-    }
-
-
-def _rank_main(targets: Sequence[str], cwd: str, k: int) -> dict[str, Any]:
-    """One rank: load each spec itself and run every variant of its split step.
-
-    A step that raises gives its traceback for that target (the others still run);
-    a rank that raises alone leaves its peers waiting until the group's timeout.
-    """
-    import traceback
-
-    os.chdir(cwd)
-    out: dict[str, Any] = {}
-    for target in targets:
-        try:
-            spec = load_spec(target)
-            _, tapes = _build(spec, True)
-            out[target] = {v.name: _run_variant(spec, v, k) for v in _variants(spec, bool(tapes))}
-        except Exception as exc:
-            out[target] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-    return out
-
-
-def _reference(
-    spec: VerifySpec, variant: _Variant, masks: list[dict[str, Tensor | None]]
-) -> dict[str, Tensor]:
-    model, tapes = _build(spec, variant.dropout)
-    for name, tape in tapes.items() if variant.dropout else ():
-        per_rank = [m.get(name) for m in masks]
-        if any(m is None for m in per_rank):
-            raise WholebatchError(
-                f"verify: dropout {name!r} drew no masks covering the rows of ranks "
-                f"{[r for r, m in enumerate(per_rank) if m is None]} in the split step's first "
-                "pass (is it called once per micro-batch, on the micro-batch's rows?)"
+    def _ref_for(
+        self, condition: Condition, outs: list[RankResult], probe: bool = False
+    ) -> RefResult | ChildFailure:
+        replay = condition.dropout and self.desc.has_dropout
+        return self._reference(
+            RefRequest(
+                target=self.target,
+                condition=condition,
+                masks=tuple(o.masks for o in outs) if replay else None,
+                probe=probe,
+                count_pieces=tuple(tuple(p) for o in outs for p in o.pieces) if probe else None,
             )
-        tape.tape = [m for m in per_rank if m is not None]
-        tape.mode = "replay"
-    batch = spec.equal_batch if variant.equal else spec.batch
-    loss = spec.reference_loss(model, batch)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise WholebatchError(
-            f"VerifySpec: reference_loss returned {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
-            + "; it must return a scalar Tensor"
         )
-    torch.autograd.backward(loss.reshape(()))
-    return {
-        name: (
-            p.grad.detach().double().clone()
-            if p.grad is not None
-            else torch.zeros_like(p, dtype=torch.float64)
-        )
-        for name, p in model.named_parameters()
-    }
 
-
-def _check_target(target: str, config: VerifyConfig) -> VerifySpec:
-    spec = load_spec(target)
-    w, k = config.nproc, config.micro_batches
-    for what, batch in (("batch", spec.batch), ("equal_batch", spec.equal_batch)):
-        if batch is not None and rows(batch) < w * k:
-            raise TargetError(
-                f"verify: {target}: the spec's {what} has {rows(batch)} rows, fewer than "
-                f"W·K = {w}·{k} = {w * k}; lower --nproc/--micro-batches or make the batch larger"
-            )
-    return spec
-
-
-def _report(
-    target: str, spec: VerifySpec, outs: list[dict[str, Any]], config: VerifyConfig
-) -> VerifyReport:
-    w, k = config.nproc, config.micro_batches
-    common: dict[str, Any] = dict(
-        target=target, world_size=w, micro_batches=k, rows=rows(spec.batch), wrap=spec.wrap
-    )
-    failed = [(r, o) for r, o in enumerate(outs) if "error" in o]
-    if failed:
-        r, o = failed[0]
-        ranks = [fr for fr, _ in failed]
+    def _error(self, failure: ChildFailure, what: str) -> VerifyReport:
+        text = f"{what} {failure.message}"
+        if failure.traceback:
+            text += f"\n\nrank {failure.rank}'s traceback:\n{failure.traceback.rstrip()}"
+        code = "step-hung" if failure.kind == "hung" else "step-raised"
+        if what.startswith("the reference"):
+            code = "reference-raised"
         return error_report(
-            **common, error=f"the split step raised on ranks {ranks}: {o['error']}\n\n"
-            f"rank {r}'s traceback:\n{o['traceback'].rstrip()}",
+            target=self.target, world_size=self.config.nproc,
+            micro_batches=self.config.micro_batches, rows=self.desc.rows, wrap=self.desc.wrap,
+            error=text, code=code,
         )  # fmt: skip
-    probe, tapes = _build(spec, True)
-    fingerprint = _param_fingerprint(probe)
-    comparisons: list[Comparison] = []
-    for v in _variants(spec, bool(tapes)):
-        per_rank = [o[v.name] for o in outs]
-        batch = spec.equal_batch if v.equal else spec.batch
-        for r, o in enumerate(per_rank):
-            if abs(o["params"] - fingerprint) > 1e-9 * max(1.0, abs(fingerprint)):
+
+    def _check_same_inputs(self, outs: list[RankResult], ref: RefResult) -> None:
+        for r, o in enumerate(outs):
+            if abs(o.params_fp - ref.params_fp) > 1e-9 * max(1.0, abs(ref.params_fp)):
                 raise TargetError(
-                    f"verify: {target}: build_model() gave different parameters on rank {r} than "
-                    "in the reference process; build it deterministically (verify seeds torch first)"
+                    f"verify: {self.target}: build_model() gave different parameters on rank {r} "
+                    "than in the reference process; build it deterministically (verify seeds "
+                    "torch first)"
                 )
-            if abs(o["batch"] - _fingerprint(batch)) > 1e-9 * max(1.0, abs(_fingerprint(batch))):
+            if abs(o.batch_fp - ref.batch_fp) > 1e-9 * max(1.0, abs(ref.batch_fp)):
                 raise TargetError(
-                    f"verify: {target}: the spec's batch differs on rank {r} from the reference "
-                    "process's; build it with a seeded generator"
+                    f"verify: {self.target}: the spec's batch differs on rank {r} from the "
+                    "reference process's; build it with a seeded generator"
                 )
-        ref = _reference(spec, v, [o["masks"] for o in per_rank])
-        comparisons.append(
-            compare(
-                v.name,
-                ref,
-                [o["grads"] for o in per_rank],
-                rtol=spec.rtol,
-                step_calls=[o["calls"] for o in per_rank],
-            )
+
+    def _rerun(
+        self, condition: Condition, w: int, k: int, rtol: float, label: str
+    ) -> tuple[Comparison, list[RankResult]] | None:
+        outs = self._split(condition, w, k)
+        if isinstance(outs, ChildFailure):
+            return None
+        ref = self._ref_for(condition, outs)
+        if isinstance(ref, ChildFailure):
+            return None
+        cmp = compare(
+            label, ref.grads, [o.grads for o in outs], rtol=rtol,
+            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
+            dropout=condition.dropout and self.desc.has_dropout, equal=condition.equal,
+        )  # fmt: skip
+        return cmp, outs
+
+    def _fit_and_floor(
+        self, condition: Condition, outs: list[RankResult]
+    ) -> tuple[Fit | None, float | None]:
+        n = self.desc.equal_rows if condition.equal else self.desc.rows
+        pieces: list[tuple[int, ...]] = []
+        ranks: list[int] = []
+        for r, o in enumerate(outs):
+            for piece in o.pieces:
+                pieces.append(tuple(piece))
+                ranks.append(r)
+        # The fit needs each row in exactly one micro-batch (a trainer's recorded rows may not be).
+        covered = sorted(i for p in pieces for i in p) == list(range(n))
+        want_fit = covered and len(pieces) > 1
+        req = RefRequest(
+            target=self.target,
+            condition=Condition(dropout=False, equal=condition.equal),
+            probe=False,
+            floor=True,
+            pieces=tuple(pieces) if want_fit else None,
+            piece_ranks=tuple(ranks) if want_fit else (),
+            fit_to=outs[0].grads if want_fit else None,
         )
-    return diagnose(**common, comparisons=comparisons)
+        value = self._reference(req)
+        if isinstance(value, ChildFailure):
+            return None, None
+        measured = value.floor
+        if measured is not None and measured > _MAX_MEASURED_FLOOR:
+            measured = None
+        return value.fit, measured
+
+    def verify(self) -> VerifyReport:
+        w, k = self.config.nproc, self.config.micro_batches
+        main_cond = Condition()
+        outs = self._split(main_cond, w, k)
+        if isinstance(outs, ChildFailure):
+            return self._error(outs, "the split step failed")
+        ref = self._ref_for(main_cond, outs, probe=True)
+        if isinstance(ref, ChildFailure):
+            return self._error(ref, "the reference (reference_loss on the whole batch) failed:")
+        self._check_same_inputs(outs, ref)
+        # The floor is set by the least precise arithmetic of either side: a float64 model
+        # whose norms (or whose trainer's loss) compute in float32 agrees to float32's eps.
+        dtypes = tuple(sorted({*ref.dtypes, *(d for o in outs for d in o.dtypes)}))
+        if self.desc.rtol is not None:
+            rtol, rtol_from = self.desc.rtol, "from the spec"
+        else:
+            rtol, rtol_from = auto_rtol(dtypes)
+        main = compare(
+            "as given", ref.grads, [o.grads for o in outs], rtol=rtol,
+            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
+            dropout=self.desc.has_dropout, equal=False,
+        )  # fmt: skip
+        evidence = Evidence(
+            kind=self.desc.kind,
+            step_calls=tuple(o.calls for o in outs),
+            changed=tuple(o.changed for o in outs),
+            collectives=tuple(o.collectives for o in outs),
+            reference_zero=all(g is None or not bool(g.any()) for g in ref.grads.values()),
+            reference_spread=ref.spread,
+            item_counts=ref.item_counts,
+        )
+        comparisons = [main]
+        fit: Fit | None = None
+        measured: float | None = None
+        if not main.ok and ref.spread <= rtol:
+            fit_cond, fit_outs = main_cond, outs
+            if self.desc.has_dropout:
+                off = self._rerun(Condition(dropout=False), w, k, rtol, "dropout off")
+                if off is not None:
+                    comparisons.append(off[0])
+                    fit_cond, fit_outs = Condition(dropout=False), off[1]
+            if self.desc.has_equal:
+                eq = self._rerun(Condition(dropout=False, equal=True), w, k, rtol, "equal items")
+                if eq is not None:
+                    comparisons.append(eq[0])
+            grid = [(w, 1)] if k > 1 else []
+            grid += [(1, k)] if w > 1 else []
+            grid += [(1, 1)] if (w, k) != (1, 1) and (w > 1 or k > 1) else []
+            for gw, gk in dict.fromkeys(grid):
+                again = self._rerun(main_cond, gw, gk, rtol, f"re-run W={gw}, K={gk}")
+                if again is not None:
+                    comparisons.append(again[0])
+            if not any(c.rank_spread > rtol for c in main.params):
+                fit, measured = self._fit_and_floor(fit_cond, fit_outs)
+        floor = Floor(
+            dtypes=dtypes,
+            unit_roundoff=eps_of(dtypes),
+            measured=measured,
+            rtol=rtol,
+            rtol_from=rtol_from,
+        )
+        report = diagnose(
+            target=self.target, world_size=w, micro_batches=k, rows=self.desc.rows,
+            wrap=self.desc.wrap, comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
+        )  # fmt: skip
+        return dataclasses.replace(report, notes=_blind_spots(ref.piece_counts))
 
 
-def run_verify(targets: Sequence[str], config: VerifyConfig | None = None) -> list[VerifyReport]:
+def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:
+    """What this batch cannot reveal: with equal micro-batches a mean of means is exact."""
+    rules = {k: v for k, v in piece_counts.items() if k != "rows"} or piece_counts
+    if not rules or any(len(v) < 2 or len(set(v)) > 1 for v in rules.values()):
+        return ()
+    (rule, counts), *_ = rules.items()
+    if rule == "rows":
+        return (
+            f"every micro-batch holds {counts[0]} rows. If the loss is a mean over rows, a mean "
+            "of per-micro-batch means equals it on this batch, so a step that normalises per "
+            "micro-batch would pass too: use a row count not divisible by W·K to test that.",
+        )
+    return (
+        f"every micro-batch holds {counts[0]} items ({rule}). On such a batch a mean of "
+        "per-micro-batch means equals the whole-batch mean, so a step that normalises per "
+        "micro-batch would pass too: give a ragged batch to test normalisation.",
+    )
+
+
+def _describe(session: Session, target: str, config: VerifyConfig) -> Description:
+    where = split_target(target)[0]
+    (value,) = session.call(where, describe, (target, config.nproc, config.micro_batches))
+    if isinstance(value, str):
+        raise TargetError(value)
+    if isinstance(value, ChildFailure):
+        raise TargetError(f"verify: {target}() raised {value.message}")
+    assert isinstance(value, Description)
+    return value
+
+
+def run_verify(
+    targets: Sequence[str | Callable[[], Spec]], config: VerifyConfig | None = None
+) -> list[VerifyReport]:
     """Check each TARGET's step: split over `config.nproc` ranks x `config.micro_batches` vs one process.
 
-    All targets run in one launch of `config.nproc` processes.
+    TARGET: 'module:function', 'path/to/file.py:function', or the module-level function
+    itself. Every run of every target starts from a clean fork of a process that
+    has only imported the target's module (`wholebatch.verify.procs`).
 
     Raises:
-        TargetError: a TARGET cannot be loaded or gives no VerifySpec, or its batch is too small.
-        wholebatch.comm.launch.LaunchError: a rank died (a step that raises is reported in its report).
+        TargetError: a TARGET cannot be loaded or gives no spec, its batch is too small,
+            or its model or batch is not the same in every process.
     """
     config = config or VerifyConfig()
-    specs = {t: _check_target(t, config) for t in targets}
-    outs = launch(
-        _rank_main,
-        (list(specs), os.getcwd(), config.micro_batches),
-        spec=LaunchSpec(nproc=config.nproc, timeout_s=config.timeout),
-        name="wholebatch-verify",
-    )
-    return [_report(t, spec, [o[t] for o in outs], config) for t, spec in specs.items()]
+    names = [target_of(t) for t in targets]
+    with Session(timeout_s=config.timeout) as session:
+        descs = {t: _describe(session, t, config) for t in dict.fromkeys(names)}
+        return [_Target(session, t, descs[t], config).verify() for t in names]

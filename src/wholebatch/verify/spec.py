@@ -1,0 +1,420 @@
+"""What `wholebatch verify` checks: the specs a TARGET returns, the batch helpers, the config.
+
+Two kinds of TARGET:
+
+- `VerifySpec`: a step written as `step(model, optimizer, micro_batches)`; verify
+  cuts the whole batch into W·K contiguous chunks, wraps the model in DDP and
+  hands each rank its K chunks.
+- `TrainerSpec`: a trainer that owns the split (the Hugging Face `Trainer`, an
+  Accelerate loop): `train(run)` builds it around `run.model`, `run.optimizer`
+  and the whole batch `run.dataset`, with `run.per_device_rows` rows per device
+  and `run.micro_batches` accumulation steps, and trains one optimizer step.
+
+Both give the same whole-batch reference: `reference_loss(model, whole_batch)` in
+one process. Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from wholebatch.errors import WholebatchError, WholebatchTypeError
+
+__all__ = [
+    "Batch",
+    "TargetError",
+    "TrainerRun",
+    "TrainerSpec",
+    "VerifyConfig",
+    "VerifySpec",
+    "dataset_rows",
+    "load_spec",
+    "rows",
+    "select_rows",
+    "split_batch",
+    "target_of",
+]
+
+Batch = Any
+Wrap = Literal["ddp", "none"]
+
+
+class TargetError(WholebatchError):
+    """TARGET cannot be found, imported, or does not return a spec (a usage error: exit 2)."""
+
+
+def _check_common(spec: Any, kind: str) -> None:
+    for name in ("build_model", "reference_loss"):
+        if not callable(getattr(spec, name)):
+            raise WholebatchTypeError(
+                f"{kind}: {name} must be callable, got {type(getattr(spec, name)).__name__}"
+            )
+    if spec.count_items is not None and not callable(spec.count_items):
+        raise WholebatchTypeError(f"{kind}: count_items must be callable or None")
+    if spec.rtol is not None and not (
+        isinstance(spec.rtol, float | int) and not isinstance(spec.rtol, bool) and spec.rtol > 0
+    ):
+        raise WholebatchError(f"{kind}: rtol={spec.rtol!r} must be a positive number or None")
+    rows(spec.batch, "batch")
+    if spec.equal_batch is not None:
+        rows(spec.equal_batch, "equal_batch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifySpec:
+    """What `wholebatch verify` needs to check one training step. Returned by the TARGET function."""
+
+    build_model: Callable[[], nn.Module]
+    """Builds the model; called after `torch.manual_seed(seed)` in every process, so it must
+    give the same parameters each time. Every trained parameter (a `logit_scale` included)
+    must be in it."""
+
+    batch: Batch
+    """The whole batch: a Tensor, or a tuple/list/dict of Tensors with the same number of
+    rows (dim 0). Built deterministically (a seeded generator): every process builds it."""
+
+    step: Callable[[nn.Module, torch.optim.Optimizer, list[Batch]], object]
+    """The split step under test: `step(model, optimizer, micro_batches)` on every rank, with
+    the model wrapped as `wrap` says and this rank's K micro-batches. It runs forward and
+    backward however the user's training does (collectives, accumulation, caching) and calls
+    `optimizer.step()` at most once (an optimizer step per micro-batch fails). It must not
+    clip gradients."""
+
+    reference_loss: Callable[[nn.Module, Batch], Tensor]
+    """The whole-batch loss on one process: `reference_loss(model, batch)` -> scalar. Plain
+    math on the whole batch; it must pass all rows through each dropout module once, in
+    order. Verify also calls it on parts of the batch (to find how a wrong step weights its
+    micro-batches), so it should work on any subset of rows."""
+
+    equal_batch: Batch | None = None
+    """Optional: a batch like `batch` but with every row holding the same number of items
+    (no padding). If given and the step fails, verify also runs it: a step that fails only
+    on the ragged `batch` normalises a mean of means. (Verify finds that without it too,
+    from the weighting the wrong gradient implies, when the loss is a mean over items.)"""
+
+    count_items: Callable[[Batch], int | Tensor] | None = None
+    """Optional: the number of items (tokens, samples) the loss averages over in a batch.
+    Lets a diagnosis name the counts (e.g. "divides by 186 where the batch has 162"). For a
+    dict batch with "labels", verify tries the counts of labels != -100 with and without the
+    causal shift by itself."""
+
+    wrap: Wrap = "ddp"
+    """"ddp": verify wraps the model in DistributedDataParallel and compares the gradients
+    after its mean over ranks. "none": the step gets the plain module and must reduce the
+    gradients itself; every rank's gradients are compared."""
+
+    seed: int = 0
+    """Seed for `build_model` (rank r's step runs with seed + 1 + r)."""
+
+    rtol: float | None = None
+    """Largest accepted error per parameter, relative to the reference's largest entry.
+    None: from the model's own dtypes: 1e-10 when everything it computes is float64,
+    1e-5 when its least precise computation is float32, 1e-2 below that."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.step):
+            raise WholebatchTypeError(
+                f"VerifySpec: step must be callable, got {type(self.step).__name__}"
+            )
+        if self.wrap not in ("ddp", "none"):
+            raise WholebatchError(f"VerifySpec: wrap={self.wrap!r}; expected 'ddp' or 'none'")
+        _check_common(self, "VerifySpec")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerRun:
+    """What `TrainerSpec.train` gets on each rank: build the trainer around these, train one step."""
+
+    model: nn.Module
+    """The plain model (verify built it; the trainer wraps it in DDP itself)."""
+
+    optimizer: torch.optim.Optimizer
+    """Give this optimizer to the trainer (HF: `optimizers=(run.optimizer, None)`; Accelerate:
+    `accelerator.prepare(..., run.optimizer)`). It records the gradient at `step()`."""
+
+    batch: Batch
+    """The whole batch (every rank gets all of it, as every rank of a trainer reads the whole
+    dataset and the trainer's sampler shards it)."""
+
+    dataset: list[Any]
+    """`batch` as a list of rows (a dict per row for a dict batch), for a map-style dataset."""
+
+    world_size: int
+    """W."""
+
+    rank: int
+    """This process's rank."""
+
+    micro_batches: int
+    """K: pass as gradient accumulation steps."""
+
+    per_device_rows: int
+    """N / (W·K): pass as the per-device batch size, so the one epoch is one optimizer step."""
+
+    output_dir: str
+    """A fresh temporary folder (HF `TrainingArguments.output_dir`)."""
+
+    seed: int
+    """The spec's seed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """A TARGET for a trainer that owns the split: it is run one optimizer step on W·K parts.
+
+    Dropout is switched off for a trainer (every `nn.Dropout`, and code that reads its
+    `p`): the trainer's sampler decides which rows each micro-batch holds, so masks
+    cannot be matched to rows; verify checks that nothing else draws random numbers.
+    """
+
+    build_model: Callable[[], nn.Module]
+    """As `VerifySpec.build_model`."""
+
+    batch: Batch
+    """The whole batch: one epoch of the trainer is one optimizer step over it. Its rows
+    must divide by W·K."""
+
+    train: Callable[[TrainerRun], object]
+    """Builds the trainer around `run` and trains exactly one optimizer step, without
+    clipping (HF: `max_steps=1, max_grad_norm=0`)."""
+
+    reference_loss: Callable[[nn.Module, Batch], Tensor]
+    """As `VerifySpec.reference_loss` (the sampler may reorder rows: the loss must not
+    depend on their order)."""
+
+    equal_batch: Batch | None = None
+    """As `VerifySpec.equal_batch`."""
+
+    count_items: Callable[[Batch], int | Tensor] | None = None
+    """As `VerifySpec.count_items`."""
+
+    seed: int = 0
+    """As `VerifySpec.seed`."""
+
+    rtol: float | None = None
+    """As `VerifySpec.rtol`."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.train):
+            raise WholebatchTypeError(
+                f"TrainerSpec: train must be callable, got {type(self.train).__name__}"
+            )
+        _check_common(self, "TrainerSpec")
+
+
+Spec = VerifySpec | TrainerSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    """How `wholebatch verify` splits the batch. (The CLI's flags.)"""
+
+    nproc: int = 2
+    """W: processes (ranks) to run the split step on."""
+
+    micro_batches: int = 3
+    """K: micro-batches per rank."""
+
+    timeout: float = 120.0
+    """Seconds a collective may wait for a peer before the run fails."""
+
+    json: bool = False
+    """Print the report as JSON (for CI) instead of the table."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "micro_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise WholebatchError(f"{name}={value!r} must be an integer >= 1")
+        if not self.timeout > 0:
+            raise WholebatchError(f"timeout={self.timeout!r} must be > 0 seconds")
+
+
+# ---------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------
+
+
+def rows(batch: Batch, what: str = "batch") -> int:
+    """Rows (dim 0) of a batch: a Tensor, or a tuple/list/dict of Tensors with equal rows."""
+    if isinstance(batch, Tensor):
+        if batch.dim() == 0:
+            raise WholebatchError(f"VerifySpec: {what} is a 0-d tensor; it needs rows (dim 0)")
+        return int(batch.shape[0])
+    parts = list(batch.values()) if isinstance(batch, Mapping) else batch
+    if not isinstance(parts, (tuple, list)) or not parts:
+        raise WholebatchTypeError(
+            f"VerifySpec: {what} must be a Tensor or a non-empty tuple/list/dict of Tensors, "
+            f"got {type(batch).__name__}"
+        )
+    counts = {rows(p, what) for p in parts}
+    if len(counts) != 1:
+        raise WholebatchError(
+            f"VerifySpec: the tensors of {what} have different row counts {sorted(counts)}; "
+            "row i of each must be the same sample"
+        )
+    return counts.pop()
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Cut a batch's rows into `parts` contiguous chunks (sizes differ by at most one)."""
+    if isinstance(batch, Tensor):
+        return list(torch.tensor_split(batch, parts))
+    if isinstance(batch, Mapping):
+        cols = {k: split_batch(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
+    pieces = [split_batch(b, parts) for b in batch]
+    return [type(batch)(p[i] for p in pieces) for i in range(parts)]
+
+
+def select_rows(batch: Batch, index: Sequence[int]) -> Batch:
+    """The rows `index` of a batch, in that order, with the batch's structure."""
+    idx = torch.as_tensor(list(index), dtype=torch.long)
+    if isinstance(batch, Tensor):
+        return batch[idx]
+    if isinstance(batch, Mapping):
+        return {k: select_rows(v, index) for k, v in batch.items()}
+    return type(batch)(select_rows(b, index) for b in batch)
+
+
+def dataset_rows(batch: Batch) -> list[Any]:
+    """The batch as a list of rows: tensors, tuples of tensors, or dicts of tensors."""
+    n = rows(batch)
+    if isinstance(batch, Tensor):
+        return list(batch.unbind(0))
+    if isinstance(batch, Mapping):
+        return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    return [type(batch)(b[i] for b in batch) for i in range(n)]
+
+
+def fingerprint(batch: Batch) -> float:
+    """A number that changes when the batch does (checks every process built the same one)."""
+    if isinstance(batch, Tensor):
+        return float(batch.detach().double().sum()) + float((batch != 0).sum())
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return sum(fingerprint(b) for b in values)
+
+
+# ---------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------
+
+
+def _module_name_for(path: Path) -> str:
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    return f"_wholebatch_target_{path.stem}_{digest}"
+
+
+def load_module(where: str) -> Any:
+    """Import TARGET's module: a file path, or a module name importable from the current directory."""
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise TargetError(f"verify: TARGET file {where!r} does not exist")
+        name = _module_name_for(path)
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise TargetError(f"verify: cannot load {where!r} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    # As `python -m` does, let the current directory's modules be found.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and (where == exc.name or where.startswith(exc.name + ".")):
+            raise TargetError(
+                f"verify: no module named {where!r} (from TARGET); pass 'module:function' "
+                "importable from the current directory, or 'path/to/file.py:function'"
+            ) from None
+        raise
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """'module:function' -> (module, function), or a TargetError."""
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise TargetError(
+            f"verify: TARGET {target!r} must be 'module:function' or 'path/to/file.py:function'"
+        )
+    return where, attr
+
+
+def load_spec(target: str) -> Spec:
+    """Resolve TARGET (`module:function` or `file.py:function`), call it, check it gave a spec."""
+    where, attr = split_target(target)
+    module = load_module(where)
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            names = sorted(
+                n
+                for n, v in vars(module).items()
+                if inspect.isfunction(v)
+                and v.__module__ == module.__name__
+                and not n.startswith("_")
+            )
+            raise TargetError(
+                f"verify: {where!r} has no {attr!r}; its functions: {', '.join(names)}"
+            )
+    if not callable(fn):
+        raise TargetError(f"verify: {target!r} is a {type(fn).__name__}, not a function")
+    spec = fn()
+    if not isinstance(spec, VerifySpec | TrainerSpec):
+        raise TargetError(
+            f"verify: {target}() returned {type(spec).__name__}; it must return a "
+            "wholebatch.verify.VerifySpec or TrainerSpec"
+        )
+    return spec
+
+
+def target_of(fn: Callable[[], Spec] | str) -> str:
+    """A TARGET string for a module-level function (or the string itself).
+
+    Verify calls the function in fresh processes, so it must be importable there: a
+    function defined at the top level of a module or file (not inside another function).
+    """
+    if isinstance(fn, str):
+        split_target(fn)
+        return fn
+    qualname = getattr(fn, "__qualname__", "")
+    if not callable(fn) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise WholebatchTypeError(
+            f"verify: {fn!r} must be a module-level function returning a VerifySpec or "
+            "TrainerSpec (verify calls it again in fresh processes), or a 'module:function' string"
+        )
+    module = getattr(fn, "__module__", None)
+    source = inspect.getsourcefile(fn)
+    if module and module != "__main__":
+        loaded = sys.modules.get(module)
+        if loaded is not None and getattr(loaded, "__spec__", None) is not None:
+            found = (
+                importlib.util.find_spec(module) if not module.startswith("_wholebatch") else None
+            )
+            if found is not None and found.origin and source and Path(found.origin) == Path(source):
+                return f"{module}:{qualname}"
+    if source is None:
+        raise WholebatchTypeError(f"verify: cannot find the source file of {qualname}")
+    return f"{source}:{qualname}"

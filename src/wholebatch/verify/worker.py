@@ -1,0 +1,473 @@
+"""What each forked run of `wholebatch verify` does: describe a TARGET, run its split step, or the reference.
+
+These functions run inside the processes `wholebatch.verify.procs` forks (one
+per rank, or one for the reference) and return plain picklable values.
+
+- `describe`: load the spec, check it against W and K.
+- `split_rank`: one rank of a split run: build the model (seeded), wrap it, run
+  the step (or the trainer) with a `GradRecorder` as optimizer; the gradients it
+  stepped with, how often it stepped, what it changed, the dropout masks of its
+  first pass, the collectives without gradient it called, the rows of each
+  micro-batch.
+- `reference`: the whole batch in one process (dropout masks replayed), run
+  twice with different seeds (randomness verify cannot replay shows as a
+  difference), the dtypes it computes in; on request the same batch with its rows
+  reversed (the round-off floor) and each micro-batch alone (the weights `Fit`).
+
+Legend: W ranks, K micro-batches per rank, N rows, P parameter entries, J micro-batches in all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.verify.recording import (
+    DropoutMode,
+    DtypeMeter,
+    GradRecorder,
+    RowRecorder,
+    TapeDropout,
+    collectives_seen,
+    install_tape_dropout,
+)
+from wholebatch.verify.report import Fit
+from wholebatch.verify.spec import (
+    Batch,
+    Spec,
+    TargetError,
+    TrainerRun,
+    TrainerSpec,
+    VerifySpec,
+    dataset_rows,
+    fingerprint,
+    load_spec,
+    rows,
+    select_rows,
+    split_batch,
+)
+
+__all__ = [
+    "Condition",
+    "Description",
+    "RankResult",
+    "RefRequest",
+    "RefResult",
+    "describe",
+    "reference",
+    "split_rank",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Condition:
+    """What a run varies besides the split."""
+
+    dropout: bool = True
+    """Dropout as the model has it (recorded, replayed in the reference); False: all off."""
+
+    equal: bool = False
+    """Run on `equal_batch` instead of `batch`."""
+
+    @property
+    def label(self) -> str:
+        """ "as given", "dropout off", "equal items, dropout off"."""
+        if self.equal:
+            return "equal items" + ("" if self.dropout else ", dropout off")
+        return "as given" if self.dropout else "dropout off"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Description:
+    """What the parent needs to know about a TARGET before running it."""
+
+    kind: str
+    wrap: str
+    rows: int
+    equal_rows: int
+    has_dropout: bool
+    has_equal: bool
+    rtol: float | None
+
+
+@dataclasses.dataclass(kw_only=True)
+class RankResult:
+    """One rank of a split run."""
+
+    grads: dict[str, Tensor | None]
+    calls: int
+    changed: tuple[str, ...]
+    masks: dict[str, Tensor | None]
+    collectives: dict[str, int]
+    pieces: list[list[int]]
+    dtypes: tuple[str, ...]
+    params_fp: float
+    batch_fp: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RefRequest:
+    """What the reference process computes."""
+
+    target: str
+    condition: Condition
+    masks: tuple[Mapping[str, Tensor | None], ...] | None = None
+    probe: bool = True
+    floor: bool = False
+    pieces: tuple[tuple[int, ...], ...] | None = None
+    piece_ranks: tuple[int, ...] = ()
+    fit_to: Mapping[str, Tensor | None] | None = None
+    count_pieces: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class RefResult:
+    """The reference's gradients and what else was asked."""
+
+    grads: dict[str, Tensor | None]
+    dtypes: tuple[str, ...]
+    spread: float
+    floor: float | None
+    fit: Fit | None
+    item_counts: dict[str, int]
+    piece_counts: dict[str, list[int]]
+    params_fp: float
+    batch_fp: float
+
+
+def _batch(spec: Spec, condition: Condition) -> Batch:
+    if condition.equal:
+        if spec.equal_batch is None:
+            raise WholebatchError("verify: no equal_batch in the spec")
+        return spec.equal_batch
+    return spec.batch
+
+
+def _build(spec: Spec, mode: DropoutMode) -> tuple[nn.Module, dict[str, TapeDropout]]:
+    torch.manual_seed(spec.seed)
+    model = spec.build_model()
+    if not isinstance(model, nn.Module):
+        raise WholebatchTypeError(
+            f"{type(spec).__name__}: build_model() returned {type(model).__name__}, not a "
+            "torch.nn.Module"
+        )
+    return model, install_tape_dropout(model, mode)
+
+
+def _params_fp(model: nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def describe(target: str, world_size: int, micro_batches: int) -> Description | str:
+    """Load TARGET and check it can be split W x K; a Description, or the usage error's text."""
+    try:
+        spec = load_spec(target)
+        w, k = world_size, micro_batches
+        for what, batch in (("batch", spec.batch), ("equal_batch", spec.equal_batch)):
+            if batch is None:
+                continue
+            n = rows(batch)
+            if n < w * k:
+                raise TargetError(
+                    f"verify: {target}: the spec's {what} has {n} rows, fewer than W·K = "
+                    f"{w}·{k} = {w * k}; lower --nproc/--micro-batches or make the batch larger"
+                )
+            if isinstance(spec, TrainerSpec) and n % (w * k):
+                raise TargetError(
+                    f"verify: {target}: a trainer takes a fixed batch per device, so the spec's "
+                    f"{what} rows ({n}) must divide by W·K = {w}·{k} = {w * k}; change the "
+                    "batch or --nproc/--micro-batches"
+                )
+        _, tapes = _build(spec, "record")
+    except TargetError as exc:
+        return str(exc)
+    except WholebatchError as exc:
+        return f"verify: {target}: {exc}"
+    return Description(
+        kind="trainer" if isinstance(spec, TrainerSpec) else "step",
+        wrap="trainer" if isinstance(spec, TrainerSpec) else spec.wrap,
+        rows=rows(spec.batch),
+        equal_rows=0 if spec.equal_batch is None else rows(spec.equal_batch),
+        has_dropout=bool(tapes) and not isinstance(spec, TrainerSpec),
+        has_equal=spec.equal_batch is not None,
+        rtol=None if spec.rtol is None else float(spec.rtol),
+    )
+
+
+def split_rank(
+    target: str, condition: Condition, micro_batches: int, rank: int, world_size: int
+) -> RankResult:
+    """One rank of the split run (called in a forked process that joined the W-rank group)."""
+    spec = load_spec(target)
+    batch = _batch(spec, condition)
+    trainer = isinstance(spec, TrainerSpec)
+    model, tapes = _build(spec, "record" if condition.dropout and not trainer else "off")
+    params_fp = _params_fp(model)
+    named = list(model.named_parameters())
+    before = [p.detach().clone() for _, p in named]
+    optimizer = GradRecorder([p for _, p in named])
+    k, _n = micro_batches, rows(batch)
+    collectives_seen(reset=True)
+    meter = DtypeMeter()
+    with meter:
+        pieces, masks = _run_step(spec, model, tapes, optimizer, batch, k, rank, world_size)
+    collectives = collectives_seen(reset=True)
+    changed = tuple(
+        name for (name, p), b in zip(named, before, strict=True) if not torch.equal(p.detach(), b)
+    )
+    grads = {name: optimizer.gradient(p) for name, p in named}
+    return RankResult(
+        grads={k_: None if g is None else g.cpu() for k_, g in grads.items()},
+        calls=optimizer.calls,
+        changed=changed,
+        masks=masks,
+        collectives=collectives,
+        pieces=pieces,
+        dtypes=_dtype_names(meter.dtypes),
+        params_fp=params_fp,
+        batch_fp=fingerprint(batch),
+    )
+
+
+def _dtype_names(dtypes: set[torch.dtype]) -> tuple[str, ...]:
+    return tuple(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def _run_step(
+    spec: Spec,
+    model: nn.Module,
+    tapes: dict[str, TapeDropout],
+    optimizer: GradRecorder,
+    batch: Batch,
+    k: int,
+    rank: int,
+    world_size: int,
+) -> tuple[list[list[int]], dict[str, Tensor | None]]:
+    """Run the step (or the trainer); the rows of each micro-batch and the first pass's masks."""
+    n = rows(batch)
+    if isinstance(spec, TrainerSpec):
+        recorder = RowRecorder(model, batch)
+        with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
+            run = TrainerRun(
+                model=model, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
+                world_size=world_size, rank=rank, micro_batches=k,
+                per_device_rows=n // (world_size * k), output_dir=out, seed=spec.seed,
+            )  # fmt: skip
+            torch.manual_seed(spec.seed + 1 + rank)
+            spec.train(run)
+        recorder.remove()
+        pieces = recorder.calls
+        masks: dict[str, Tensor | None] = {}
+    else:
+        assert isinstance(spec, VerifySpec)
+        module: nn.Module = model
+        if spec.wrap == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(model)
+        chunks = torch.tensor_split(torch.arange(n), world_size * k)[rank * k : (rank + 1) * k]
+        pieces = [c.tolist() for c in chunks]
+        mine = split_batch(batch, world_size * k)[rank * k : (rank + 1) * k]
+        torch.manual_seed(spec.seed + 1 + rank)
+        spec.step(module, optimizer, mine)
+        my_rows = sum(len(c) for c in pieces)
+        masks = {name: t.first_rows(my_rows) for name, t in tapes.items()}
+    return pieces, masks
+
+
+# ---------------------------------------------------------------------------
+# The reference
+# ---------------------------------------------------------------------------
+
+
+def _ref_grads(
+    spec: Spec,
+    batch: Batch,
+    masks: Sequence[Mapping[str, Tensor | None]] | None,
+    seed: int,
+) -> tuple[dict[str, Tensor | None], set[torch.dtype]]:
+    model, tapes = _build(spec, "record" if masks is not None else "off")
+    for name, tape in tapes.items():
+        if masks is None:
+            break
+        per_rank = [m.get(name) for m in masks]
+        if any(m is None for m in per_rank):
+            raise WholebatchError(
+                f"verify: dropout {name!r} drew no masks covering the rows of ranks "
+                f"{[r for r, m in enumerate(per_rank) if m is None]} in the split step's first "
+                "pass (is it called once per micro-batch, on the micro-batch's rows?)"
+            )
+        tape.tape = [m for m in per_rank if m is not None]
+        tape.mode = "replay"
+    torch.manual_seed(seed)
+    meter = DtypeMeter()
+    with meter:
+        loss = spec.reference_loss(model, batch)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise WholebatchError(
+            f"{type(spec).__name__}: reference_loss returned {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
+            + "; it must return a scalar Tensor"
+        )
+    torch.autograd.backward(loss.reshape(()))
+    grads = {
+        name: None if p.grad is None else p.grad.detach().double().clone()
+        for name, p in model.named_parameters()
+    }
+    return grads, meter.dtypes
+
+
+def _rel_diff(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> float:
+    worst = 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            return math.inf
+        scale = float(x.abs().max()) if x.numel() else 0.0
+        err = float((x - y).abs().max()) if x.numel() else 0.0
+        worst = max(worst, err / (scale if scale > 0 else 1.0))
+    return worst
+
+
+def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) -> Tensor:
+    parts = []
+    for name, shape in shapes.items():
+        g = grads.get(name)
+        parts.append(
+            g.double().flatten()
+            if g is not None
+            else torch.zeros(math.prod(shape), dtype=torch.float64)
+        )
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
+    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
+    p, j = m_PJ.shape
+    if p < j:
+        return (
+            [math.nan] * j,
+            math.inf,
+            (f"the model has {p} parameter entries, too few to tell {j} micro-batches apart"),
+        )
+    if float(y_P.norm()) == 0:
+        return [math.nan] * j, math.inf, "the gradient is zero"
+    s = torch.linalg.svdvals(m_PJ)
+    if float(s.min()) <= 1e-9 * float(s.max()):
+        return (
+            [math.nan] * j,
+            math.inf,
+            (
+                "the micro-batches' gradients are linearly dependent, so their weights are not unique"
+            ),
+        )
+    w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
+    residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
+    return [float(x) for x in w], residual, ""
+
+
+def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
+    """Items in `batch` by each counting rule verify knows for it."""
+    out: dict[str, int] = {}
+    if spec.count_items is not None:
+        out["count_items"] = int(spec.count_items(batch))
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, Tensor):
+        out["labels != -100"] = int((labels != -100).sum())
+        if labels.dim() >= 2:
+            out["labels[..., 1:] != -100"] = int((labels[..., 1:] != -100).sum())
+    return out
+
+
+def _piece_counts(
+    spec: Spec, batch: Batch, pieces: Sequence[Sequence[int]]
+) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {"rows": [len(p) for p in pieces]}
+    for idx in pieces:
+        for rule, n in item_counts(spec, select_rows(batch, idx)).items():
+            counts.setdefault(rule, []).append(n)
+    return counts
+
+
+def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
+    assert req.pieces is not None and req.fit_to is not None
+    model, _ = _build(spec, "off")
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    columns = []
+    for idx in req.pieces:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        torch.autograd.backward(spec.reference_loss(model, select_rows(batch, idx)).reshape(()))
+        columns.append(_flat({n: p.grad for n, p in model.named_parameters()}, shapes))
+    m_PJ = torch.stack(columns, dim=1)
+    whole, _ = _ref_grads(spec, batch, None, seed)
+    a, ra, why_a = _lstsq(m_PJ, _flat(req.fit_to, shapes))
+    b, rb, why_b = _lstsq(m_PJ, _flat(whole, shapes))
+    note = why_b or why_a
+    if not note and rb >= 1e-5:
+        note = (
+            "reference_loss is not a weighted sum of its values on each micro-batch "
+            f"(residual {rb:.1e}), as a mean over items would be"
+        )
+    counts = _piece_counts(spec, batch, req.pieces)
+    del counts["rows"]
+    return Fit(
+        ranks=tuple(req.piece_ranks),
+        split=tuple(a),
+        reference=tuple(b),
+        split_residual=ra,
+        reference_residual=rb,
+        counts={k: tuple(v) for k, v in counts.items()},
+        note=note,
+    )
+
+
+def reference(req: RefRequest) -> RefResult:
+    """The whole-batch reference (one process), with what `req` asks for besides."""
+    spec = load_spec(req.target)
+    batch = _batch(spec, req.condition)
+    replay = req.condition.dropout and not isinstance(spec, TrainerSpec)
+    masks = req.masks if replay else None
+    if replay and masks is None:
+        masks = ()
+    seed = spec.seed + 10_007
+    grads, dtypes = _ref_grads(spec, batch, masks if replay else None, seed)
+    spread = 0.0
+    if req.probe:
+        again, _ = _ref_grads(spec, batch, masks if replay else None, seed + 7_919)
+        spread = _rel_diff(grads, again)
+    floor = None
+    if req.floor:
+        plain, _ = _ref_grads(spec, batch, None, seed)
+        backwards = select_rows(batch, list(range(rows(batch) - 1, -1, -1)))
+        reordered, _ = _ref_grads(spec, backwards, None, seed)
+        floor = _rel_diff(plain, reordered)
+    fit = (
+        _fit(spec, batch, req, seed) if req.pieces is not None and req.fit_to is not None else None
+    )
+    model, _ = _build(spec, "off")
+    return RefResult(
+        grads=grads,
+        dtypes=_dtype_names(dtypes),
+        spread=spread,
+        floor=floor,
+        fit=fit,
+        item_counts=item_counts(spec, batch),
+        piece_counts=_piece_counts(spec, batch, req.count_pieces or ()),
+        params_fp=_params_fp(model),
+        batch_fp=fingerprint(batch),
+    )
+
+
+def eps_of(dtypes: Sequence[str]) -> float:
+    """Machine epsilon of the least precise floating dtype named (float64's if none)."""
+    eps = [torch.finfo(getattr(torch, d)).eps for d in dtypes if hasattr(torch, d)]
+    return max(eps, default=torch.finfo(torch.float64).eps)
