@@ -2,6 +2,10 @@
 (`--select`/`--ignore` prefixes, as in ruff) and `# noqa` suppression.
 
 Pure static analysis: a file is read and parsed with `ast`, never imported or run.
+`lint_paths` lints the files in import order (`program.import_order`), keeping each
+file's summaries (`summaries.ModuleFacts`, no syntax tree) so that a call into another
+file of the tree is followed; a single source (`lint_source`, the flake8 plugin) is
+followed within itself.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist
-from wholebatch.lint.flow_rules import check_flow
+from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
+from wholebatch.lint.program import ModuleMap, import_order
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
+from wholebatch.lint.summaries import ModuleFacts, Program, Resolver
 
 __all__ = [
     "UsageError",
@@ -41,6 +47,7 @@ _CHECKS: tuple[tuple[_Check, tuple[str, ...]], ...] = (
     (check_flow, ("all_gather", ".grad", "loss")),
     (check_loops, ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")),
 )
+_ANY_WORD = tuple(dict.fromkeys(w for _, words in _CHECKS for w in words))
 
 
 class UsageError(ValueError):
@@ -103,7 +110,8 @@ def lint_tree(
     path: str = "<string>",
     codes: frozenset[str] | None = None,
 ) -> list[Finding]:
-    """Run the enabled rules over an already parsed module (no `# noqa` handling).
+    """Run the enabled rules over an already parsed module (no `# noqa` handling); calls
+    are followed within the module.
 
     Args:
         tree: the module, from `ast.parse(source)`.
@@ -111,21 +119,70 @@ def lint_tree(
         path: the name reported in findings.
         codes: the enabled rule codes (default: all).
     """
+    return _lint_module(tree, source, path, codes, None, "", False)[0]
+
+
+def _lint_module(
+    tree: ast.Module,
+    source: str,
+    path: str,
+    codes: frozenset[str] | None,
+    program: Program | None,
+    module: str,
+    is_package: bool,
+) -> tuple[list[Finding], ModuleFacts | None]:
+    """Findings for one module, and its summaries for the files that import it."""
     enabled = codes if codes is not None else frozenset(RULES)
-    active = [check for check, words in _CHECKS if any(w in source for w in words)]
-    if not active:
-        return []  # most of a large package: parsed (for WB000), nothing more to do
+    words = any(w in source for w in _ANY_WORD)
+    if not words and not _imports_followed(tree, program, module, is_package):
+        return [], None  # most of a large package: parsed (for WB000), nothing more to do
     ctx = FileContext(tree, path, source)
-    seen: set[tuple[int, int, str]] = set()
+    resolver = Resolver(ctx, program, module, is_package=is_package)
+    attach(resolver)
+    resolver.link()
+    # A call followed into another file brings that file's events with it, so every
+    # check may apply even when this file's own text has none of its words.
+    active = [check for check, ws in _CHECKS if resolver.cross or any(w in source for w in ws)]
+    seen: set[tuple[str, int, int, str]] = set()
     out: list[Finding] = []
     for check in active:
         for f in check(ctx):
-            key = (f.line, f.col, f.code)
+            key = (f.path, f.line, f.col, f.code)
             if f.code in enabled and key not in seen:
                 seen.add(key)
                 out.append(f)
-    out.sort(key=lambda f: (f.line, f.col, f.code))
-    return out
+    out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
+    facts = resolver.export() if program is not None else None
+    return out, facts
+
+
+def _imports_followed(
+    tree: ast.Module, program: Program | None, module: str, is_package: bool
+) -> bool:
+    """Does the module import a function (or class) of the tree whose summary says it does
+    something a rule follows? Only then is a file without any rule's words worth a look."""
+    if program is None or not program.modules:
+        return False
+    pkg = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level - 1 > len(pkg):
+                    continue
+                base = pkg[: len(pkg) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] not in program.roots:
+                continue
+            for a in node.names:
+                if program.followed(f"{mod}.{a.name}" if mod else a.name):
+                    return True
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in program.roots and program.followed(a.name):
+                    return True
+    return False
 
 
 def lint_source(
@@ -146,15 +203,31 @@ def lint_source(
         UsageError: an unknown rule prefix in `select` or `ignore`.
     """
     codes = selected_codes(select, ignore)
-    return _lint_text(source, path, codes)
+    found, _ = _lint_text(source, path, codes)
+    noqa = _noqa_lines(source) if found else {}
+    return [f for f in found if not _suppressed(f, noqa)]
 
 
-def _lint_text(source: str, path: str, codes: frozenset[str]) -> list[Finding]:
+def _suppressed(f: Finding, noqa: dict[int, frozenset[str] | None]) -> bool:
+    if f.line not in noqa:
+        return False
+    codes = noqa[f.line]
+    return codes is None or f.code in codes
+
+
+def _lint_text(
+    source: str,
+    path: str,
+    codes: frozenset[str],
+    program: Program | None = None,
+    module: str = "",
+    is_package: bool = False,
+) -> tuple[list[Finding], ModuleFacts | None]:
     try:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError) as err:
         if "WB000" not in codes:
-            return []
+            return [], None
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
         msg = getattr(err, "msg", None) or str(err)
@@ -167,14 +240,8 @@ def _lint_text(source: str, path: str, codes: frozenset[str]) -> list[Finding]:
                 message=f"cannot parse: {msg}",
                 fix=RULES["WB000"].fix,
             )
-        ]
-    found = lint_tree(tree, source, path, codes)
-    noqa = _noqa_lines(source) if found else {}
-    return [
-        f
-        for f in found
-        if not (f.line in noqa and (noqa[f.line] is None or f.code in (noqa[f.line] or ())))
-    ]
+        ], None
+    return _lint_module(tree, source, path, codes, program, module, is_package)
 
 
 def _read(path: Path) -> str:
@@ -218,17 +285,20 @@ def lint_paths(
 ) -> tuple[list[Finding], int]:
     """Lint every Python file under `paths`; returns (findings, number of files checked).
 
-    A file that cannot be read or parsed gives a WB000 finding, never an exception.
+    Calls are followed across the files of the run (module docstring). Findings come
+    in the order of the files, then by line. A file that cannot be read or parsed gives
+    a WB000 finding, never an exception.
 
     Raises:
         UsageError: an unknown rule prefix, or a path that does not exist.
     """
     codes = selected_codes(select, ignore)
     files = list(iter_python_files(paths))
+    sources: dict[Path, str] = {}
     out: list[Finding] = []
     for f in files:
         try:
-            source = _read(f)
+            sources[f] = _read(f)
         except (OSError, UnicodeDecodeError, SyntaxError) as err:
             if "WB000" in codes:
                 out.append(
@@ -241,6 +311,32 @@ def lint_paths(
                         fix=RULES["WB000"].fix,
                     )
                 )
+    modules = ModuleMap(list(sources))
+    deps = {f: modules.imports_of(f, src) for f, src in sources.items()}
+    program = Program()
+    program.roots = {name.split(".")[0] for name in modules.file}
+    with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
+    for f in import_order(list(sources), deps):
+        source = sources.pop(f)
+        module = modules.name.get(f, "")
+        found, facts = _lint_text(
+            source, str(f), codes, program, module, modules.package.get(f, False)
+        )
+        if facts is not None and module and (facts.functions or facts.classes or facts.names):
+            program.add(module, facts)
+        if "noqa" in source.lower():
+            with_noqa[str(f)] = source
+        out.extend(found)
+    order = {str(f): i for i, f in enumerate(files)}
+    seen: set[tuple[str, int, int, str]] = set()
+    kept: list[Finding] = []
+    noqa: dict[str, dict[int, frozenset[str] | None]] = {}
+    for hit in sorted(out, key=lambda h: (order.get(h.path, len(order)), h.line, h.col, h.code)):
+        key = (hit.path, hit.line, hit.col, hit.code)
+        if hit.path in with_noqa and hit.path not in noqa:
+            noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
+        if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
             continue
-        out.extend(_lint_text(source, str(f), codes))
-    return out, len(files)
+        seen.add(key)
+        kept.append(hit)
+    return kept, len(files)

@@ -1,0 +1,137 @@
+"""The files of one lint run as a tree of modules: each file's dotted module name, and
+an order in which every file comes after the files it imports, so that a module's
+summaries (`summaries.ModuleFacts`) exist before the files that use them are linted.
+
+Module names come from the folders alone: a file's package is the chain of parent
+folders that hold an `__init__.py` (`src/pkg/sub/mod.py` -> `pkg.sub.mod`); a file
+outside any package is a top-level module named after its stem, as when it is run as
+a script next to its helpers. The import order is read with a regular expression over
+the source text (no parse, nothing imported); an import it misses, or a cycle, only
+means some call stays unknown for one file: no finding rather than a false one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["ModuleMap", "import_order"]
+
+_IMPORT_RE = re.compile(
+    r"^[ \t]*(?:from[ \t]+(?P<dots>\.*)(?P<mod>[\w.]*)[ \t]+import[ \t]+"
+    r"(?P<names>\([^)]*\)|[^\n#;]*)|import[ \t]+(?P<plain>[\w., \t]+))",
+    re.MULTILINE,
+)
+
+
+class ModuleMap:
+    """The dotted module name of each file, and the file of each module name.
+
+    Args:
+        files: the files of the run.
+    """
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.name: dict[Path, str] = {}
+        self.package: dict[Path, bool] = {}
+        by_name: dict[str, list[Path]] = {}
+        has_init: dict[Path, bool] = {}
+
+        def is_pkg(folder: Path) -> bool:
+            hit = has_init.get(folder)
+            if hit is None:
+                hit = (folder / "__init__.py").is_file()
+                has_init[folder] = hit
+            return hit
+
+        for f in files:
+            parts = [] if f.stem == "__init__" else [f.stem]
+            folder = f.parent
+            while is_pkg(folder) and folder.name.isidentifier():
+                parts.insert(0, folder.name)
+                if folder.parent == folder:
+                    break
+                folder = folder.parent
+            name = ".".join(parts)
+            if not name or not all(p.isidentifier() for p in parts):
+                continue
+            self.name[f] = name
+            self.package[f] = f.stem == "__init__"
+            by_name.setdefault(name, []).append(f)
+        # Two files with one name (scripts in different folders): neither is importable
+        # by that name with certainty, so neither is resolved.
+        self.file: dict[str, Path] = {n: fs[0] for n, fs in by_name.items() if len(fs) == 1}
+        for fs in by_name.values():
+            if len(fs) > 1:
+                for f in fs:
+                    self.name.pop(f, None)
+
+    def imports_of(self, f: Path, source: str) -> list[Path]:
+        """The files of the run that `source` (the text of `f`) imports, as far as a
+        regular expression over its import lines can tell."""
+        me = self.name.get(f)
+        if me is None:
+            return []
+        pkg = me.split(".") if self.package.get(f) else me.split(".")[:-1]
+        out: list[Path] = []
+
+        def add(name: str) -> None:
+            hit = self.file.get(name)
+            if hit is not None and hit != f:
+                out.append(hit)
+
+        for m in _IMPORT_RE.finditer(source):
+            plain = m.group("plain")
+            if plain is not None:
+                for item in plain.split(","):
+                    words = item.split()
+                    if words:
+                        name = words[0]
+                        add(name)
+                        # `import a.b.c` also runs a and a.b
+                        while "." in name:
+                            name = name.rpartition(".")[0]
+                            add(name)
+                continue
+            dots, mod = m.group("dots"), m.group("mod")
+            if dots:
+                level = len(dots)
+                if level - 1 > len(pkg):
+                    continue
+                base_parts = pkg[: len(pkg) - (level - 1)]
+                base = ".".join([*base_parts, mod] if mod else base_parts)
+            else:
+                base = mod
+            if base:
+                add(base)
+            for item in m.group("names").strip("()").split(","):
+                words = item.split()
+                if words and words[0].isidentifier():
+                    add(f"{base}.{words[0]}" if base else words[0])
+        return out
+
+
+def import_order(files: Sequence[Path], deps: dict[Path, list[Path]]) -> list[Path]:
+    """`files` reordered so each comes after the files it imports (depth first, in the
+    given order otherwise; an import cycle is cut where the walk meets it)."""
+    done: set[Path] = set()
+    out: list[Path] = []
+    for start in files:
+        if start in done:
+            continue
+        done.add(start)
+        stack: list[tuple[Path, int]] = [(start, 0)]
+        while stack:
+            f, i = stack[-1]
+            children = deps.get(f, ())
+            if i < len(children):
+                stack[-1] = (f, i + 1)
+                child = children[i]
+                if child not in done:
+                    done.add(child)
+                    stack.append((child, 0))
+            else:
+                stack.pop()
+                out.append(f)
+    return out
