@@ -30,10 +30,11 @@ import re
 from collections.abc import Iterator
 from dataclasses import replace
 
+from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import dotted, is_rank_ref, last_name
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
-from wholebatch.lint.summaries import Facts, Origin, Resolver
+from wholebatch.lint.summaries import Resolver
 
 __all__ = ["Flow", "returned_tags"]
 

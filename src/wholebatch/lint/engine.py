@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist
+from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import ModuleMap, import_order
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
-from wholebatch.lint.summaries import ModuleFacts, Program, Resolver
+from wholebatch.lint.summaries import Resolver
 
 __all__ = [
     "UsageError",
