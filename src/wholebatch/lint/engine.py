@@ -131,11 +131,15 @@ def _lint_module(
     program: Program | None,
     module: str,
     is_package: bool,
+    follows: bool = False,
 ) -> tuple[list[Finding], ModuleFacts | None]:
-    """Findings for one module, and its summaries for the files that import it."""
+    """Findings for one module, and its summaries for the files that import it.
+
+    `follows`: it imports a module whose summaries are worth following, so it is read
+    even if none of the rules' words occur in it."""
     enabled = codes if codes is not None else frozenset(RULES)
     words = any(w in source for w in _ANY_WORD)
-    if not words and not _imports_followed(tree, program, module, is_package):
+    if not words and not follows:
         return [], None  # most of a large package: parsed (for WB000), nothing more to do
     ctx = FileContext(tree, path, source)
     resolver = Resolver(ctx, program, module, is_package=is_package)
@@ -155,35 +159,6 @@ def _lint_module(
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
     return out, facts
-
-
-def _imports_followed(
-    tree: ast.Module, program: Program | None, module: str, is_package: bool
-) -> bool:
-    """Does the module import a function (or class) of the tree whose summary says it does
-    something a rule follows? Only then is a file without any rule's words worth a look."""
-    if program is None or not program.modules:
-        return False
-    pkg = module.split(".") if is_package else module.split(".")[:-1]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                if node.level - 1 > len(pkg):
-                    continue
-                base = pkg[: len(pkg) - (node.level - 1)]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
-            if mod.split(".")[0] not in program.roots:
-                continue
-            for a in node.names:
-                if program.followed(f"{mod}.{a.name}" if mod else a.name):
-                    return True
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.split(".")[0] in program.roots and program.followed(a.name):
-                    return True
-    return False
 
 
 def lint_source(
@@ -223,6 +198,7 @@ def _lint_text(
     program: Program | None = None,
     module: str = "",
     is_package: bool = False,
+    follows: bool = False,
 ) -> tuple[list[Finding], ModuleFacts | None]:
     try:
         tree = ast.parse(source, filename=path)
@@ -242,7 +218,7 @@ def _lint_text(
                 fix=RULES["WB000"].fix,
             )
         ], None
-    return _lint_module(tree, source, path, codes, program, module, is_package)
+    return _lint_module(tree, source, path, codes, program, module, is_package, follows)
 
 
 def _read(path: Path) -> str:
@@ -320,8 +296,9 @@ def lint_paths(
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
         module = modules.name.get(f, "")
+        follows = any(program.worth(modules.name.get(d, "")) for d in deps[f])
         found, facts = _lint_text(
-            source, str(f), codes, program, module, modules.package.get(f, False)
+            source, str(f), codes, program, module, modules.package.get(f, False), follows
         )
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
             program.add(module, facts)

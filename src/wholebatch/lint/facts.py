@@ -49,7 +49,7 @@ class Facts:
         star: it takes `*args` or `**kwargs` (arguments cannot be matched one to one).
         effects: training calls, in order.
         collective: (qualified name, trace) of a collective it calls on every call.
-        reduces: it calls a collective (or a reduce/scatter) somewhere.
+        reduces: it calls a collective somewhere (itself or through a call).
         gathers: it (or a function it calls) fills a tensor by c10d all-gather.
         returns: the tags of its return value; None when not computed (no gather).
     """
@@ -167,42 +167,21 @@ class Program:
         self.modules: dict[str, ModuleFacts] = {}
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
-        self._busy_classes: set[str] = set()  # classes with a method worth following
+        self._worth: set[str] = set()
+
+    def worth(self, module: str) -> bool:
+        """Does `module` have (or re-export) summaries worth following?"""
+        return module in self._worth
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""
         self.modules[module] = facts
-        for key in facts.functions:
-            cls, _, meth = key.partition(".")
-            if meth:
-                self._busy_classes.add(f"{module}.{cls}")
-
-    def followed(self, name: str) -> bool:
-        """Does the absolute dotted `name` (a function, class or module) lead to a summary
-        worth following (a function that does something a rule follows, a class with such
-        a method, a module with such functions)?"""
-        mod = self.modules.get(name)
-        if mod is not None:
-            return bool(mod.functions)
-        hit = self.lookup(name)
-        if isinstance(hit, Facts):
-            return True
-        if isinstance(hit, str):
-            return self._class_followed(hit, 0)
-        return False
-
-    def _class_followed(self, cls: str, depth: int) -> bool:
-        if cls in self._busy_classes:
-            return True
-        mod_name, _, name = cls.rpartition(".")
-        mod = self.modules.get(mod_name)
-        if mod is None or depth > 6:
-            return False
-        for base in mod.classes.get(name, ()):
-            target = self.lookup(base)
-            if isinstance(target, str) and self._class_followed(target, depth + 1):
-                return True
-        return False
+        # Worth a look from a file that imports it: its own functions, or (a package's
+        # `__init__`) a re-export of a module that has some.
+        if facts.functions or any(
+            self.worth(t) or self.worth(t.rpartition(".")[0]) for t in facts.names.values()
+        ):
+            self._worth.add(module)
 
     def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
         """The facts of the function an absolute dotted name refers to; a class gives its

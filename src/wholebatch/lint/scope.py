@@ -189,7 +189,7 @@ class Scope:
         has_gather: a call named like a c10d all-gather occurs.
         mods: the `a % b` expressions.
         local_calls: calls that may resolve to a function the linter knows (`f()`,
-            `self.m()`, `mod.f()`, `super().m()`), each with an Event holding its place.
+            `self.m()`, `mod.f()`, `super().m()`), each with its place (Event fields).
         plain_gathers: the c10d all-gather calls (no gradient on their output).
     """
 
@@ -206,7 +206,7 @@ class Scope:
     divs: list[ast.BinOp | ast.AugAssign] = field(default_factory=list)
     has_gather: bool = False
     mods: list[ast.BinOp] = field(default_factory=list)
-    local_calls: list[tuple[ast.Call, Event]] = field(default_factory=list)
+    local_calls: list[tuple[ast.Call, dict[str, Any]]] = field(default_factory=list)
     plain_gathers: list[ast.Call] = field(default_factory=list)
     raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
     linked: bool = False
@@ -263,6 +263,7 @@ class FileContext:
         self.scope_of: dict[int, Scope] = {}
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
+        self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
         self._scope(tree, None, nograd=False)
         self.imports.finish()
@@ -457,7 +458,7 @@ class FileContext:
                     and isinstance(func.value, ast.Name | ast.Attribute | ast.Call)
                 )
             ):
-                scope.local_calls.append((node, Event(kind="", node=node, recv="", **where)))
+                scope.local_calls.append((node, where))
         scope.raw = []
         if not self.source or "all_gather" in self.source:
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`

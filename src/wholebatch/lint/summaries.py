@@ -194,6 +194,16 @@ class Resolver:
         if isinstance(value, ast.Name) and value.id in ctx.class_by_name:
             found = self._method(ctx.class_by_name[value.id], attr, include_self=True)
             return (found[0], False) if found is not None else None
+        if self.program is None:
+            return None
+        root = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or not (
+            root.id in ctx.imports.relative
+            or ctx.imports.aliases.get(root.id, "").split(".")[0] in self.program.roots
+        ):
+            return None  # not through an import of the tree: `x.append`, `torch.cat`
         full = dotted(func)
         if full is None or self.program is None:
             return None
@@ -331,13 +341,8 @@ class Resolver:
                         note=f"calls `{_callee_text(call)}`",
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
-        if not reduces:
-            reduces = any(
-                (name := last_name(c.func).lower()) == "apply"
-                or "reduce" in name
-                or "scatter" in name
-                for c in scope.calls
-            )
+        if not (effects or collective or reduces or gathers):
+            return shell
         out = replace(
             shell,
             effects=tuple(effects),
@@ -373,7 +378,7 @@ class Resolver:
             return
         scope.linked = True
         extra: list[Event] = []
-        for call, place in scope.local_calls:
+        for call, where in scope.local_calls:
             r = self.resolve(call, scope)
             if r is None or not r[0].effects:
                 continue
@@ -381,13 +386,14 @@ class Resolver:
             args = dict(f.bind(call, bound))
             for eff in f.effects:
                 extra.append(
-                    replace(
-                        place,
+                    Event(
                         kind=eff.kind,
+                        node=call,
                         recv=_map_recv(eff.recv, args),
                         synthetic=True,
                         certain=eff.certain,
                         via=eff.trace,
+                        **where,
                     )
                 )
         if extra:
@@ -452,8 +458,11 @@ class Resolver:
 
 
 def _may_call_collective(ctx: FileContext) -> bool:
-    src = ctx.source
-    return not src or "dist" in src or "wholebatch" in src
+    hit = ctx.may_collective
+    if hit is None:
+        src = ctx.source
+        hit = ctx.may_collective = not src or "dist" in src or "wholebatch" in src
+    return hit
 
 
 def _calls_of(st: ast.stmt) -> Iterator[ast.Call]:
