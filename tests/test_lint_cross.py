@@ -212,3 +212,29 @@ def test_unknown_calls_add_nothing() -> None:
         "        optimizer.zero_grad()\n"
     )
     assert _found(src) == set()
+
+
+def test_static_and_class_qualified_methods_pair_their_arguments() -> None:
+    src = (
+        "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n\n"
+        "class GatheredLoss(torch.nn.Module):\n"
+        "    @staticmethod\n"
+        "    def _gather(x, ws):\n"
+        "        out = [torch.empty_like(x) for _ in range(ws)]\n"
+        "        dist.all_gather(out, x)\n"
+        "        return torch.cat(out)\n\n"
+        "    def forward(self, img, txt):\n"
+        "        return F.cross_entropy(img @ self._gather(txt, 4).T, torch.arange(len(img)))\n\n"
+        "def train(img, txt):\n"
+        "    (img @ GatheredLoss._gather(txt, 4).T).sum().backward()\n"
+    )
+    findings = lint_source(src)
+    assert [(f.line, f.code) for f in findings] == [(9, "WB101")]
+    assert [h.function for h in findings[0].trace] == [
+        "GatheredLoss._gather",
+        "GatheredLoss.forward",
+        "GatheredLoss.forward",
+    ]
+    # the same helper, with the gradient kept: nothing
+    fixed = src.replace("dist.all_gather(out, x)\n        return torch.cat(out)", "return x")
+    assert lint_source(fixed) == []

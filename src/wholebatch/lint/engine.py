@@ -158,6 +158,10 @@ def _lint_module(
                 out.append(f)
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
+    # The resolver and the file point at each other: cut the cycle so the file's syntax
+    # tree is freed now, by reference counting, not by a full garbage collection later
+    # (which, over a package, costs a fifth of the run).
+    resolver.close()
     return out, facts
 
 

@@ -193,7 +193,10 @@ class Resolver:
             return self._method(scope.cls, attr, include_self=False)
         if isinstance(value, ast.Name) and value.id in ctx.class_by_name:
             found = self._method(ctx.class_by_name[value.id], attr, include_self=True)
-            return (found[0], False) if found is not None else None
+            if found is None:
+                return None
+            f = found[0]  # `Cls.m(obj, x)` passes the instance; `Cls.static(x)` does not
+            return f, bool(f.params) and f.params[0] == ""
         if self.program is None:
             return None
         root = value
@@ -271,7 +274,10 @@ class Resolver:
             qual=scope.qual,
             path=self.ctx.path,
             line=d.lineno,
-            params=tuple(x.arg for x in (*a.posonlyargs, *a.args)),
+            # a staticmethod gets an empty first name, so that `self.m(x)` (bound: the
+            # first parameter is not among the arguments) pairs `x` with its first one
+            params=(("",) if _is_static(d) else ())
+            + tuple(x.arg for x in (*a.posonlyargs, *a.args)),
             kwonly=tuple(x.arg for x in a.kwonlyargs),
             star=a.vararg is not None or a.kwarg is not None,
         )
@@ -422,6 +428,14 @@ class Resolver:
                     yield q, node, trace
             stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
+    def close(self) -> None:
+        """Drop the links between this resolver, its file and the flow results (a cycle)."""
+        self.ctx.resolver = None
+        self.ctx.flow_results = None  # type: ignore[attr-defined]
+        self.returns_fn = None
+        self._facts.clear()
+        self._resolved.clear()
+
     # -- what other files see ---------------------------------------------------------------
 
     def export(self) -> ModuleFacts:
@@ -455,6 +469,10 @@ class Resolver:
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
         return out
+
+
+def _is_static(d: _Def) -> bool:
+    return any(isinstance(x, ast.Name) and x.id == "staticmethod" for x in d.decorator_list)
 
 
 def _may_call_collective(ctx: FileContext) -> bool:
