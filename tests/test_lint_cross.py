@@ -72,10 +72,17 @@ def test_cross_file_path_names_the_other_file() -> None:
     assert [Path(h.path).name for h in wb202.trace] == ["steps.py"]
 
 
-def test_one_file_of_a_package_alone_is_linted_within_itself() -> None:
-    """Without its package, a call into a sibling is unknown: no cross-file finding."""
-    findings, _ = lint_paths([CASES / "pkg_wrong" / "losses.py"])
-    assert findings == []
+def test_one_file_of_a_package_reads_what_it_imports() -> None:
+    """`wholebatch lint train.py` (pre-commit on a changed file) follows the modules it
+    imports from its own package, and reports in train.py only."""
+    findings, files = lint_paths([CASES / "pkg_wrong" / "train.py"])
+    assert files == 1
+    got = {(Path(f.path).name, f.line, f.code) for f in findings}
+    assert got == {e for e in _expected_in(CASES / "pkg_wrong") if e[0] == "train.py"}
+    right, _ = lint_paths([CASES / "pkg_right" / "train.py"])
+    assert right == []
+    # losses.py imports nothing of its package: its gather's loss is in train.py
+    assert lint_paths([CASES / "pkg_wrong" / "losses.py"]) == ([], 1)
 
 
 # -- the path, in text, JSON and flake8 ------------------------------------------------------

@@ -22,7 +22,7 @@ from wholebatch.lint.dist_rules import check_dist
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
-from wholebatch.lint.program import ModuleMap, import_order
+from wholebatch.lint.program import ModuleMap, import_order, imported_names, locate, module_name
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
 from wholebatch.lint.summaries import Resolver
@@ -132,11 +132,13 @@ def _lint_module(
     module: str,
     is_package: bool,
     follows: bool = False,
+    *,
+    report: bool = True,
 ) -> tuple[list[Finding], ModuleFacts | None]:
     """Findings for one module, and its summaries for the files that import it.
 
     `follows`: it imports a module whose summaries are worth following, so it is read
-    even if none of the rules' words occur in it."""
+    even if none of the rules' words occur in it. `report=False`: summaries only."""
     enabled = codes if codes is not None else frozenset(RULES)
     words = any(w in source for w in _ANY_WORD)
     if not words and not follows:
@@ -147,7 +149,11 @@ def _lint_module(
     resolver.link()
     # A call followed into another file brings that file's events with it, so every
     # check may apply even when this file's own text has none of its words.
-    active = [check for check, ws in _CHECKS if resolver.cross or any(w in source for w in ws)]
+    active = [
+        check
+        for check, ws in _CHECKS
+        if report and (resolver.cross or any(w in source for w in ws))
+    ]
     seen: set[tuple[str, int, int, str]] = set()
     out: list[Finding] = []
     for check in active:
@@ -203,11 +209,15 @@ def _lint_text(
     module: str = "",
     is_package: bool = False,
     follows: bool = False,
+    *,
+    report: bool = True,
 ) -> tuple[list[Finding], ModuleFacts | None]:
+    if not report and not follows and not any(w in source for w in _ANY_WORD):
+        return [], None  # read for its summaries, and it can have none worth keeping
     try:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError) as err:
-        if "WB000" not in codes:
+        if "WB000" not in codes or not report:
             return [], None
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
@@ -222,7 +232,9 @@ def _lint_text(
                 fix=RULES["WB000"].fix,
             )
         ], None
-    return _lint_module(tree, source, path, codes, program, module, is_package, follows)
+    return _lint_module(
+        tree, source, path, codes, program, module, is_package, follows, report=report
+    )
 
 
 def _read(path: Path) -> str:
@@ -259,6 +271,46 @@ def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]
             raise UsageError(f"{raw}: no such file or folder")
 
 
+# Files read only for their summaries (imported by the files of the run, from their own
+# package, or by those files): at most this many, at most this many imports away, so one
+# file of a huge package stays quick to lint.
+_MAX_CONTEXT = 64
+_CONTEXT_DEPTH = 2
+
+
+def _add_context(sources: dict[Path, str]) -> None:
+    """Add to `sources` the files that the run's files import from their own package tree
+    but that are not in the run (`wholebatch lint train.py`, or pre-commit on the changed
+    files): their summaries let calls into them be followed; nothing in them is reported."""
+    todo = [(f, 0) for f in sources]
+    names = {f: module_name(f) for f in sources}
+    known = {n for n, _ in names.values()}
+    tried: dict[tuple[str, Path], Path | None] = {}
+    added = 0
+    while todo and added < _MAX_CONTEXT:
+        f, depth = todo.pop(0)
+        if depth >= _CONTEXT_DEPTH:
+            continue
+        me, is_pkg = names[f]
+        for name in imported_names(me or None, is_pkg, sources[f]):
+            if name in known:
+                continue
+            key = (name, f.parent)
+            if key not in tried:
+                tried[key] = locate(name, f)
+            hit = tried[key]
+            if hit is None or hit in sources or added >= _MAX_CONTEXT:
+                continue
+            try:
+                sources[hit] = _read(hit)
+            except (OSError, UnicodeDecodeError, SyntaxError):
+                continue
+            added += 1
+            todo.append((hit, depth + 1))
+            names[hit] = module_name(hit)
+            known.add(names[hit][0])
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -292,6 +344,8 @@ def lint_paths(
                         fix=RULES["WB000"].fix,
                     )
                 )
+    run = {str(f) for f in sources}
+    _add_context(sources)
     modules = ModuleMap(list(sources))
     deps = {f: modules.imports_of(f, src) for f, src in sources.items()}
     program = Program()
@@ -302,7 +356,14 @@ def lint_paths(
         module = modules.name.get(f, "")
         follows = any(program.worth(modules.name.get(d, "")) for d in deps[f])
         found, facts = _lint_text(
-            source, str(f), codes, program, module, modules.package.get(f, False), follows
+            source,
+            str(f),
+            codes,
+            program,
+            module,
+            modules.package.get(f, False),
+            follows,
+            report=str(f) in run,
         )
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
             program.add(module, facts)
@@ -315,6 +376,8 @@ def lint_paths(
     noqa: dict[str, dict[int, frozenset[str] | None]] = {}
     for hit in sorted(out, key=lambda h: (order.get(h.path, len(order)), h.line, h.col, h.code)):
         key = (hit.path, hit.line, hit.col, hit.code)
+        if hit.path not in run:
+            continue  # in a file read only for its summaries
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):

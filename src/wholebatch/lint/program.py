@@ -12,11 +12,12 @@ means some call stays unknown for one file: no finding rather than a false one.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ModuleMap", "import_order"]
+__all__ = ["ModuleMap", "import_order", "imported_names", "locate", "module_name"]
 
 _IMPORT_RE = re.compile(
     r"^[ \t]*(?:from[ \t]+(?P<dots>\.*)(?P<mod>[\w.]*)[ \t]+import[ \t]+"
@@ -55,7 +56,7 @@ class ModuleMap:
                 folder = folder.parent
             name = ".".join(parts)
             if not name or not all(p.isidentifier() for p in parts):
-                continue
+                continue  # `my-script.py`: not importable by name
             self.name[f] = name
             self.package[f] = f.stem == "__init__"
             by_name.setdefault(name, []).append(f)
@@ -70,46 +71,88 @@ class ModuleMap:
     def imports_of(self, f: Path, source: str) -> list[Path]:
         """The files of the run that `source` (the text of `f`) imports, as far as a
         regular expression over its import lines can tell."""
-        me = self.name.get(f)
-        if me is None:
-            return []
-        pkg = me.split(".") if self.package.get(f) else me.split(".")[:-1]
         out: list[Path] = []
-
-        def add(name: str) -> None:
+        for name in imported_names(self.name.get(f), self.package.get(f, False), source):
             hit = self.file.get(name)
             if hit is not None and hit != f:
                 out.append(hit)
-
-        for m in _IMPORT_RE.finditer(source):
-            plain = m.group("plain")
-            if plain is not None:
-                for item in plain.split(","):
-                    words = item.split()
-                    if words:
-                        name = words[0]
-                        add(name)
-                        # `import a.b.c` also runs a and a.b
-                        while "." in name:
-                            name = name.rpartition(".")[0]
-                            add(name)
-                continue
-            dots, mod = m.group("dots"), m.group("mod")
-            if dots:
-                level = len(dots)
-                if level - 1 > len(pkg):
-                    continue
-                base_parts = pkg[: len(pkg) - (level - 1)]
-                base = ".".join([*base_parts, mod] if mod else base_parts)
-            else:
-                base = mod
-            if base:
-                add(base)
-            for item in m.group("names").strip("()").split(","):
-                words = item.split()
-                if words and words[0].isidentifier():
-                    add(f"{base}.{words[0]}" if base else words[0])
         return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_package(folder: Path) -> bool:
+    return (folder / "__init__.py").is_file()
+
+
+def module_name(f: Path) -> tuple[str, bool]:
+    """(dotted module name, is a package's `__init__`) of a file, from its folders."""
+    parts = [] if f.stem == "__init__" else [f.stem]
+    folder = f.parent
+    while _is_package(folder) and folder.name.isidentifier():
+        parts.insert(0, folder.name)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    return ".".join(parts), f.stem == "__init__"
+
+
+def locate(name: str, near: Path) -> Path | None:
+    """The file of module `name` as imported from `near`, if it lies in `near`'s own
+    package tree (or, for a file outside any package, beside it); else None. Nothing
+    outside the importing file's tree is looked at (not site-packages, not the stdlib)."""
+    me, is_pkg = module_name(near)
+    if not me:
+        return None
+    depth = len(me.split(".")) - (0 if is_pkg else 1)  # folders from `near` up to the base
+    base = near.parent
+    for _ in range(depth):
+        base = base.parent
+    if "." in me and name.split(".")[0] != me.split(".")[0]:
+        return None  # another top-level package
+    rel = Path(*name.split("."))
+    for cand in (base / rel.with_suffix(".py"), base / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def imported_names(me: str | None, is_package: bool, source: str) -> list[str]:
+    """The absolute module names `source` may import (a `from m import n` gives `m` and
+    `m.n`), as a regular expression over its import lines reads them."""
+    out: list[str] = []
+    if me is None:
+        return out
+    pkg = me.split(".") if is_package else me.split(".")[:-1]
+    add = out.append
+    for m in _IMPORT_RE.finditer(source):
+        plain = m.group("plain")
+        if plain is not None:
+            for item in plain.split(","):
+                words = item.split()
+                if words:
+                    name = words[0]
+                    add(name)
+                    # `import a.b.c` also runs a and a.b
+                    while "." in name:
+                        name = name.rpartition(".")[0]
+                        add(name)
+            continue
+        dots, mod = m.group("dots"), m.group("mod")
+        if dots:
+            level = len(dots)
+            if level - 1 > len(pkg):
+                continue
+            base_parts = pkg[: len(pkg) - (level - 1)]
+            base = ".".join([*base_parts, mod] if mod else base_parts)
+        else:
+            base = mod
+        if base:
+            add(base)
+        for item in m.group("names").strip("()").split(","):
+            words = item.split()
+            if words and words[0].isidentifier():
+                add(f"{base}.{words[0]}" if base else words[0])
+    return out
 
 
 def import_order(files: Sequence[Path], deps: dict[Path, list[Path]]) -> list[Path]:
