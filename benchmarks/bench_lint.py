@@ -163,6 +163,8 @@ def throughput(paths: list[Path], rounds: int, baseline: str | None) -> None:
         t_then = statistics.median(then)
         print(f"lint ({baseline})  {t_then:.2f} s  ({n / t_then:.0f} files/s)  findings {n_then}")
         print(f"now/{baseline}    {t_now / t_then:.2f}x the time (target: <= 2x)")
+        paired = ", ".join(f"{a / b:.2f}" for a, b in zip(now, then, strict=True))
+        print(f"  per round    {paired}  (each: this lint / {baseline}'s, run back to back)")
     print(f"parse only     {t_parse:.2f} s  ({n / t_parse:.0f} files/s)")
     print(f"lint/parse     {t_now / t_parse:.2f}x")
 
