@@ -274,7 +274,7 @@ def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]
 # Files read only for their summaries (imported by the files of the run, from their own
 # package, or by those files): at most this many, at most this many imports away, so one
 # file of a huge package stays quick to lint.
-_MAX_CONTEXT = 64
+_MAX_CONTEXT = 32
 _CONTEXT_DEPTH = 2
 
 

@@ -56,9 +56,9 @@ _KIND_NOTE = {
     UNSCALE: "unscales",
     CLIP: "clips gradients",
 }
-# Bases that add no method the linter could follow (so a miss there is a real "none").
 # Call chains followed at most this deep (each level is a few Python frames).
 _MAX_DEPTH = 40
+# Bases that add no method the linter could follow (so a miss there is a real "none").
 _KNOWN_BASES = ("object", "torch.", "nn.", "typing.", "abc.", "Generic", "Protocol", "ABC")
 
 
