@@ -112,8 +112,11 @@ def test_text_and_json_name_the_path_followed() -> None:
     assert set(trace[0]) == {"path", "line", "col", "function", "note"}
     # a helper that zeroes: the path goes into the helper
     assert [(h["function"], h["line"]) for h in by_line[(72, "WB202")]["trace"]] == [("reset", 65)]
-    # a finding inside one function has no path
-    assert all(r["trace"] == [] for r in rows if r["code"] == "WB102")
+    # a gather layer whose forward gathers in a helper: the path into the helper
+    assert [(h["function"], h["line"]) for h in by_line[(155, "WB102")]["trace"]] == [
+        ("HelperGatherLayer.forward", 152),
+        ("_gather_list", 143),
+    ]
 
 
 def test_flake8_plugin_follows_calls_within_the_file() -> None:

@@ -12,6 +12,7 @@ rank, so any rank-local condition that changes control flow is agreed first.
 from __future__ import annotations
 
 import ast
+import builtins
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -120,15 +121,15 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
         if fwd is None or bwd is None:
             continue
         fwd_scope = ctx.scope_of.get(id(fwd))
+        via: tuple[Hop, ...] = ()
         if not any(
             isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
-        ) and not (
-            fwd_scope is not None
-            and ctx.resolver is not None
-            and ctx.resolver.facts(fwd).gathers
-            and not _fwd_differentiable(ctx, fwd_scope)
         ):
-            continue
+            if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
+                continue
+            via = _gathering_call(ctx, fwd_scope)
+            if not via:
+                continue
         bwd_scope = ctx.scope_of.get(id(bwd))
         reduces = False
         for n in walk_local(bwd):
@@ -148,26 +149,58 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
                     reduces = True
                     break
         if not reduces:
-            yield _finding(
+            f = _finding(
                 ctx,
                 bwd,
                 "WB102",
                 f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
                 "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                "other ranks' terms are lost",
+                f"other ranks' terms are lost{_path(via, ctx.path)}",
             )
+            yield replace(f, trace=via)
+
+
+def _gathering_call(ctx: FileContext, scope: Scope) -> tuple[Hop, ...]:
+    """The path to the c10d all-gather a forward reaches through a helper (empty: none)."""
+    r = ctx.resolver
+    if r is None:
+        return ()
+    for call, _ in scope.local_calls:
+        found = r.resolve(call, scope)
+        if found is not None and found[0].gathers:
+            f = found[0]
+            name = dotted(call.func) or last_name(call.func)
+            return (
+                Hop(
+                    path=ctx.path,
+                    line=call.lineno,
+                    col=call.col_offset + 1,
+                    function=scope.qual,
+                    note=f"calls `{name}()`",
+                ),
+                Hop(
+                    path=f.path, line=f.line, col=1, function=f.qual, note="all-gathers in its body"
+                ),
+            )
+    return ()
+
+
+# Plain functions that never reduce across ranks (so a call to them in a backward is no
+# "maybe" for WB102).
+_NOT_REDUCING = frozenset(dir(builtins))
 
 
 def _helper_reduces(ctx: FileContext, call: ast.Call, scope: Scope) -> bool:
-    """Does `call` run a function that reduces across ranks? Unknown calls of this file's
-    own names count as "maybe" (no finding rather than a false one)."""
+    """Does `call` run a function that reduces across ranks? A call of a plain name that
+    cannot be resolved (imported from outside the run) counts as "maybe": no finding
+    rather than a false one."""
     r = ctx.resolver
     if r is None:
         return False
     found = r.resolve(call, scope)
     if found is not None:
         return found[0].reduces
-    return False
+    return isinstance(call.func, ast.Name) and call.func.id not in _NOT_REDUCING
 
 
 def _fwd_differentiable(ctx: FileContext, scope: Scope) -> bool:

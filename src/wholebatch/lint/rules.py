@@ -80,8 +80,10 @@ class Finding:
         code: the rule code.
         message: what is wrong here, naming the names involved.
         fix: what to write instead (the rule's fix).
-        trace: the path the rule followed across functions (and files), first step
-            first; empty when everything happens at the reported line.
+        trace: the path the rule followed, first step first: for a value (WB101, WB103)
+            from where it starts to where it does harm, for a call into the functions
+            it runs (and their files); empty when there is nothing beyond the reported
+            line. The message names the path when it crosses functions.
     """
 
     path: str
