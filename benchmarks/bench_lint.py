@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="lint torch/distributed + torch/optim")
     parser.add_argument("--startup", action="store_true", help="time one small file and imports")
     parser.add_argument("--peers", action="store_true", help="lint the installed peer libraries")
-    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (default 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="throughput rounds (default 2; 1 with --quick)"
+    )
     parser.add_argument("--repeat", type=int, default=7, help="start-up runs per command")
     parser.add_argument(
         "--baseline",
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     root = torch_dir()
     paths = [root / "distributed", root / "optim"] if args.quick else [root]
     print(f"target         {'subset' if args.quick else 'whole package'}: {root}")
-    throughput(paths, args.rounds, args.baseline or None)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
+    throughput(paths, rounds, args.baseline or None)
     findings, _ = lint_paths(paths)
     print(
         f"findings       {len(findings)}  {dict(sorted(Counter(f.code for f in findings).items()))}"
