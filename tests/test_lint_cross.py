@@ -248,3 +248,28 @@ def test_static_and_class_qualified_methods_pair_their_arguments() -> None:
     # the same helper, with the gradient kept: nothing
     fixed = src.replace("dist.all_gather(out, x)\n        return torch.cat(out)", "return x")
     assert lint_source(fixed) == []
+
+
+def test_branches_join_by_union_and_both_branches_overwrite() -> None:
+    base = (
+        "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n"
+        "import wholebatch\n\n"
+        "def clip_loss(img, txt, ws, use_grad):\n"
+        "    parts = [torch.zeros_like(txt) for _ in range(ws)]\n"
+        "    dist.all_gather(parts, txt)\n"
+        "    all_txt = torch.cat(parts)\n"
+        "    if use_grad:\n"
+        "        all_txt = wholebatch.all_gather(txt)\n"
+        "    else:\n"
+        "        all_txt = txt\n"
+        "    return F.cross_entropy(img @ all_txt.T, torch.arange(len(img)))\n"
+    )
+    # both branches replace the gathered value: nothing reaches the loss
+    assert _found(base) == set()
+    # one branch only (or the other one nested deeper): the no-gradient value may reach it
+    one = base.replace("    else:\n        all_txt = txt\n", "")
+    nested = base.replace(
+        "        all_txt = txt\n", "        if ws > 1:\n            all_txt = txt\n"
+    )
+    assert _found(one) == {(8, "WB101")}
+    assert _found(nested) == {(8, "WB101")}

@@ -81,6 +81,7 @@ class Flow:
         # g-tag -> branch path (see Stmt.path) where its value entered this scope
         self.entered: dict[str, tuple[tuple[int, int], ...]] = {}
         self._made: dict[int, str] = {}  # id(gather call) -> its tag (one per call, both walks)
+        self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
         node = scope.node
         if not isinstance(node, ast.Module):
@@ -234,6 +235,14 @@ class Flow:
         if old is None:
             old = [((), frozenset(self.t[key]))] if key in self.t else []
         kept = [(q, tg) for q, tg in old if q[:n] != here]
+        # `if c: x = a` / `else: x = b`, both at the top of their branch: together they
+        # overwrite whatever `x` held before the `if` (on every path through it).
+        parent, (stmt, branch) = here[:-1], here[-1]
+        the_if = self._ifs.get(stmt)
+        if the_if is not None and the_if.orelse and branch in (0, 1):
+            sibling = (*parent, (stmt, 1 - branch))
+            if any(q == sibling for q, _ in kept):
+                kept = [(q, tg) for q, tg in kept if not (len(q) < n and parent[: len(q)] == q)]
         kept.append((here, frozenset(tags)))
         self.at[key] = kept
         out: set[str] = set()
