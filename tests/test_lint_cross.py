@@ -273,3 +273,33 @@ def test_branches_join_by_union_and_both_branches_overwrite() -> None:
     )
     assert _found(one) == {(8, "WB101")}
     assert _found(nested) == {(8, "WB101")}
+
+
+def test_reexports_and_files_without_any_rule_words(tmp_path: Path) -> None:
+    """An `__init__.py` that only re-exports, and a loop file that names no training call
+    itself (all of it in helpers of another file): both are still followed."""
+    pkg = tmp_path / "proj"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .helpers import reset, run_step\n")
+    (pkg / "helpers.py").write_text(
+        "def reset(model):\n    model.zero_grad()\n\n\n"
+        "def run_step(model, opt, x):\n    model(x).sum().backward()\n    opt.step()\n"
+    )
+    (pkg / "train.py").write_text(
+        "from proj import reset\n\n\n"
+        "def train(model, loader, opt):\n"
+        "    for x in loader:\n"
+        "        model(x).sum().backward()\n"
+        "        reset(model)\n"
+        "        opt.step()\n"
+    )
+    (pkg / "loop.py").write_text(
+        "from proj import run_step\n\n\n"
+        "def fit(model, opt, batches):\n"
+        "    for x in batches:\n"
+        "        run_step(model, opt, x)\n"
+    )
+    findings, files = lint_paths([pkg])
+    assert files == 4
+    got = {(Path(f.path).name, f.line, f.code) for f in findings}
+    assert got == {("train.py", 7, "WB202"), ("loop.py", 6, "WB201")}

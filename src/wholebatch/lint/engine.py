@@ -22,7 +22,14 @@ from wholebatch.lint.dist_rules import check_dist
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
-from wholebatch.lint.program import ModuleMap, import_order, imported_names, locate, module_name
+from wholebatch.lint.program import (
+    ModuleMap,
+    import_base,
+    import_order,
+    imported_names,
+    locate,
+    module_name,
+)
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
 from wholebatch.lint.summaries import Resolver
@@ -142,7 +149,12 @@ def _lint_module(
     enabled = codes if codes is not None else frozenset(RULES)
     words = any(w in source for w in _ANY_WORD)
     if not words and not follows:
-        return [], None  # most of a large package: parsed (for WB000), nothing more to do
+        # Most of a large package: parsed (for WB000), nothing more to do but keep what
+        # its imports bind, so that a re-export (`from .loss import f` in an
+        # `__init__.py`) still leads to the function.
+        if program is None or not module:
+            return [], None
+        return [], ModuleFacts(path=path, names=_import_names(tree, module, is_package))
     ctx = FileContext(tree, path, source)
     resolver = Resolver(ctx, program, module, is_package=is_package)
     attach(resolver)
@@ -169,6 +181,29 @@ def _lint_module(
     # (which, over a package, costs a fifth of the run).
     resolver.close()
     return out, facts
+
+
+def _import_names(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:
+    """Names bound by the module-level imports of `tree` -> the absolute names they mean."""
+    pkg = module.split(".") if is_package else module.split(".")[:-1]
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level - 1 > len(pkg):
+                    continue
+                base = pkg[: len(pkg) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if a.name != "*":
+                    out[a.asname or a.name] = f"{mod}.{a.name}" if mod else a.name
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
+    return out
 
 
 def lint_source(
@@ -278,26 +313,51 @@ _MAX_CONTEXT = 32
 _CONTEXT_DEPTH = 2
 
 
-def _add_context(sources: dict[Path, str]) -> None:
+def _imports(
+    sources: dict[Path, str],
+    f: Path,
+    names: dict[Path, tuple[str, bool]],
+    cache: dict[Path, list[str]],
+) -> list[str]:
+    """The module names file `f` may import (regex over its import lines), once per file."""
+    hit = cache.get(f)
+    if hit is None:
+        me, is_pkg = names.get(f) or module_name(f)
+        hit = cache[f] = imported_names(me or None, is_pkg, sources[f])
+    return hit
+
+
+def _add_context(
+    sources: dict[Path, str], names: dict[Path, tuple[str, bool]], cache: dict[Path, list[str]]
+) -> None:
     """Add to `sources` the files that the run's files import from their own package tree
     but that are not in the run (`wholebatch lint train.py`, or pre-commit on the changed
-    files): their summaries let calls into them be followed; nothing in them is reported."""
+    files): their summaries let calls into them be followed; nothing in them is reported.
+
+    Args:
+        sources: file -> text; grows.
+        names: file -> (module name, is a package) for the files of `sources`; grows.
+        cache: file -> the module names it imports; grows.
+    """
     todo = [(f, 0) for f in sources]
-    names = {f: module_name(f) for f in sources}
     known = {n for n, _ in names.values()}
     tried: dict[tuple[str, Path], Path | None] = {}
     added = 0
     while todo and added < _MAX_CONTEXT:
         f, depth = todo.pop(0)
-        if depth >= _CONTEXT_DEPTH:
+        me, is_pkg = names.get(f, ("", False))
+        if depth >= _CONTEXT_DEPTH or not me:
             continue
-        me, is_pkg = names[f]
-        for name in imported_names(me or None, is_pkg, sources[f]):
-            if name in known:
-                continue
-            key = (name, f.parent)
+        top = me.split(".")[0]
+        base: Path | None = None
+        for name in _imports(sources, f, names, cache):
+            if name in known or ("." in me and name != top and not name.startswith(top + ".")):
+                continue  # in the run already, or outside this file's package
+            if base is None:
+                base = import_base(f, me, is_pkg)
+            key = (name, base)
             if key not in tried:
-                tried[key] = locate(name, f)
+                tried[key] = locate(name, me, base)
             hit = tried[key]
             if hit is None or hit in sources or added >= _MAX_CONTEXT:
                 continue
@@ -345,16 +405,22 @@ def lint_paths(
                     )
                 )
     run = {str(f) for f in sources}
-    _add_context(sources)
-    modules = ModuleMap(list(sources))
-    deps = {f: modules.imports_of(f, src) for f, src in sources.items()}
+    cache: dict[Path, list[str]] = {}
+    named = ModuleMap(list(sources))
+    names = {f: (n, named.package[f]) for f, n in named.name.items()}
+    _add_context(sources, names, cache)
+    modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
+    imports = {f: _imports(sources, f, names, cache) for f in sources}
+    deps = {f: modules.files_of(names) for f, names in imports.items()}
     program = Program()
     program.roots = {name.split(".")[0] for name in modules.file}
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
         module = modules.name.get(f, "")
-        follows = any(program.worth(modules.name.get(d, "")) for d in deps[f])
+        follows = bool(module) and any(
+            program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
+        )
         found, facts = _lint_text(
             source,
             str(f),

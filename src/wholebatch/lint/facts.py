@@ -167,21 +167,26 @@ class Program:
         self.modules: dict[str, ModuleFacts] = {}
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
-        self._worth: set[str] = set()
-
-    def worth(self, module: str) -> bool:
-        """Does `module` have (or re-export) summaries worth following?"""
-        return module in self._worth
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""
         self.modules[module] = facts
-        # Worth a look from a file that imports it: its own functions, or (a package's
-        # `__init__`) a re-export of a module that has some.
-        if facts.functions or any(
-            self.worth(t) or self.worth(t.rpartition(".")[0]) for t in facts.names.values()
-        ):
-            self._worth.add(module)
+
+    def followed(self, name: str) -> bool:
+        """Does the absolute dotted `name` that a file imports (a module, a function, a
+        class) lead to a summary worth following? Then the file is worth a look even if
+        none of the rules' words occur in it."""
+        mod = self.modules.get(name)
+        if mod is not None:
+            return bool(mod.functions)
+        hit = self.lookup(name)
+        if isinstance(hit, Facts):
+            return True
+        if isinstance(hit, str):  # a class: one of its methods does something
+            mod_name, _, cls = hit.rpartition(".")
+            owner = self.modules.get(mod_name)
+            return owner is not None and any(k.startswith(f"{cls}.") for k in owner.functions)
+        return False
 
     def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
         """The facts of the function an absolute dotted name refers to; a class gives its

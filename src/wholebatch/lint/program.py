@@ -17,7 +17,14 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ModuleMap", "import_order", "imported_names", "locate", "module_name"]
+__all__ = [
+    "ModuleMap",
+    "import_base",
+    "import_order",
+    "imported_names",
+    "locate",
+    "module_name",
+]
 
 _IMPORT_RE = re.compile(
     r"^[ \t]*(?:from[ \t]+(?P<dots>\.*)(?P<mod>[\w.]*)[ \t]+import[ \t]+"
@@ -71,12 +78,12 @@ class ModuleMap:
     def imports_of(self, f: Path, source: str) -> list[Path]:
         """The files of the run that `source` (the text of `f`) imports, as far as a
         regular expression over its import lines can tell."""
-        out: list[Path] = []
-        for name in imported_names(self.name.get(f), self.package.get(f, False), source):
-            hit = self.file.get(name)
-            if hit is not None and hit != f:
-                out.append(hit)
-        return out
+        names = imported_names(self.name.get(f), self.package.get(f, False), source)
+        return [hit for hit in self.files_of(names) if hit != f]
+
+    def files_of(self, names: list[str]) -> list[Path]:
+        """The files of the run that these module names are (unknown names dropped)."""
+        return [hit for n in names if (hit := self.file.get(n)) is not None]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -96,18 +103,21 @@ def module_name(f: Path) -> tuple[str, bool]:
     return ".".join(parts), f.stem == "__init__"
 
 
-def locate(name: str, near: Path) -> Path | None:
-    """The file of module `name` as imported from `near`, if it lies in `near`'s own
-    package tree (or, for a file outside any package, beside it); else None. Nothing
-    outside the importing file's tree is looked at (not site-packages, not the stdlib)."""
-    me, is_pkg = module_name(near)
-    if not me:
-        return None
+def import_base(near: Path, me: str, is_pkg: bool) -> Path:
+    """The folder the imports of `near` (module `me`) are resolved from: the one holding
+    its top-level package (for a file outside any package: its own folder)."""
     depth = len(me.split(".")) - (0 if is_pkg else 1)  # folders from `near` up to the base
     base = near.parent
     for _ in range(depth):
         base = base.parent
-    if "." in me and name.split(".")[0] != me.split(".")[0]:
+    return base
+
+
+def locate(name: str, me: str, base: Path) -> Path | None:
+    """The file of module `name` as imported by module `me` resolving from `base`, if
+    it lies in `me`'s own package tree (or, for a module outside any package, beside it);
+    else None. Nothing outside that tree is looked at (not site-packages, not the stdlib)."""
+    if not me or ("." in me and name.split(".")[0] != me.split(".")[0]):
         return None  # another top-level package
     rel = Path(*name.split("."))
     for cand in (base / rel.with_suffix(".py"), base / rel / "__init__.py"):
