@@ -243,6 +243,11 @@ def test_json_format_and_exit_zero() -> None:
     rows = json.loads(text)
     assert {(r["line"], r["code"]) for r in rows} == _expected((CASES / "wrong_wb1.py").read_text())
     assert set(rows[0]) >= {"path", "line", "col", "code", "message", "fix", "name", "docs"}
+    # everything in one function: a value's path has its start and its harm, nothing else
+    for r in rows:
+        functions = {h["function"] for h in r["trace"]}
+        assert len(r["trace"]) == (2 if r["code"] in ("WB101", "WB103") else 0), r
+        assert len(functions) <= 1 and "path:" not in r["message"]
 
 
 def test_module_entry_point_runs_lint() -> None:

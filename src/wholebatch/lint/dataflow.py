@@ -5,16 +5,22 @@ The analysis is deliberately small: a name's tags are the union of the tags of t
 names read by the expression last assigned to it (`x = torch.cat(parts)`,
 `parts.append(y)`, `for t in parts`), plus tags that come from the expression
 itself (a c10d all_gather's output list, a `.grad` read, `ignore_index=`). The scope
-is walked twice so that values carried around a loop reach their uses.
+is walked twice so that values carried around a loop reach their uses. A call to a
+function the linter can resolve whose summary knows its return value
+(`summaries.Facts.returns`) gives that value's tags, its parameters replaced by the
+call's arguments; any other call passes on the tags of everything it is given.
 
 Tags:
-    ``g:L:C``  output of the plain c10d all_gather at line L, column C (no gradient);
-    ``q:L:C``  gradients all-gathered by the call at L:C and not yet summed;
+    ``g:ID``   output of a plain c10d all_gather (no gradient); ID names its `Origin`
+               (where it started, the path since);
+    ``q:ID``   gradients all-gathered and not yet summed;
+    ``qa:NAME:ID``  parameter NAME all-gathered (a ``q`` tag where NAME is a gradient);
     ``G:base`` derived from ``base.grad``;
     ``V``      a mean over a data-dependent number of items (``ignore_index``, a
                Hugging Face ``outputs.loss``, a division by ``mask.sum()``);
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
-    ``p``      derived from an argument of the enclosing function.
+    ``p``      derived from an argument of the enclosing function;
+    ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of).
 """
 
 from __future__ import annotations
@@ -22,11 +28,15 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 
+from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import dotted, is_rank_ref, last_name
+from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
+from wholebatch.lint.summaries import Resolver
 
-__all__ = ["Flow", "gather_source", "source_tag"]
+__all__ = ["Flow", "returned_tags"]
 
 # Calls that add up their input: after one of these, gathered gradients are summed.
 _REDUCERS = frozenset(
@@ -37,17 +47,6 @@ _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
 _COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
 _GATHER_OUT_KW = ("tensor_list", "output_tensor", "output_tensor_list", "output")
 _GATHER_IN_KW = ("tensor", "input_tensor")
-
-
-def source_tag(kind: str, call: ast.AST) -> str:
-    """The tag naming the call that produced a value: `g:12:4`."""
-    return f"{kind}:{call.lineno}:{call.col_offset}"  # type: ignore[attr-defined]
-
-
-def gather_source(tag: str) -> tuple[int, int]:
-    """(line, col) of the call named by a `g:`/`q:` tag."""
-    _, line, col = tag.split(":")
-    return int(line), int(col)
 
 
 def _kwarg(call: ast.Call, names: tuple[str, ...]) -> ast.expr | None:
@@ -62,20 +61,35 @@ def _sum_reduction(call: ast.Call) -> bool:
     return isinstance(red, ast.Constant) and red.value in ("sum", "none")
 
 
+def returned_tags(tags: set[str]) -> frozenset[str]:
+    """The tags of a return value that mean something to a caller."""
+    return frozenset(t for t in tags if t[0] in "gqaV" and not t.startswith("G:"))
+
+
 class Flow:
     """Tags of names in one scope, updated statement by statement."""
 
     def __init__(self, ctx: FileContext, scope: Scope) -> None:
         self.ctx = ctx
         self.scope = scope
+        self.resolver = ctx.resolver if ctx.resolver is not None else Resolver(ctx)
+        self.origins = self.resolver.origins
         self.t: dict[str, set[str]] = {}
-        self.sources: dict[str, str] = {}  # "g:L:C" -> the name the gather wrote into
+        # name -> (branch path, tags) of the assignments that may still hold (see _assign)
+        self.at: dict[str, list[tuple[tuple[tuple[int, int], ...], frozenset[str]]]] = {}
+        self.returns: set[str] = set()
+        # g-tag -> branch path (see Stmt.path) where its value entered this scope
+        self.entered: dict[str, tuple[tuple[int, int], ...]] = {}
+        self._made: dict[int, str] = {}  # id(gather call) -> its tag (one per call, both walks)
+        self._ifs = {id(n): n for n in scope.ifs}
+        self._st: Stmt | None = None
         node = scope.node
         if not isinstance(node, ast.Module):
             a = node.args
-            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+            extra = [x for x in (a.vararg, a.kwarg) if x is not None]
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, *extra):
                 if arg.arg not in ("self", "cls", "ctx"):
-                    self.t[arg.arg] = {"p"}
+                    self.t[arg.arg] = {"p", f"a:{arg.arg}"}
 
     # -- reading ------------------------------------------------------------------------
 
@@ -83,7 +97,16 @@ class Flow:
         """The tags of the value of `expr` under the current bindings."""
         out: set[str] = set()
         rank = reducer = False
-        for n in ast.walk(expr):
+        stack: list[ast.AST] = [expr]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, ast.Call):
+                r = self.resolver.resolve(n, self.scope)
+                if r is not None and r[0].returns is not None:
+                    reducer = reducer or last_name(n.func) in _REDUCERS
+                    out |= self._from_call(n, r[0], r[1])
+                    continue
+            stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self.t.get(n.id, set())
             elif isinstance(n, ast.Attribute):
@@ -120,7 +143,48 @@ class Flow:
             # is put back with its gradient, the classic partial fix; not "no gradient".
             out = {t for t in out if not t.startswith("g:")}
         if reducer:
-            out = {t for t in out if not t.startswith("q:")}
+            out = {t for t in out if not t.startswith(("q:", "qa:"))}
+        return out
+
+    def _hop(self, node: ast.AST, note: str) -> Hop:
+        return Hop(
+            path=self.ctx.path,
+            line=node.lineno,  # type: ignore[attr-defined]
+            col=node.col_offset + 1,  # type: ignore[attr-defined]
+            function=self.scope.qual,
+            note=note,
+        )
+
+    def _from_call(self, call: ast.Call, facts: Facts, bound: bool) -> set[str]:
+        """The tags of a resolved call's value: its summary's return tags, parameters
+        replaced by the arguments, origins moved one step (this call)."""
+        assert facts.returns is not None
+        args: dict[str, list[ast.expr]] = {}
+        for name, value in facts.bind(call, bound):
+            args.setdefault(name, []).append(value)
+        d = dotted(call.func)
+        hop = self._hop(call, f"gets it from `{d or last_name(call.func)}()`")
+        out: set[str] = set()
+        for tag in facts.returns:
+            kind, _, rest = tag.partition(":")
+            if kind == "a":
+                for value in args.get(rest, ()):
+                    out |= self.tags(value)
+            elif kind in ("g", "q"):
+                new = self.origins.moved(tag, kind, id(call), hop)
+                out.add(new)
+                self.entered.setdefault(new, self._st.path if self._st else ())
+            elif kind == "qa":
+                name, _, oid = rest.partition(":")
+                for value in args.get(name, ()):
+                    vt = self.tags(value)
+                    if any(t.startswith("G:") for t in vt) or any(t.startswith("a:") for t in vt):
+                        new = self.origins.moved(f"q:{oid}", "q", id(call), hop)
+                        if any(t.startswith("G:") for t in vt):
+                            out.add(new)
+                        out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
+            elif tag == "V":
+                out.add("V")
         return out
 
     @staticmethod
@@ -139,7 +203,7 @@ class Flow:
         if isinstance(target, ast.Name | ast.Attribute):
             key = dotted(target)
             if key is not None:
-                self.t[key] = set(tags)
+                self._assign(key, tags)
         elif isinstance(target, ast.Tuple | ast.List):
             for elt in target.elts:
                 self.bind(elt, tags)
@@ -151,18 +215,75 @@ class Flow:
                 return
             cur = self.t.get(key, set())
             if not any(t.startswith("g:") for t in tags):
-                # `gathered[rank] = local`: this rank's slice keeps its gradient again.
-                cur = {t for t in cur if not t.startswith("g:")}
+                # `gathered[rank] = local`: this rank's slice keeps its gradient again,
+                # if this runs whenever the gather did (not under a condition of its own).
+                cur = {t for t in cur if not (t.startswith("g:") and self._restored(t))}
             self.t[key] = cur | tags
+            self.at.pop(key, None)
+
+    def _assign(self, key: str, tags: set[str]) -> None:
+        """`key = value`. Under an `if`, the value from before (or from a sibling branch)
+        may still be the one read later: keep what an assignment on this path does not
+        overwrite for certain (a may-analysis; branches join by union)."""
+        here = self._st.path if self._st else ()
+        if not here:
+            self.t[key] = set(tags)
+            self.at.pop(key, None)
+            return
+        n = len(here)
+        old = self.at.get(key)
+        if old is None:
+            old = [((), frozenset(self.t[key]))] if key in self.t else []
+        kept = [(q, tg) for q, tg in old if q[:n] != here]
+        # `if c: x = a` / `else: x = b`, both at the top of their branch: together they
+        # overwrite whatever `x` held before the `if` (on every path through it).
+        parent, (stmt, branch) = here[:-1], here[-1]
+        the_if = self._ifs.get(stmt)
+        if the_if is not None and the_if.orelse and branch in (0, 1):
+            sibling = (*parent, (stmt, 1 - branch))
+            if any(q == sibling for q, _ in kept):
+                kept = [(q, tg) for q, tg in kept if not (len(q) < n and parent[: len(q)] == q)]
+        kept.append((here, frozenset(tags)))
+        self.at[key] = kept
+        out: set[str] = set()
+        for _, tg in kept:
+            out |= tg
+        self.t[key] = out
+
+    def _restored(self, tag: str) -> bool:
+        """Does the current statement (a subscript store) run whenever `tag`'s gather did?
+        If not, note on its origin the condition the store is under."""
+        here = self._st.path if self._st else ()
+        entered = self.entered.get(tag, ())
+        if entered[: len(here)] == here:
+            return True
+        fork = next((p for p, q in zip(here, entered, strict=False) if p != q), here[len(entered)])
+        cond = "a condition"
+        if self._st is not None:
+            for c in self._st.conds:
+                if id(c) == fork[0] and isinstance(c, ast.If):
+                    text = ast.unparse(c.test)
+                    cond = f"`{text}`" if fork[1] == 0 else f"`not ({text})`"
+        line = self._st.node.lineno if self._st else 0
+        o = self.origins.get(tag)
+        if not o.partial:
+            note = f"the local slice is put back only when {cond} (line {line})"
+            self.origins.items[int(tag[2:])] = replace(o, partial=note)
+        return False
 
     def _add(self, target: ast.expr, tags: set[str]) -> None:
         key = dotted(target)
         if key is not None:
             self.t.setdefault(key, set()).update(tags)
+            self.at.pop(key, None)
 
     def apply(self, st: Stmt) -> None:
         """Update the bindings for one statement."""
+        self._st = st
         node = st.node
+        if isinstance(node, ast.Return) and node.value is not None:
+            self.returns |= self.tags(node.value)
+            return
         if isinstance(node, ast.For | ast.AsyncFor):
             self.bind(node.target, self.tags(node.iter))
         elif isinstance(node, ast.Assign):
@@ -191,11 +312,29 @@ class Flow:
                 and value.args
                 and any(t.startswith("G:") for t in self.tags(value.args[0]))
             ):
-                tags.add(source_tag("q", value))
+                tags.add(self._origin("q", value, "", "all-gathers gradients"))
         return tags
 
+    def _origin(self, kind: str, call: ast.Call, name: str, note: str) -> str:
+        """The tag of the value `call` produces (the same tag on both walks)."""
+        key = id(call) * 2 + (kind == "q")
+        tag = self._made.get(key)
+        if tag is None:
+            o = Origin(
+                path=self.ctx.path,
+                line=call.lineno,
+                col=call.col_offset + 1,
+                name=name,
+                trace=(self._hop(call, note),),
+            )
+            tag = self.origins.new(kind, o)
+            self._made[key] = tag
+        self.entered.setdefault(tag, self._st.path if self._st else ())
+        return tag
+
     def _apply_call(self, call: ast.Call) -> None:
-        if self.ctx.imports.plain_gather(call) is not None:
+        q = self.ctx.imports.plain_gather(call)
+        if q is not None:
             out = call.args[0] if call.args else _kwarg(call, _GATHER_OUT_KW)
             inp = call.args[1] if len(call.args) > 1 else _kwarg(call, _GATHER_IN_KW)
             if out is None:
@@ -203,10 +342,19 @@ class Flow:
             key = dotted(out)
             if key is None:
                 return
-            out_tags = {source_tag("g", call)}
-            if inp is not None and any(t.startswith("G:") for t in self.tags(inp)):
-                out_tags.add(source_tag("q", call))
-            self.sources[source_tag("g", call)] = key
+            short = q.replace("torch.distributed.distributed_c10d.", "torch.distributed.")
+            out_tags: set[str] = set()
+            # Under no_grad the missing gradient is what the author asked for (MoCo keys,
+            # memory banks, metrics): no `g` tag there.
+            if not ((self._st is not None and self._st.nograd) or self.scope.nograd):
+                out_tags.add(self._origin("g", call, key, f"{short} fills `{key}`"))
+            in_tags = self.tags(inp) if inp is not None else set()
+            if any(t.startswith("G:") for t in in_tags):
+                out_tags.add(self._origin("q", call, key, "all-gathers gradients"))
+            for t in in_tags:
+                if t.startswith("a:"):
+                    qt = self._origin("q", call, key, "all-gathers gradients")
+                    out_tags.add(f"qa:{t[2:]}:{qt[2:]}")
             self.t[key] = out_tags
             return
         func = call.func

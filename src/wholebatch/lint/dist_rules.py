@@ -12,7 +12,9 @@ rank, so any rank-local condition that changes control flow is agreed first.
 from __future__ import annotations
 
 import ast
+import builtins
 from collections.abc import Iterator
+from dataclasses import replace
 
 from wholebatch.lint.names import (
     dotted,
@@ -22,7 +24,7 @@ from wholebatch.lint.names import (
     names_in,
     walk_local,
 )
-from wholebatch.lint.rules import Finding
+from wholebatch.lint.rules import Finding, Hop, format_trace
 from wholebatch.lint.scope import FileContext, Scope
 from wholebatch.lint.scope import finding as _finding
 
@@ -36,11 +38,16 @@ def _short(q: str) -> str:
     return q.replace("torch.distributed.", "dist.")
 
 
+_Coll = tuple[str, ast.Call, tuple[Hop, ...]]
+
+
 def _collectives(
-    ctx: FileContext, stmts: list[ast.stmt], skip: ast.AST | None = None
-) -> list[tuple[str, ast.Call]]:
-    """Collectives called on the world group in `stmts` (sub-group calls are left out)."""
-    out: list[tuple[str, ast.Call]] = []
+    ctx: FileContext, stmts: list[ast.stmt], scope: Scope, skip: ast.AST | None = None
+) -> list[_Coll]:
+    """Collectives called on the world group in `stmts` (sub-group calls are left out),
+    directly or through a call to a function that calls one on every call: (qualified
+    name, the call in `stmts`, the path through the called functions)."""
+    out: list[_Coll] = []
     stack: list[ast.AST] = list(reversed(stmts))
     while stack:
         node = stack.pop()
@@ -49,9 +56,34 @@ def _collectives(
         if isinstance(node, ast.Call):
             q = ctx.imports.collective(node)
             if q is not None and not _on_subgroup(node):
-                out.append((q, node))
+                out.append((q, node, ()))
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    if ctx.resolver is not None and scope.local_calls:
+        kept = [s for s in stmts if s is not skip]
+        out.extend(ctx.resolver.collective_calls(kept, scope))
     return out
+
+
+def _calls_collective(ctx: FileContext, scope: Scope) -> bool:
+    if scope.collectives(ctx.imports):
+        return True
+    r = ctx.resolver
+    return r is not None and any(
+        (f := r.resolve(c, scope)) is not None and f[0].collective is not None
+        for c, _ in scope.local_calls
+    )
+
+
+def _what(q: str, call: ast.Call, trace: tuple[Hop, ...]) -> str:
+    """`dist.barrier`, or "`sync()` (which calls `dist.barrier`)"."""
+    if not trace:
+        return f"`{_short(q)}`"
+    callee = dotted(call.func) or last_name(call.func)
+    return f"`{callee}()` (which calls `{_short(q)}`)"
+
+
+def _path(trace: tuple[Hop, ...], path: str) -> str:
+    return f"; path: {format_trace(trace, path)}" if trace else ""
 
 
 def _on_subgroup(call: ast.Call) -> bool:
@@ -69,7 +101,7 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
     if "all_gather" in ctx.source:
         yield from _gather_layers(ctx)
     for scope in ctx.scopes:
-        if scope.collectives(ctx.imports):
+        if _calls_collective(ctx, scope):
             yield from _rank_branches(ctx, scope)
             if scope.has_exit:
                 yield from _early_exits(ctx, scope)
@@ -88,10 +120,17 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
         fwd, bwd = methods.get("forward"), methods.get("backward")
         if fwd is None or bwd is None:
             continue
+        fwd_scope = ctx.scope_of.get(id(fwd))
+        via: tuple[Hop, ...] = ()
         if not any(
             isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
         ):
-            continue
+            if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
+                continue
+            via = _gathering_call(ctx, fwd_scope)
+            if not via:
+                continue
+        bwd_scope = ctx.scope_of.get(id(bwd))
         reduces = False
         for n in walk_local(bwd):
             if isinstance(n, ast.Call):
@@ -105,15 +144,68 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
                 ):
                     reduces = True
                     break
+                # a helper that reduces (`_sum_over_ranks(grads)`), or one we cannot see
+                if bwd_scope is not None and _helper_reduces(ctx, n, bwd_scope):
+                    reduces = True
+                    break
         if not reduces:
-            yield _finding(
+            f = _finding(
                 ctx,
                 bwd,
                 "WB102",
                 f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
                 "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                "other ranks' terms are lost",
+                f"other ranks' terms are lost{_path(via, ctx.path)}",
             )
+            yield replace(f, trace=via)
+
+
+def _gathering_call(ctx: FileContext, scope: Scope) -> tuple[Hop, ...]:
+    """The path to the c10d all-gather a forward reaches through a helper (empty: none)."""
+    r = ctx.resolver
+    if r is None:
+        return ()
+    for call, _ in scope.local_calls:
+        found = r.resolve(call, scope)
+        if found is not None and found[0].gathers:
+            f = found[0]
+            name = dotted(call.func) or last_name(call.func)
+            return (
+                Hop(
+                    path=ctx.path,
+                    line=call.lineno,
+                    col=call.col_offset + 1,
+                    function=scope.qual,
+                    note=f"calls `{name}()`",
+                ),
+                Hop(
+                    path=f.path, line=f.line, col=1, function=f.qual, note="all-gathers in its body"
+                ),
+            )
+    return ()
+
+
+# Plain functions that never reduce across ranks (so a call to them in a backward is no
+# "maybe" for WB102).
+_NOT_REDUCING = frozenset(dir(builtins))
+
+
+def _helper_reduces(ctx: FileContext, call: ast.Call, scope: Scope) -> bool:
+    """Does `call` run a function that reduces across ranks? A call of a plain name that
+    cannot be resolved (imported from outside the run) counts as "maybe": no finding
+    rather than a false one."""
+    r = ctx.resolver
+    if r is None:
+        return False
+    found = r.resolve(call, scope)
+    if found is not None:
+        return found[0].reduces
+    return isinstance(call.func, ast.Name) and call.func.id not in _NOT_REDUCING
+
+
+def _fwd_differentiable(ctx: FileContext, scope: Scope) -> bool:
+    """A forward that also calls a differentiable gather is not a plain-gather layer."""
+    return any((q := ctx.imports.collective(c)) is not None and ".nn." in q for c in scope.calls)
 
 
 # -- WB104 ------------------------------------------------------------------------------
@@ -123,31 +215,33 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     ifs = [n for n in scope.ifs if is_rank_test(n.test) or _membership_rank(n.test)]
     if not ifs:
         return
-    unmatched: list[tuple[ast.If, str, ast.Call]] = []
+    unmatched: list[tuple[ast.If, str, ast.Call, tuple[Hop, ...]]] = []
     for node in ifs:
-        body = _collectives(ctx, node.body)
-        other = _collectives(ctx, node.orelse)
-        body_names = {q for q, _ in body}
-        other_names = {q for q, _ in other}
-        unmatched += [(node, q, c) for q, c in body if q not in other_names]
-        unmatched += [(node, q, c) for q, c in other if q not in body_names]
+        body = _collectives(ctx, node.body, scope)
+        other = _collectives(ctx, node.orelse, scope)
+        body_names = {q for q, _, _ in body}
+        other_names = {q for q, _, _ in other}
+        unmatched += [(node, q, c, t) for q, c, t in body if q not in other_names]
+        unmatched += [(node, q, c, t) for q, c, t in other if q not in body_names]
     # `if rank != 0: barrier()` ... `if rank == 0: barrier()` (zero-first): two rank tests
     # that each call the same collective pair up; every rank calls it once.
     holders: dict[str, set[int]] = {}
-    for node, q, _ in unmatched:
+    for node, q, _, _ in unmatched:
         holders.setdefault(q, set()).add(id(node))
     seen: set[int] = set()
-    for node, q, call in unmatched:
+    for node, q, call, trace in unmatched:
         if len(holders[q]) > 1 or id(call) in seen or not is_rank_test(node.test):
             continue
         seen.add(id(call))
-        yield _finding(
+        f = _finding(
             ctx,
             call,
             "WB104",
-            f"`{_short(q)}` is called only when `{ast.unparse(node.test)}` (line {node.lineno}): "
-            "the ranks that skip it never join, and the others hang",
+            f"{_what(q, call, trace)} is called only when `{ast.unparse(node.test)}` "
+            f"(line {node.lineno}): the ranks that skip it never join, and the others hang"
+            f"{_path(trace, ctx.path)}",
         )
+        yield replace(f, trace=trace)
 
 
 def _membership_rank(test: ast.expr) -> bool:
@@ -213,18 +307,19 @@ def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 exits = [b for b in (st.body, st.orelse) if b and _is_exit(b[-1])]
                 if len(exits) == 1:
                     jump = exits[0][-1]
-                    hit = _first_after(ctx, block, i, chain, jump, st)
+                    hit = _first_after(ctx, scope, block, i, chain, jump, st)
                     if hit is not None:
-                        q, call = hit
+                        q, call, trace = hit
                         kind = type(jump).__name__.lower()
-                        yield _finding(
+                        f = _finding(
                             ctx,
                             jump,
                             "WB105",
                             f"rank-local `{kind}` under `{ast.unparse(st.test)}` skips "
-                            f"`{_short(q)}` (line {call.lineno}), which the other ranks still "
-                            "call: they hang",
+                            f"{_what(q, call, trace)} at line {call.lineno}, which the other "
+                            f"ranks still call: they hang{_path(trace, ctx.path)}",
                         )
+                        yield replace(f, trace=trace)
             for sub in _sub_blocks(st):
                 chain.append((block, i, st))
                 yield from visit(sub)
@@ -239,12 +334,13 @@ def _is_exit(st: ast.stmt) -> bool:
 
 def _first_after(
     ctx: FileContext,
+    scope: Scope,
     block: list[ast.stmt],
     i: int,
     chain: list[tuple[list[ast.stmt], int, ast.stmt]],
     jump: ast.stmt,
     the_if: ast.If,
-) -> tuple[str, ast.Call] | None:
+) -> _Coll | None:
     """The first collective the exiting rank skips but the others reach."""
     rest: list[ast.stmt] = list(block[i + 1 :])
     for outer, j, owner in reversed(chain):
@@ -253,7 +349,7 @@ def _first_after(
                 break  # continue/break: only the rest of this iteration is skipped
             rest += owner.body  # later iterations are skipped too
         rest += outer[j + 1 :]
-    found = _collectives(ctx, rest, skip=the_if)
+    found = _collectives(ctx, rest, scope, skip=the_if)
     if not found:
         return None
     found.sort(key=lambda qc: (qc[1].lineno, qc[1].col_offset))

@@ -2,6 +2,10 @@
 (`--select`/`--ignore` prefixes, as in ruff) and `# noqa` suppression.
 
 Pure static analysis: a file is read and parsed with `ast`, never imported or run.
+`lint_paths` lints the files in import order (`program.import_order`), keeping each
+file's summaries (`summaries.ModuleFacts`, no syntax tree) so that a call into another
+file of the tree is followed; a single source (`lint_source`, the flake8 plugin) is
+followed within itself.
 """
 
 from __future__ import annotations
@@ -15,10 +19,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist
-from wholebatch.lint.flow_rules import check_flow
+from wholebatch.lint.facts import ModuleFacts, Program
+from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
+from wholebatch.lint.program import (
+    ModuleMap,
+    import_base,
+    import_order,
+    imported_names,
+    locate,
+    module_name,
+)
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
+from wholebatch.lint.summaries import Resolver
 
 __all__ = [
     "UsageError",
@@ -41,6 +55,7 @@ _CHECKS: tuple[tuple[_Check, tuple[str, ...]], ...] = (
     (check_flow, ("all_gather", ".grad", "loss")),
     (check_loops, ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")),
 )
+_ANY_WORD = tuple(dict.fromkeys(w for _, words in _CHECKS for w in words))
 
 
 class UsageError(ValueError):
@@ -103,7 +118,8 @@ def lint_tree(
     path: str = "<string>",
     codes: frozenset[str] | None = None,
 ) -> list[Finding]:
-    """Run the enabled rules over an already parsed module (no `# noqa` handling).
+    """Run the enabled rules over an already parsed module (no `# noqa` handling); calls
+    are followed within the module.
 
     Args:
         tree: the module, from `ast.parse(source)`.
@@ -111,20 +127,82 @@ def lint_tree(
         path: the name reported in findings.
         codes: the enabled rule codes (default: all).
     """
+    return _lint_module(tree, source, path, codes, None, "", False)[0]
+
+
+def _lint_module(
+    tree: ast.Module,
+    source: str,
+    path: str,
+    codes: frozenset[str] | None,
+    program: Program | None,
+    module: str,
+    is_package: bool,
+    follows: bool = False,
+    *,
+    report: bool = True,
+) -> tuple[list[Finding], ModuleFacts | None]:
+    """Findings for one module, and its summaries for the files that import it.
+
+    `follows`: it imports a module whose summaries are worth following, so it is read
+    even if none of the rules' words occur in it. `report=False`: summaries only."""
     enabled = codes if codes is not None else frozenset(RULES)
-    active = [check for check, words in _CHECKS if any(w in source for w in words)]
-    if not active:
-        return []  # most of a large package: parsed (for WB000), nothing more to do
+    words = any(w in source for w in _ANY_WORD)
+    if not words and not follows:
+        # Most of a large package: parsed (for WB000), nothing more to do but keep what
+        # its imports bind, so that a re-export (`from .loss import f` in an
+        # `__init__.py`) still leads to the function.
+        if program is None or not module:
+            return [], None
+        return [], ModuleFacts(path=path, names=_import_names(tree, module, is_package))
     ctx = FileContext(tree, path, source)
-    seen: set[tuple[int, int, str]] = set()
+    resolver = Resolver(ctx, program, module, is_package=is_package)
+    attach(resolver)
+    resolver.link()
+    # A call followed into another file brings that file's events with it, so every
+    # check may apply even when this file's own text has none of its words.
+    active = [
+        check
+        for check, ws in _CHECKS
+        if report and (resolver.cross or any(w in source for w in ws))
+    ]
+    seen: set[tuple[str, int, int, str]] = set()
     out: list[Finding] = []
     for check in active:
         for f in check(ctx):
-            key = (f.line, f.col, f.code)
+            key = (f.path, f.line, f.col, f.code)
             if f.code in enabled and key not in seen:
                 seen.add(key)
                 out.append(f)
-    out.sort(key=lambda f: (f.line, f.col, f.code))
+    out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
+    facts = resolver.export() if program is not None else None
+    # The resolver and the file point at each other: cut the cycle so the file's syntax
+    # tree is freed now, by reference counting, not by a full garbage collection later
+    # (which, over a package, costs a fifth of the run).
+    resolver.close()
+    return out, facts
+
+
+def _import_names(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:
+    """Names bound by the module-level imports of `tree` -> the absolute names they mean."""
+    pkg = module.split(".") if is_package else module.split(".")[:-1]
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level - 1 > len(pkg):
+                    continue
+                base = pkg[: len(pkg) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if a.name != "*":
+                    out[a.asname or a.name] = f"{mod}.{a.name}" if mod else a.name
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
     return out
 
 
@@ -146,15 +224,36 @@ def lint_source(
         UsageError: an unknown rule prefix in `select` or `ignore`.
     """
     codes = selected_codes(select, ignore)
-    return _lint_text(source, path, codes)
+    found, _ = _lint_text(source, path, codes)
+    noqa = _noqa_lines(source) if found else {}
+    return [f for f in found if not _suppressed(f, noqa)]
 
 
-def _lint_text(source: str, path: str, codes: frozenset[str]) -> list[Finding]:
+def _suppressed(f: Finding, noqa: dict[int, frozenset[str] | None]) -> bool:
+    if f.line not in noqa:
+        return False
+    codes = noqa[f.line]
+    return codes is None or f.code in codes
+
+
+def _lint_text(
+    source: str,
+    path: str,
+    codes: frozenset[str],
+    program: Program | None = None,
+    module: str = "",
+    is_package: bool = False,
+    follows: bool = False,
+    *,
+    report: bool = True,
+) -> tuple[list[Finding], ModuleFacts | None]:
+    if not report and not follows and not any(w in source for w in _ANY_WORD):
+        return [], None  # read for its summaries, and it can have none worth keeping
     try:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError) as err:
-        if "WB000" not in codes:
-            return []
+        if "WB000" not in codes or not report:
+            return [], None
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
         msg = getattr(err, "msg", None) or str(err)
@@ -167,14 +266,10 @@ def _lint_text(source: str, path: str, codes: frozenset[str]) -> list[Finding]:
                 message=f"cannot parse: {msg}",
                 fix=RULES["WB000"].fix,
             )
-        ]
-    found = lint_tree(tree, source, path, codes)
-    noqa = _noqa_lines(source) if found else {}
-    return [
-        f
-        for f in found
-        if not (f.line in noqa and (noqa[f.line] is None or f.code in (noqa[f.line] or ())))
-    ]
+        ], None
+    return _lint_module(
+        tree, source, path, codes, program, module, is_package, follows, report=report
+    )
 
 
 def _read(path: Path) -> str:
@@ -211,6 +306,71 @@ def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]
             raise UsageError(f"{raw}: no such file or folder")
 
 
+# Files read only for their summaries (imported by the files of the run, from their own
+# package, or by those files): at most this many, at most this many imports away, so one
+# file of a huge package stays quick to lint.
+_MAX_CONTEXT = 32
+_CONTEXT_DEPTH = 2
+
+
+def _imports(
+    sources: dict[Path, str],
+    f: Path,
+    names: dict[Path, tuple[str, bool]],
+    cache: dict[Path, list[str]],
+) -> list[str]:
+    """The module names file `f` may import (regex over its import lines), once per file."""
+    hit = cache.get(f)
+    if hit is None:
+        me, is_pkg = names.get(f) or module_name(f)
+        hit = cache[f] = imported_names(me or None, is_pkg, sources[f])
+    return hit
+
+
+def _add_context(
+    sources: dict[Path, str], names: dict[Path, tuple[str, bool]], cache: dict[Path, list[str]]
+) -> None:
+    """Add to `sources` the files that the run's files import from their own package tree
+    but that are not in the run (`wholebatch lint train.py`, or pre-commit on the changed
+    files): their summaries let calls into them be followed; nothing in them is reported.
+
+    Args:
+        sources: file -> text; grows.
+        names: file -> (module name, is a package) for the files of `sources`; grows.
+        cache: file -> the module names it imports; grows.
+    """
+    todo = [(f, 0) for f in sources]
+    known = {n for n, _ in names.values()}
+    tried: dict[tuple[str, Path], Path | None] = {}
+    added = 0
+    while todo and added < _MAX_CONTEXT:
+        f, depth = todo.pop(0)
+        me, is_pkg = names.get(f, ("", False))
+        if depth >= _CONTEXT_DEPTH or not me:
+            continue
+        top = me.split(".")[0]
+        base: Path | None = None
+        for name in _imports(sources, f, names, cache):
+            if name in known or ("." in me and name != top and not name.startswith(top + ".")):
+                continue  # in the run already, or outside this file's package
+            if base is None:
+                base = import_base(f, me, is_pkg)
+            key = (name, base)
+            if key not in tried:
+                tried[key] = locate(name, me, base)
+            hit = tried[key]
+            if hit is None or hit in sources or added >= _MAX_CONTEXT:
+                continue
+            try:
+                sources[hit] = _read(hit)
+            except (OSError, UnicodeDecodeError, SyntaxError):
+                continue
+            added += 1
+            todo.append((hit, depth + 1))
+            names[hit] = module_name(hit)
+            known.add(names[hit][0])
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -218,17 +378,20 @@ def lint_paths(
 ) -> tuple[list[Finding], int]:
     """Lint every Python file under `paths`; returns (findings, number of files checked).
 
-    A file that cannot be read or parsed gives a WB000 finding, never an exception.
+    Calls are followed across the files of the run (module docstring). Findings come
+    in the order of the files, then by line. A file that cannot be read or parsed gives
+    a WB000 finding, never an exception.
 
     Raises:
         UsageError: an unknown rule prefix, or a path that does not exist.
     """
     codes = selected_codes(select, ignore)
     files = list(iter_python_files(paths))
+    sources: dict[Path, str] = {}
     out: list[Finding] = []
     for f in files:
         try:
-            source = _read(f)
+            sources[f] = _read(f)
         except (OSError, UnicodeDecodeError, SyntaxError) as err:
             if "WB000" in codes:
                 out.append(
@@ -241,6 +404,50 @@ def lint_paths(
                         fix=RULES["WB000"].fix,
                     )
                 )
+    run = {str(f) for f in sources}
+    cache: dict[Path, list[str]] = {}
+    named = ModuleMap(list(sources))
+    names = {f: (n, named.package[f]) for f, n in named.name.items()}
+    _add_context(sources, names, cache)
+    modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
+    imports = {f: _imports(sources, f, names, cache) for f in sources}
+    deps = {f: modules.files_of(names) for f, names in imports.items()}
+    program = Program()
+    program.roots = {name.split(".")[0] for name in modules.file}
+    with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
+    for f in import_order(list(sources), deps):
+        source = sources.pop(f)
+        module = modules.name.get(f, "")
+        follows = bool(module) and any(
+            program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
+        )
+        found, facts = _lint_text(
+            source,
+            str(f),
+            codes,
+            program,
+            module,
+            modules.package.get(f, False),
+            follows,
+            report=str(f) in run,
+        )
+        if facts is not None and module and (facts.functions or facts.classes or facts.names):
+            program.add(module, facts)
+        if "noqa" in source.lower():
+            with_noqa[str(f)] = source
+        out.extend(found)
+    order = {str(f): i for i, f in enumerate(files)}
+    seen: set[tuple[str, int, int, str]] = set()
+    kept: list[Finding] = []
+    noqa: dict[str, dict[int, frozenset[str] | None]] = {}
+    for hit in sorted(out, key=lambda h: (order.get(h.path, len(order)), h.line, h.col, h.code)):
+        key = (hit.path, hit.line, hit.col, hit.code)
+        if hit.path not in run:
+            continue  # in a file read only for its summaries
+        if hit.path in with_noqa and hit.path not in noqa:
+            noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
+        if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
             continue
-        out.extend(_lint_text(source, str(f), codes))
-    return out, len(files)
+        seen.add(key)
+        kept.append(hit)
+    return kept, len(files)

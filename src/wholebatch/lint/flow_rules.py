@@ -13,13 +13,14 @@ import ast
 import re
 from collections.abc import Iterator
 
-from wholebatch.lint.dataflow import Flow, gather_source
+from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.names import dotted, last_name
-from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt
 from wholebatch.lint.scope import finding as _finding
+from wholebatch.lint.summaries import Resolver
 
-__all__ = ["check_flow"]
+__all__ = ["attach", "check_flow"]
 
 _INPLACE = frozenset({"sub_", "add_", "addcdiv_", "addcmul_", "mul_", "div_", "copy_", "lerp_"})
 _ACCUM_RE = re.compile(
@@ -80,8 +81,40 @@ def _is_accum_count(node: ast.expr, periods: set[str]) -> bool:
     return False
 
 
+class _Results:
+    """Per-scope results of the value-following walk, computed once: a gathering function
+    is walked when a caller needs its return tags, and again never."""
+
+    def __init__(self, ctx: FileContext) -> None:
+        self.ctx = ctx
+        self.done: dict[int, tuple[list[Finding], frozenset[str]]] = {}
+
+    def get(self, scope: Scope) -> tuple[list[Finding], frozenset[str]]:
+        key = id(scope)
+        out = self.done.get(key)
+        if out is None:
+            self.done[key] = ([], frozenset())  # recursion: no findings, no tags
+            out = _check_scope(self.ctx, scope)
+            self.done[key] = out
+        return out
+
+    def returns(self, scope: Scope) -> frozenset[str]:
+        return self.get(scope)[1]
+
+
+def attach(resolver: Resolver) -> None:
+    """Let `resolver` summarise what gathering functions return (walks them on demand)."""
+    results = _Results(resolver.ctx)
+    resolver.returns_fn = results.returns
+    resolver.ctx.flow_results = results  # type: ignore[attr-defined]
+
+
 def check_flow(ctx: FileContext) -> Iterator[Finding]:
     """Run the value-following rules over every scope of the file."""
+    resolver = ctx.resolver if ctx.resolver is not None else Resolver(ctx)
+    if resolver.returns_fn is None:
+        attach(resolver)
+    results: _Results = ctx.flow_results  # type: ignore[attr-defined]
     for scope in ctx.scopes:
         if not scope.stmts:
             continue
@@ -92,14 +125,21 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
             )
             for d in scope.divs
         )
-        gather = "all_gather" in ctx.source and any(
-            ctx.imports.plain_gather(c) for c in scope.calls
-        )
-        if gather or scope.has_grad or accum:
-            yield from _check_scope(ctx, scope)
+        if scope.has_grad or accum or resolver.scope_gathers(scope):
+            yield from results.get(scope)[0]
 
 
-def _check_scope(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+def _loss_hop(scope: Scope, node: ast.AST, note: str, path: str) -> Hop:
+    return Hop(
+        path=path,
+        line=node.lineno,  # type: ignore[attr-defined]
+        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        function=scope.qual,
+        note=note,
+    )
+
+
+def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozenset[str]]:
     flow = Flow(ctx, scope)
     backward: dict[int, Event] = {
         id(e.node): e for e in scope.events if e.kind == BACKWARD and not e.synthetic
@@ -107,8 +147,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     loss_fn = _is_loss_function(scope)
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
-    to_loss: dict[str, int] = {}  # g-tag -> line of the loss it reaches
-    to_grad: dict[str, int] = {}  # q-tag -> line where it is stored as a gradient
+    to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
+    to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
     for st in flow.run():
         node = st.node
@@ -118,48 +158,66 @@ def _check_scope(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 for loss in ev.losses:
                     for tag in flow.tags(loss):
                         if tag.startswith("g:"):
-                            to_loss.setdefault(tag, node.lineno)
+                            hop = _loss_hop(scope, sub, f"reaches {_short(sub)}", ctx.path)
+                            to_loss.setdefault(tag, hop)
         if loss_fn and isinstance(node, ast.Return) and node.value is not None:
             tags = flow.tags(node.value)
             if "p" in tags:  # combined with this rank's (differentiable) inputs
                 for tag in tags:
                     if tag.startswith("g:"):
-                        to_loss.setdefault(tag, node.lineno)
+                        hop = _loss_hop(scope, node, "returned as the loss", ctx.path)
+                        to_loss.setdefault(tag, hop)
         for tag in _grad_store_tags(flow, node):
             if tag.startswith("q:"):
-                to_grad.setdefault(tag, node.lineno)
+                to_grad.setdefault(tag, _loss_hop(scope, node, "stored as .grad", ctx.path))
         if not (st.nograd or scope.nograd):
             found.extend(_manual_update(ctx, flow, st, params))
         found.extend(_mean_over_steps(ctx, flow, st, periods))
-    for tag, line in sorted(to_loss.items()):
-        row, col = gather_source(tag)
-        name = flow.sources.get(tag, "the output")
+    origins = flow.origins
+    for tag, hop in to_loss.items():
+        o = origins.get(tag)
+        trace = (*o.trace, hop)
+        crossed = len({h.function for h in trace}) > 1 or o.path != ctx.path
+        where = f"reaches the loss at line {hop.line}" if not crossed else "reaches the loss"
+        partial = f"; {o.partial}" if o.partial else ""
+        path_text = f"; path: {format_trace(trace, o.path)}" if crossed else ""
         found.append(
             Finding(
-                path=ctx.path,
-                line=row,
-                col=col + 1,
+                path=o.path,
+                line=o.line,
+                col=o.col,
                 code="WB101",
-                message=f"`{name}` is filled by torch.distributed.all_gather, which carries no "
-                f"gradient, and reaches the loss at line {line}: the other ranks' terms get "
-                "no gradient",
+                message=f"`{o.name}` is filled by torch.distributed.all_gather, which carries no "
+                f"gradient, and {where}: the other ranks' terms get no gradient{partial}"
+                f"{path_text}",
                 fix=RULES["WB101"].fix,
+                trace=trace,
             )
         )
-    for tag, line in sorted(to_grad.items()):
-        row, col = gather_source(tag)
+    for tag, hop in to_grad.items():
+        o = origins.get(tag)
+        trace = (*o.trace, hop)
+        crossed = len({h.function for h in trace}) > 1 or o.path != ctx.path
+        path_text = f"; path: {format_trace(trace, o.path)}" if crossed else ""
+        at = f" at line {hop.line}" if not crossed else ""
         found.append(
             Finding(
-                path=ctx.path,
-                line=row,
-                col=col + 1,
+                path=o.path,
+                line=o.line,
+                col=o.col,
                 code="WB103",
-                message=f"gradients are all-gathered here and stored back as a gradient at line "
-                f"{line} without a sum: all_gather concatenates, it does not add",
+                message=f"gradients are all-gathered here and stored back as a gradient{at} "
+                f"without a sum: all_gather concatenates, it does not add{path_text}",
                 fix=RULES["WB103"].fix,
+                trace=trace,
             )
         )
-    yield from found
+    return found, returned_tags(flow.returns)
+
+
+def _short(node: ast.AST) -> str:
+    text = ast.unparse(node)
+    return f"`{text}`" if len(text) <= 40 else f"`{text[:37]}...`"
 
 
 def _grad_store_tags(flow: Flow, node: ast.stmt) -> set[str]:
@@ -213,6 +271,8 @@ def _manual_update(ctx: FileContext, flow: Flow, st: Stmt, params: set[str]) -> 
         base = target.value
         if isinstance(base, ast.Attribute) and base.attr == "grad":
             return  # `p.grad.data.mul_(c)`: scaling a gradient, not updating a parameter
+        if any(t.startswith("G:") for t in flow.tags(base)):
+            return  # `g = p.grad` (on some path), then `g.data = ...`: a gradient too
         if any(t.startswith("G:") for t in value_tags):
             yield _finding(
                 ctx,

@@ -18,9 +18,10 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 
 from wholebatch.lint.names import dotted, last_name, names_in, walk_local
-from wholebatch.lint.rules import Finding
+from wholebatch.lint.rules import Finding, format_trace
 from wholebatch.lint.scope import (
     BACKWARD,
     CLIP,
@@ -73,22 +74,50 @@ def check_loops(ctx: FileContext) -> Iterator[Finding]:
 # -- WB201 ------------------------------------------------------------------------------
 
 
+def _what(ev: Event) -> str:
+    """How a message names the actor of an event: "`opt`" or "`helper()`"."""
+    if not ev.synthetic:
+        return f"`{ev.recv}`" if ev.recv else "the call"
+    return f"`{_callee(ev)}()`"
+
+
+def _path(ev: Event, ctx: FileContext) -> str:
+    return f"; path: {format_trace(ev.via, ctx.path)}" if ev.synthetic else ""
+
+
 def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    seen: set[int] = set()
     for step in scope.events:
-        if step.kind != STEP or step.synthetic:
+        if step.kind != STEP or not step.certain or id(step.node) in seen:
             continue
+        seen.add(id(step.node))
         for loop in reversed(step.loops):
             inside = [e for e in scope.events if _in(loop, e)]
-            if not any(e.kind == BACKWARD for e in inside):
+            backs = [e for e in inside if e.kind == BACKWARD]
+            if not backs:
                 continue
+            # A step inside a helper: the backward must be this scope's own (or a certain
+            # one), else the helper may be a whole training step with its own zeroing.
+            if step.synthetic and not any(e.certain for e in backs):
+                break
             if not any(e.kind in (ZERO, SETGRAD) for e in inside):
-                yield _finding(
+                own = [e for e in backs if not e.synthetic]
+                back = (
+                    "calls backward"
+                    if own
+                    else f"backpropagates in `{_callee(backs[0])}()` (line {_line(backs[0])})"
+                )
+                trace = step.via or (() if own else backs[0].via)
+                f = _finding(
                     ctx,
                     step.node,
                     "WB201",
-                    f"`{step.recv}` steps in a loop (line {loop.lineno}) that calls backward but "
-                    "never zeroes gradients: every step adds all earlier steps' gradients",
+                    f"{_what(step)} steps in a loop (line {loop.lineno}) that {back} but never "
+                    "zeroes gradients: every step adds all earlier steps' gradients"
+                    f"{_path(step, ctx) or (_path(backs[0], ctx) if not own else '')}",
                 )
+                yield replace(f, trace=trace)
+                break
             break
 
 
@@ -96,39 +125,67 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
 
 
 def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    # Events of a called function count when it does them on every call (`certain`);
+    # one it may or may not do ends the search (no finding rather than a false one).
     seq = [e for e in scope.events if not e.jumpy]
-    stepped = {e.recv for e in seq if e.kind == STEP and not e.synthetic}
+    stepped = {e.recv for e in seq if e.kind == STEP and e.certain}
     for i, zero in enumerate(seq):
-        if zero.kind != ZERO or zero.synthetic:
+        if zero.kind != ZERO or not zero.certain:
             continue
         before = next(
-            (e for e in reversed(seq[:i]) if e.kind in (BACKWARD, STEP) and not exclusive(e, zero)),
+            (
+                e
+                for e in reversed(seq[:i])
+                if (e.kind in (BACKWARD, STEP) or not e.certain) and not exclusive(e, zero)
+            ),
             None,
         )
-        if before is None or before.kind != BACKWARD or before.synthetic:
+        if before is None or before.kind != BACKWARD or not before.certain:
             continue
+        if before.synthetic and before.node is zero.node:
+            continue  # one helper that backprops then zeroes: its own business (WB202 there)
         after = next(
             (
                 e
                 for e in seq[i + 1 :]
-                if (e.kind in (BACKWARD, STEP, SETGRAD) or e.synthetic) and not exclusive(e, zero)
+                if (e.kind in (BACKWARD, STEP, SETGRAD) or not e.certain) and not exclusive(e, zero)
             ),
             None,
         )
-        if after is None or after.kind != STEP or after.synthetic:
+        if after is None or after.kind != STEP or not after.certain or after.node is zero.node:
             continue
         same = zero.recv == after.recv or (
-            not (zero.recv and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body))
-            and len(stepped) == 1
+            not (zero.recv and _is_optimizer_text(ctx, zero.recv)) and len(stepped) == 1
         )
-        if same:
-            yield _finding(
-                ctx,
-                zero.node,
-                "WB202",
-                f"gradients are zeroed after the backward at line {_line(before)} and before "
-                f"`{after.recv}` steps at line {_line(after)}: the step sees zero gradients",
-            )
+        if not same:
+            continue
+        what = f"`{_callee(zero)}()` zeroes gradients" if zero.synthetic else "gradients are zeroed"
+        back = f"the backward at line {_line(before)}"
+        if before.synthetic:
+            back = f"the backward in `{_callee(before)}()` (line {_line(before)})"
+        step = f"`{after.recv}` steps" if after.recv else f"`{_callee(after)}()` steps"
+        f = _finding(
+            ctx,
+            zero.node,
+            "WB202",
+            f"{what} after {back} and before {step} at line {_line(after)}: the step sees "
+            f"zero gradients{_path(zero, ctx)}",
+        )
+        yield replace(f, trace=zero.via)
+
+
+def _callee(ev: Event) -> str:
+    call = ev.node
+    if isinstance(call, ast.Call):
+        return dotted(call.func) or last_name(call.func)
+    return "?"
+
+
+def _is_optimizer_text(ctx: FileContext, text: str) -> bool:
+    try:
+        return ctx.is_optimizer(ast.parse(text, mode="eval").body)
+    except SyntaxError:
+        return False
 
 
 # -- WB203 ------------------------------------------------------------------------------

@@ -213,9 +213,12 @@ class Imports:
 
     Attributes:
         aliases: local name -> fully qualified name (`dist` -> `torch.distributed`).
+        relative: local name -> (level, dotted name after the dots) for relative
+            imports: `from ..util import gather as g` gives `g -> (2, "util.gather")`.
     """
 
     aliases: dict[str, str] = field(default_factory=dict)
+    relative: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, tree: ast.AST) -> Imports:
@@ -240,6 +243,10 @@ class Imports:
         elif node.module and node.level == 0:
             for a in node.names:
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif node.level:
+            prefix = f"{node.module}." if node.module else ""
+            for a in node.names:
+                self.relative[a.asname or a.name] = (node.level, prefix + a.name)
 
     def finish(self) -> None:
         """Add the conventional names snippets use without importing (notebooks, docs)."""

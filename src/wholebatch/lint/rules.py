@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RULES", "Finding", "Rule", "rule"]
+__all__ = ["RULES", "Finding", "Hop", "Rule", "format_trace", "rule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +35,41 @@ class Rule:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Hop:
+    """One step of the path a finding followed, from where the value (or call) starts to
+    where the mistake shows.
+
+    Attributes:
+        path: the file of this step.
+        line: 1-based line.
+        col: 1-based column.
+        function: the function (``Class.method`` for a method; ``""`` for module level).
+        note: what happens here, e.g. ``"torch.distributed.all_gather fills `parts`"``.
+    """
+
+    path: str
+    line: int
+    col: int
+    function: str
+    note: str
+
+
+def format_trace(trace: tuple[Hop, ...], here: str = "") -> str:
+    """`a()` line 8 (note) -> `b` line 15 (note): the path as one line of text.
+
+    Args:
+        trace: the steps, first to last.
+        here: the finding's own file; a step in another file names its file.
+    """
+    parts = []
+    for h in trace:
+        where = f"line {h.line}" if h.path == here else f"{h.path}:{h.line}"
+        fn = f"`{h.function}` " if h.function else "module level "
+        parts.append(f"{fn}{where} ({h.note})" if h.note else f"{fn}{where}")
+    return " -> ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Finding:
     """One problem found at one place.
 
@@ -45,6 +80,10 @@ class Finding:
         code: the rule code.
         message: what is wrong here, naming the names involved.
         fix: what to write instead (the rule's fix).
+        trace: the path the rule followed, first step first: for a value (WB101, WB103)
+            from where it starts to where it does harm, for a call into the functions
+            it runs (and their files); empty when there is nothing beyond the reported
+            line. The message names the path when it crosses functions.
     """
 
     path: str
@@ -53,6 +92,7 @@ class Finding:
     code: str
     message: str
     fix: str
+    trace: tuple[Hop, ...] = ()
 
 
 _ALL = (

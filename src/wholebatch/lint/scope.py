@@ -3,9 +3,10 @@ the simple statements of each in source order with their enclosing loops and
 conditions, and the training-loop events (backward, zero_grad, step, unscale_, clip).
 
 A scope never includes the bodies of functions, lambdas or classes nested in it;
-those are scopes of their own. Calls to functions defined in the same file add
-"synthetic" events for what those functions do, so a loop that calls
-`self.optimizer_step()` is known to step (and, if that helper zeroes, to zero).
+those are scopes of their own. Calls to functions the linter can resolve (same file,
+or another file of the tree being linted: see `summaries.Resolver`) add "synthetic"
+events for what those functions do, so a loop that calls `self.optimizer_step()` is
+known to step (and, if that helper zeroes, to zero).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wholebatch.lint.names import (
     DIST_GATHERS,
@@ -24,7 +25,10 @@ from wholebatch.lint.names import (
     last_name,
     walk_local,
 )
-from wholebatch.lint.rules import RULES, Finding
+from wholebatch.lint.rules import RULES, Finding, Hop
+
+if TYPE_CHECKING:
+    from wholebatch.lint.summaries import Resolver
 
 __all__ = [
     "BACKWARD",
@@ -75,9 +79,13 @@ class Event:
         path: (id of if/try/match statement, branch number) from the scope down; two
             events whose paths fork at the same statement never run in the same pass.
         jumpy: inside a branch that ends in return/continue/break/raise.
-        synthetic: stands for a call to a same-file function that does `kind`.
+        synthetic: stands for a call to a resolved function that does `kind`.
         scaler: a STEP done through an AMP scaler (`scaler.step(opt)`).
         bare: a STEP with no arguments (so no closure that might run backward).
+        certain: for a synthetic event, the function does `kind` on every call (not
+            under a condition of its own); real events are always certain.
+        via: for a synthetic event, the path from the called function to the call
+            that does `kind` (one `Hop` per function).
     """
 
     kind: str
@@ -91,6 +99,8 @@ class Event:
     synthetic: bool = False
     scaler: bool = False
     bare: bool = True
+    certain: bool = True
+    via: tuple[Hop, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,12 +112,14 @@ class Stmt:
         loops: enclosing loops inside the scope, outermost first.
         conds: enclosing conditionals inside the innermost loop.
         nograd: gradient recording is off here (`torch.no_grad()` and friends).
+        path: (id of if/try/match statement, branch number) from the scope down.
     """
 
     node: ast.stmt
     loops: tuple[ast.stmt, ...]
     conds: tuple[ast.stmt, ...]
     nograd: bool
+    path: tuple[tuple[int, int], ...] = ()
 
     def walk(self) -> Iterator[ast.AST]:
         """The nodes of this statement itself (for a `for`: its target and iterable only)."""
@@ -150,7 +162,9 @@ class _Where:
         )
 
     def stmt(self, node: ast.stmt) -> Stmt:
-        return Stmt(node=node, loops=self.loops, conds=self.conds, nograd=self.nograd)
+        return Stmt(
+            node=node, loops=self.loops, conds=self.conds, nograd=self.nograd, path=self.path
+        )
 
     def event_fields(self) -> dict[str, Any]:
         return {"loops": self.loops, "conds": self.conds, "path": self.path, "jumpy": self.jumpy}
@@ -174,7 +188,9 @@ class Scope:
         divs: the divisions (`a / b` and `a /= b`).
         has_gather: a call named like a c10d all-gather occurs.
         mods: the `a % b` expressions.
-        local_calls: calls to functions that may be defined in this file, by name.
+        local_calls: calls that may resolve to a function the linter knows (`f()`,
+            `self.m()`, `mod.f()`, `super().m()`), each with its place (Event fields).
+        plain_gathers: the c10d all-gather calls (no gradient on their output).
     """
 
     node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef
@@ -190,14 +206,21 @@ class Scope:
     divs: list[ast.BinOp | ast.AugAssign] = field(default_factory=list)
     has_gather: bool = False
     mods: list[ast.BinOp] = field(default_factory=list)
-    local_calls: list[tuple[str, Event]] = field(default_factory=list)
+    local_calls: list[tuple[ast.Call, dict[str, Any]]] = field(default_factory=list)
+    plain_gathers: list[ast.Call] = field(default_factory=list)
     raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
+    linked: bool = False
     _collectives: list[tuple[str, ast.Call]] | None = None
 
     @property
     def name(self) -> str:
         """The function's name ("" for the module)."""
         return "" if isinstance(self.node, ast.Module) else self.node.name
+
+    @property
+    def qual(self) -> str:
+        """`Class.method`, `function`, or "" for the module."""
+        return f"{self.cls.name}.{self.name}" if self.cls is not None else self.name
 
     def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
         """(qualified name, call) of every collective called in this scope."""
@@ -234,14 +257,20 @@ class FileContext:
         self.not_optimizers: set[str] = set()
         self.classes: list[ast.ClassDef] = []
         self.functions: dict[str, _Def] = {}
+        self.defs_by_name: dict[str, list[_Def]] = {}
+        self.module_functions: dict[str, _Def] = {}
+        self.class_by_name: dict[str, ast.ClassDef] = {}
+        self.scope_of: dict[int, Scope] = {}
         self.scopes: list[Scope] = []
+        self.resolver: Resolver | None = None  # set by summaries.Resolver
+        self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
         for scope in self.scopes:
             self._classify_scope(scope)
-        self._add_synthetic_events()
+        # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
 
     # -- names bound to optimizers / scalers --------------------------------------------
 
@@ -289,6 +318,7 @@ class FileContext:
     ) -> None:
         if not isinstance(node, ast.Module):
             self.functions.setdefault(node.name, node)
+            self.defs_by_name.setdefault(node.name, []).append(node)
             # Only the decorator's name matters (imports may come later in the file).
             nograd = nograd or any(
                 last_name(d.func if isinstance(d, ast.Call) else d)
@@ -297,10 +327,12 @@ class FileContext:
             )
         scope = Scope(node=node, cls=cls, nograd=nograd)
         self.scopes.append(scope)
+        self.scope_of[id(node)] = scope
         self._block(scope, node.body, _Where(nograd=nograd))
 
     def _class(self, node: ast.ClassDef) -> None:
         self.classes.append(node)
+        self.class_by_name.setdefault(node.name, node)
         # Methods of an optimizer update parameters by design (torch.optim's own step()
         # runs under no_grad through a decorator).
         opt_cls = any(last_name(b).endswith(("Optimizer", "Optimiser")) for b in node.bases)
@@ -313,6 +345,8 @@ class FileContext:
     def _block(self, scope: Scope, body: list[ast.stmt], at: _Where) -> None:
         for st in body:
             if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
+                if isinstance(scope.node, ast.Module):
+                    self.module_functions[st.name] = st  # the last definition wins, as at run time
                 self._scope(st, None, nograd=False)
             elif isinstance(st, ast.ClassDef):
                 self._class(st)
@@ -417,15 +451,20 @@ class FileContext:
                     )
                 )
             func = node.func
-            if isinstance(func, ast.Name) or (
-                isinstance(func, ast.Attribute)
-                and isinstance(func.value, ast.Name)
-                and func.value.id in ("self", "cls")
-            ):
-                scope.local_calls.append(
-                    (last_name(func), Event(kind="", node=node, recv="", **where))
+            if ev is None and (
+                isinstance(func, ast.Name)
+                or (
+                    isinstance(func, ast.Attribute)
+                    and isinstance(func.value, ast.Name | ast.Attribute | ast.Call)
                 )
+            ):
+                scope.local_calls.append((node, where))
         scope.raw = []
+        if not self.source or "all_gather" in self.source:
+            # by qualified name: `from torch.distributed import all_gather as c10d_gather`
+            scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]
+        else:
+            scope.plain_gathers = []
 
     def _classify(self, call: ast.Call) -> tuple[str, str, tuple[ast.expr, ...], bool, bool] | None:
         """(kind, recv, losses, scaler, bare) for a training-loop call, else None."""
@@ -473,39 +512,6 @@ class FileContext:
             if q.startswith("torch.nn.utils") or ".utils." in f".{q}":
                 return CLIP, "", (), False, True
         return None
-
-    def _add_synthetic_events(self) -> None:
-        """Give calls to same-file functions the events those functions (transitively) do."""
-        kinds: dict[str, set[str]] = {}
-        calls: dict[str, set[str]] = {}
-        for scope in self.scopes:
-            if scope.name:
-                kinds.setdefault(scope.name, set()).update(e.kind for e in scope.events)
-                calls.setdefault(scope.name, set()).update(n for n, _ in scope.local_calls)
-        for _ in range(3):  # helpers of helpers of helpers; deeper chains are rare
-            for name, callees in calls.items():
-                for callee in callees:
-                    if callee != name and callee in kinds:
-                        kinds[name] |= kinds[callee]
-        for scope in self.scopes:
-            extra = [
-                Event(
-                    kind=kind,
-                    node=ev.node,
-                    recv="",
-                    loops=ev.loops,
-                    conds=ev.conds,
-                    path=ev.path,
-                    jumpy=ev.jumpy,
-                    synthetic=True,
-                )
-                for name, ev in scope.local_calls
-                if name != scope.name
-                for kind in sorted(kinds.get(name, ()))
-            ]
-            if extra:
-                scope.events.extend(extra)
-                scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
 
 
 def finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding:

@@ -1,0 +1,228 @@
+"""The summaries themselves, and the tables that carry them between files: what calling
+a function does (`Facts`, its training calls as `Effect`s), where a tagged value started
+(`Origin`, registered in `Origins`), what one file leaves for the others
+(`ModuleFacts`), and every file's summaries by module name (`Program`).
+
+None of these holds a syntax tree, so the summaries of a whole package stay small while
+its files are linted one at a time. `summaries.Resolver` computes them.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from wholebatch.lint.rules import Hop
+
+__all__ = ["Effect", "Facts", "ModuleFacts", "Origin", "Origins", "Program"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Effect:
+    """A training call a function makes, as seen from its callers.
+
+    Attributes:
+        kind: BACKWARD, ZERO, STEP, SETGRAD, UNSCALE or CLIP.
+        certain: it happens on every call (not under an `if`/`try` of the function).
+        recv: the optimizer it acts on, in the function's own terms ("" if unknown).
+        trace: from the function down to the call that does it, one `Hop` per function.
+    """
+
+    kind: str
+    certain: bool
+    recv: str
+    trace: tuple[Hop, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What calling one function does (module docstring). Holds no syntax tree, so the
+    summaries of a whole package stay small.
+
+    Attributes:
+        qual: `function` or `Class.method`.
+        path: its file.
+        line: the line of its `def`.
+        params: positional parameter names, `self`/`cls` included.
+        kwonly: keyword-only parameter names.
+        star: it takes `*args` or `**kwargs` (arguments cannot be matched one to one).
+        effects: training calls, in order.
+        collective: (qualified name, trace) of a collective it calls on every call.
+        reduces: it calls a collective somewhere (itself or through a call).
+        gathers: it (or a function it calls) fills a tensor by c10d all-gather.
+        returns: the tags of its return value; None when not computed (no gather).
+    """
+
+    qual: str
+    path: str
+    line: int
+    params: tuple[str, ...] = ()
+    kwonly: tuple[str, ...] = ()
+    star: bool = False
+    effects: tuple[Effect, ...] = ()
+    collective: tuple[str, tuple[Hop, ...]] | None = None
+    reduces: bool = False
+    gathers: bool = False
+    returns: frozenset[str] | None = None
+
+    @property
+    def interesting(self) -> bool:
+        """Worth keeping for other files: it does something a rule follows."""
+        return bool(self.effects or self.collective or self.gathers or self.reduces)
+
+    def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
+        """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either
+        side every argument is paired with every parameter (over-approximation)."""
+        params = self.params[1:] if bound else self.params
+        starred = any(isinstance(a, ast.Starred) for a in call.args) or any(
+            k.arg is None for k in call.keywords
+        )
+        if self.star or starred:
+            values = [a.value if isinstance(a, ast.Starred) else a for a in call.args]
+            values += [k.value for k in call.keywords]
+            for p in (*params, *self.kwonly):
+                for v in values:
+                    yield p, v
+            return
+        for p, a in zip(params, call.args, strict=False):
+            yield p, a
+        for k in call.keywords:
+            if k.arg is not None:
+                yield k.arg, k.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Origin:
+    """Where a tagged value started (a c10d all-gather) and the path it took since.
+
+    Attributes:
+        path: the file of the gather.
+        line: 1-based line of the gather call.
+        col: 1-based column.
+        name: the name the gather wrote into.
+        trace: the steps so far, the gather first.
+        partial: why a `gathered[rank] = local` did not count (it runs only under a
+            condition), or "".
+    """
+
+    path: str
+    line: int
+    col: int
+    name: str
+    trace: tuple[Hop, ...]
+    partial: str = ""
+
+
+class Origins:
+    """The registry behind `g:ID` and `q:ID` tags (one per lint run, shared by files)."""
+
+    def __init__(self) -> None:
+        self.items: list[Origin] = []
+        self._moved: dict[tuple[str, int], str] = {}
+
+    def new(self, kind: str, origin: Origin) -> str:
+        """A fresh tag of `kind` ("g" or "q") for `origin`."""
+        self.items.append(origin)
+        return f"{kind}:{len(self.items) - 1}"
+
+    def get(self, tag: str) -> Origin:
+        """The origin of a `g:ID`/`q:ID` tag (or the ID part of a `qa:NAME:ID` tag)."""
+        return self.items[int(tag.rsplit(":", 1)[1])]
+
+    def moved(self, tag: str, kind: str, key: int, hop: Hop) -> str:
+        """The tag of the same value one step further (`hop`), made once per (tag, key)."""
+        memo = (tag, key)
+        out = self._moved.get(memo)
+        if out is None:
+            o = self.get(tag)
+            out = self.new(kind, replace(o, trace=(*o.trace, hop)))
+            self._moved[memo] = out
+        return out
+
+
+@dataclass
+class ModuleFacts:
+    """The summaries one file leaves for the others (no syntax tree).
+
+    Attributes:
+        path: the file.
+        functions: `f` and `Class.method` -> facts, for those worth keeping.
+        classes: class name -> its bases as absolute dotted names (or as written).
+        names: names bound by imports -> the absolute dotted name they refer to.
+    """
+
+    path: str
+    functions: dict[str, Facts] = field(default_factory=dict)
+    classes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
+
+
+class Program:
+    """The summaries of every file linted so far, by module name, and the origins
+    registry; files are linted in import order so a module's facts exist before the
+    files that import it are read (`engine.lint_paths`)."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, ModuleFacts] = {}
+        self.origins = Origins()
+        self.roots: set[str] = set()  # top-level names of the run's modules
+
+    def add(self, module: str, facts: ModuleFacts) -> None:
+        """Keep one module's summaries."""
+        self.modules[module] = facts
+
+    def followed(self, name: str) -> bool:
+        """Does the absolute dotted `name` that a file imports (a module, a function, a
+        class) lead to a summary worth following? Then the file is worth a look even if
+        none of the rules' words occur in it."""
+        mod = self.modules.get(name)
+        if mod is not None:
+            return bool(mod.functions)
+        hit = self.lookup(name)
+        if isinstance(hit, Facts):
+            return True
+        if isinstance(hit, str):  # a class: one of its methods does something
+            mod_name, _, cls = hit.rpartition(".")
+            owner = self.modules.get(mod_name)
+            return owner is not None and any(k.startswith(f"{cls}.") for k in owner.functions)
+        return False
+
+    def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
+        """The facts of the function an absolute dotted name refers to; a class gives its
+        absolute name as a string; None when unknown (not in the tree, or uninteresting)."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            mod = self.modules.get(".".join(parts[:i]))
+            if mod is None:
+                continue
+            rest = parts[i:]
+            head = rest[0]
+            if len(rest) == 1:
+                if head in mod.functions:
+                    return mod.functions[head]
+                if head in mod.classes:
+                    return ".".join(parts)
+            elif len(rest) == 2 and head in mod.classes:
+                return mod.functions.get(f"{head}.{rest[1]}")
+            if head in mod.names and depth < 6:
+                return self.lookup(".".join([mod.names[head], *rest[1:]]), depth + 1)
+            return None
+        return None
+
+    def method(self, cls: str, name: str, depth: int = 0) -> Facts | None:
+        """The facts of method `name` of the class with absolute name `cls`, or its bases."""
+        mod_name, _, cls_name = cls.rpartition(".")
+        mod = self.modules.get(mod_name)
+        if mod is None or depth > 6:
+            return None
+        f = mod.functions.get(f"{cls_name}.{name}")
+        if f is not None:
+            return f
+        for base in mod.classes.get(cls_name, ()):
+            target = self.lookup(base)
+            if isinstance(target, str):
+                f = self.method(target, name, depth + 1)
+                if f is not None:
+                    return f
+        return None

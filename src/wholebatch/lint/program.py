@@ -1,0 +1,190 @@
+"""The files of one lint run as a tree of modules: each file's dotted module name, and
+an order in which every file comes after the files it imports, so that a module's
+summaries (`summaries.ModuleFacts`) exist before the files that use them are linted.
+
+Module names come from the folders alone: a file's package is the chain of parent
+folders that hold an `__init__.py` (`src/pkg/sub/mod.py` -> `pkg.sub.mod`); a file
+outside any package is a top-level module named after its stem, as when it is run as
+a script next to its helpers. The import order is read with a regular expression over
+the source text (no parse, nothing imported); an import it misses, or a cycle, only
+means some call stays unknown for one file: no finding rather than a false one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "ModuleMap",
+    "import_base",
+    "import_order",
+    "imported_names",
+    "locate",
+    "module_name",
+]
+
+_IMPORT_RE = re.compile(
+    r"^[ \t]*(?:from[ \t]+(?P<dots>\.*)(?P<mod>[\w.]*)[ \t]+import[ \t]+"
+    r"(?P<names>\([^)]*\)|[^\n#;]*)|import[ \t]+(?P<plain>[\w., \t]+))",
+    re.MULTILINE,
+)
+
+
+class ModuleMap:
+    """The dotted module name of each file, and the file of each module name.
+
+    Args:
+        files: the files of the run.
+    """
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.name: dict[Path, str] = {}
+        self.package: dict[Path, bool] = {}
+        by_name: dict[str, list[Path]] = {}
+        has_init: dict[Path, bool] = {}
+
+        def is_pkg(folder: Path) -> bool:
+            hit = has_init.get(folder)
+            if hit is None:
+                hit = (folder / "__init__.py").is_file()
+                has_init[folder] = hit
+            return hit
+
+        for f in files:
+            parts = [] if f.stem == "__init__" else [f.stem]
+            folder = f.parent
+            while is_pkg(folder) and folder.name.isidentifier():
+                parts.insert(0, folder.name)
+                if folder.parent == folder:
+                    break
+                folder = folder.parent
+            name = ".".join(parts)
+            if not name or not all(p.isidentifier() for p in parts):
+                continue  # `my-script.py`: not importable by name
+            self.name[f] = name
+            self.package[f] = f.stem == "__init__"
+            by_name.setdefault(name, []).append(f)
+        # Two files with one name (scripts in different folders): neither is importable
+        # by that name with certainty, so neither is resolved.
+        self.file: dict[str, Path] = {n: fs[0] for n, fs in by_name.items() if len(fs) == 1}
+        for fs in by_name.values():
+            if len(fs) > 1:
+                for f in fs:
+                    self.name.pop(f, None)
+
+    def imports_of(self, f: Path, source: str) -> list[Path]:
+        """The files of the run that `source` (the text of `f`) imports, as far as a
+        regular expression over its import lines can tell."""
+        names = imported_names(self.name.get(f), self.package.get(f, False), source)
+        return [hit for hit in self.files_of(names) if hit != f]
+
+    def files_of(self, names: list[str]) -> list[Path]:
+        """The files of the run that these module names are (unknown names dropped)."""
+        return [hit for n in names if (hit := self.file.get(n)) is not None]
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_package(folder: Path) -> bool:
+    return (folder / "__init__.py").is_file()
+
+
+def module_name(f: Path) -> tuple[str, bool]:
+    """(dotted module name, is a package's `__init__`) of a file, from its folders."""
+    parts = [] if f.stem == "__init__" else [f.stem]
+    folder = f.parent
+    while _is_package(folder) and folder.name.isidentifier():
+        parts.insert(0, folder.name)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    return ".".join(parts), f.stem == "__init__"
+
+
+def import_base(near: Path, me: str, is_pkg: bool) -> Path:
+    """The folder the imports of `near` (module `me`) are resolved from: the one holding
+    its top-level package (for a file outside any package: its own folder)."""
+    depth = len(me.split(".")) - (0 if is_pkg else 1)  # folders from `near` up to the base
+    base = near.parent
+    for _ in range(depth):
+        base = base.parent
+    return base
+
+
+def locate(name: str, me: str, base: Path) -> Path | None:
+    """The file of module `name` as imported by module `me` resolving from `base`, if
+    it lies in `me`'s own package tree (or, for a module outside any package, beside it);
+    else None. Nothing outside that tree is looked at (not site-packages, not the stdlib)."""
+    if not me or ("." in me and name.split(".")[0] != me.split(".")[0]):
+        return None  # another top-level package
+    rel = Path(*name.split("."))
+    for cand in (base / rel.with_suffix(".py"), base / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def imported_names(me: str | None, is_package: bool, source: str) -> list[str]:
+    """The absolute module names `source` may import (a `from m import n` gives `m` and
+    `m.n`), as a regular expression over its import lines reads them."""
+    out: list[str] = []
+    if me is None:
+        return out
+    pkg = me.split(".") if is_package else me.split(".")[:-1]
+    add = out.append
+    for m in _IMPORT_RE.finditer(source):
+        plain = m.group("plain")
+        if plain is not None:
+            for item in plain.split(","):
+                words = item.split()
+                if words:
+                    name = words[0]
+                    add(name)
+                    # `import a.b.c` also runs a and a.b
+                    while "." in name:
+                        name = name.rpartition(".")[0]
+                        add(name)
+            continue
+        dots, mod = m.group("dots"), m.group("mod")
+        if dots:
+            level = len(dots)
+            if level - 1 > len(pkg):
+                continue
+            base_parts = pkg[: len(pkg) - (level - 1)]
+            base = ".".join([*base_parts, mod] if mod else base_parts)
+        else:
+            base = mod
+        if base:
+            add(base)
+        for item in m.group("names").strip("()").split(","):
+            words = item.split()
+            if words and words[0].isidentifier():
+                add(f"{base}.{words[0]}" if base else words[0])
+    return out
+
+
+def import_order(files: Sequence[Path], deps: dict[Path, list[Path]]) -> list[Path]:
+    """`files` reordered so each comes after the files it imports (depth first, in the
+    given order otherwise; an import cycle is cut where the walk meets it)."""
+    done: set[Path] = set()
+    out: list[Path] = []
+    for start in files:
+        if start in done:
+            continue
+        done.add(start)
+        stack: list[tuple[Path, int]] = [(start, 0)]
+        while stack:
+            f, i = stack[-1]
+            children = deps.get(f, ())
+            if i < len(children):
+                stack[-1] = (f, i + 1)
+                child = children[i]
+                if child not in done:
+                    done.add(child)
+                    stack.append((child, 0))
+            else:
+                stack.pop()
+                out.append(f)
+    return out

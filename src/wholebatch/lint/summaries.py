@@ -1,0 +1,527 @@
+"""What a function does, as its callers see it: the summaries that let the rules follow
+a gathered tensor, a `zero_grad` or a backward across functions and files.
+
+A `Facts` summary says, in terms the rules care about, what calling a function does:
+
+- `effects`: the training calls it makes (backward, zero_grad, optimizer.step, ...),
+  in order, each marked `certain` when it happens on every call;
+- `collective`: a collective it calls on every call (so calling it under `if rank == 0:`
+  hangs the other ranks, WB104/WB105);
+- `reduces` / `gathers`: it calls a collective at all / a c10d all-gather whose output
+  has no gradient (WB102 looks at an autograd.Function's forward and backward);
+- `returns`: the dataflow tags of its return value (see `dataflow`), in the callee's
+  terms: `a:NAME` for "derived from parameter NAME", `g:ID` for a no-gradient gather.
+
+`Resolver` resolves a call to the function it runs, when it can tell statically: a
+function of the same file (`f()`), a method through `self.`/`cls.`/`super()` (the
+class, then its bases), or a function of another file of the tree being linted, found
+through the imports (`from .loss import gather_features`, `import pkg.loss as L`).
+Everything else is unknown, and an unknown call adds nothing: no finding rather than a
+false one. Recursion is cut the same way: a function already being summarised counts
+as unknown.
+
+Nothing here imports or runs the code it reads.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
+from wholebatch.lint.names import dotted, last_name
+from wholebatch.lint.rules import Hop
+from wholebatch.lint.scope import (
+    BACKWARD,
+    CLIP,
+    SETGRAD,
+    STEP,
+    UNSCALE,
+    ZERO,
+    Event,
+    FileContext,
+    Scope,
+)
+
+__all__ = ["Resolver", "unconditional"]
+
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
+_KINDS = frozenset({BACKWARD, ZERO, STEP, SETGRAD, UNSCALE, CLIP})
+_KIND_NOTE = {
+    BACKWARD: "backward",
+    ZERO: "zeroes gradients",
+    STEP: "steps",
+    SETGRAD: "sets .grad",
+    UNSCALE: "unscales",
+    CLIP: "clips gradients",
+}
+# Call chains followed at most this deep (each level is a few Python frames).
+_MAX_DEPTH = 40
+# Bases that add no method the linter could follow (so a miss there is a real "none").
+_KNOWN_BASES = ("object", "torch.", "nn.", "typing.", "abc.", "Generic", "Protocol", "ABC")
+
+
+def unconditional(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of `body` that run on every call: not inside an `if`, `try`
+    handler, `match` case, or after a `return`/`raise` (loops and `with` blocks count)."""
+    for st in body:
+        if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        yield st
+        if isinstance(st, ast.For | ast.AsyncFor | ast.While | ast.With | ast.AsyncWith):
+            yield from unconditional(st.body)
+        elif isinstance(st, ast.Try | ast.TryStar):
+            yield from unconditional(st.body)
+            yield from unconditional(st.finalbody)
+        if isinstance(st, ast.Return | ast.Raise):
+            return
+
+
+def _on_subgroup(call: ast.Call) -> bool:
+    for kw in call.keywords:
+        if kw.arg in ("group", "process_group", "pg") and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value is None
+        ):
+            return "WORLD" not in ast.unparse(kw.value)
+    return False
+
+
+def _note(call: ast.AST) -> str:
+    text = ast.unparse(call)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class Resolver:
+    """Resolves the calls of one file and summarises its functions (module docstring).
+
+    Args:
+        ctx: the file.
+        program: the summaries of the other files of the tree (None: this file only).
+        module: the file's dotted module name in the tree ("" when unknown).
+        is_package: the file is a package's `__init__.py`.
+        origins: the tag registry (default: the program's, else a new one).
+    """
+
+    def __init__(
+        self,
+        ctx: FileContext,
+        program: Program | None = None,
+        module: str = "",
+        *,
+        is_package: bool = False,
+        origins: Origins | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.program = program
+        self.module = module
+        self.is_package = is_package
+        self.origins = origins or (program.origins if program is not None else Origins())
+        # Set by flow_rules: the tags a gathering function's return value carries.
+        self.returns_fn: Callable[[Scope], frozenset[str]] | None = None
+        self.cross = False  # some call resolved to another file's function
+        self._facts: dict[int, Facts] = {}
+        self._busy: set[int] = set()
+        self._resolved: dict[int, tuple[Facts, bool] | None] = {}
+        ctx.resolver = self
+
+    # -- names across files ---------------------------------------------------------------
+
+    def absolute(self, local: str) -> str | None:
+        """The absolute dotted name an imported local name refers to (None: not imported)."""
+        imports = self.ctx.imports
+        rel = imports.relative.get(local)
+        if rel is not None:
+            level, rest = rel
+            parts = self.module.split(".") if self.module else []
+            if not self.is_package:
+                parts = parts[:-1]
+            if level - 1 > len(parts):
+                return None
+            parts = parts[: len(parts) - (level - 1)]
+            return ".".join([*parts, rest]) if parts else rest
+        return imports.aliases.get(local)
+
+    def _global(self, name: str) -> Facts | str | None:
+        if self.program is None:
+            return None
+        root, _, rest = name.partition(".")
+        full = self.absolute(root)
+        if full is None:
+            return None
+        return self.program.lookup(f"{full}.{rest}" if rest else full)
+
+    # -- resolving a call -----------------------------------------------------------------
+
+    def resolve(self, call: ast.Call, scope: Scope) -> tuple[Facts, bool] | None:
+        """(facts, bound) of the function `call` runs, if known; `bound` when the first
+        parameter (`self`/`cls`) is not among the call's arguments."""
+        key = id(call)
+        if key in self._resolved:
+            return self._resolved[key]
+        out = self._resolve(call, scope)
+        self._resolved[key] = out
+        return out
+
+    def _resolve(self, call: ast.Call, scope: Scope) -> tuple[Facts, bool] | None:
+        ctx = self.ctx
+        func = call.func
+        if isinstance(func, ast.Name):
+            name = func.id
+            d = ctx.module_functions.get(name)
+            if d is None:
+                defs = [
+                    x for x in ctx.defs_by_name.get(name, ()) if ctx.scope_of[id(x)].cls is None
+                ]
+                d = defs[0] if len(defs) == 1 else None
+            if d is not None:
+                return self.facts(d), False
+            if name in ctx.class_by_name:
+                return None
+            return self._cross(self._global(name), bound=False)
+        if not isinstance(func, ast.Attribute):
+            return None
+        value, attr = func.value, func.attr
+        if isinstance(value, ast.Name) and value.id in ("self", "cls") and scope.cls is not None:
+            return self._method(scope.cls, attr, include_self=True)
+        if (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id == "super"
+            and scope.cls is not None
+        ):
+            return self._method(scope.cls, attr, include_self=False)
+        if isinstance(value, ast.Name) and value.id in ctx.class_by_name:
+            found = self._method(ctx.class_by_name[value.id], attr, include_self=True)
+            if found is None:
+                return None
+            f = found[0]  # `Cls.m(obj, x)` passes the instance; `Cls.static(x)` does not
+            return f, bool(f.params) and f.params[0] == ""
+        if self.program is None:
+            return None
+        root = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or not (
+            root.id in ctx.imports.relative
+            or ctx.imports.aliases.get(root.id, "").split(".")[0] in self.program.roots
+        ):
+            return None  # not through an import of the tree: `x.append`, `torch.cat`
+        full = dotted(func)
+        if full is None or self.program is None:
+            return None
+        return self._cross(self._global(full), bound=False)
+
+    def _cross(self, target: Facts | str | None, *, bound: bool) -> tuple[Facts, bool] | None:
+        if isinstance(target, Facts):
+            self.cross = True
+            return target, bound
+        return None
+
+    def _method(
+        self, cls: ast.ClassDef, name: str, *, include_self: bool
+    ) -> tuple[Facts, bool] | None:
+        unknown_base = False
+        seen: set[int] = set()
+        todo = [cls]
+        first = True
+        while todo:
+            c = todo.pop(0)
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            if include_self or not first:
+                for st in c.body:
+                    if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef) and st.name == name:
+                        return self.facts(st), True
+            first = False
+            for base in c.bases:
+                bn = dotted(base)
+                if bn is None:
+                    unknown_base = True
+                    continue
+                local = self.ctx.class_by_name.get(bn)
+                if local is not None:
+                    todo.append(local)
+                    continue
+                target = self._global(bn)
+                if isinstance(target, str) and self.program is not None:
+                    f = self.program.method(target, name)
+                    if f is not None:
+                        self.cross = True
+                        return f, True
+                elif not bn.startswith(_KNOWN_BASES) and bn not in ("Module", "Function"):
+                    unknown_base = True
+        if unknown_base:
+            # A mixin the linter cannot see: fall back to the one method of that name in
+            # this file, if there is exactly one (the pre-summary behaviour).
+            defs = [x for x in self.ctx.defs_by_name.get(name, ()) if self.ctx.scope_of[id(x)].cls]
+            if len(defs) == 1:
+                return self.facts(defs[0]), True
+        return None
+
+    # -- summaries ------------------------------------------------------------------------
+
+    def facts(self, d: _Def) -> Facts:
+        """The summary of a function of this file (computed once; recursion counts as unknown)."""
+        key = id(d)
+        done = self._facts.get(key)
+        if done is not None:
+            return done
+        scope = self.ctx.scope_of[key]
+        a = d.args
+        shell = Facts(
+            qual=scope.qual,
+            path=self.ctx.path,
+            line=d.lineno,
+            # a staticmethod gets an empty first name, so that `self.m(x)` (bound: the
+            # first parameter is not among the arguments) pairs `x` with its first one
+            params=(("",) if _is_static(d) else ())
+            + tuple(x.arg for x in (*a.posonlyargs, *a.args)),
+            kwonly=tuple(x.arg for x in a.kwonlyargs),
+            star=a.vararg is not None or a.kwarg is not None,
+        )
+        if key in self._busy or len(self._busy) >= _MAX_DEPTH:
+            return shell  # recursion (or a call chain deeper than any real one): unknown
+        self._busy.add(key)
+        try:
+            out = self._summarise(scope, d, shell)
+        finally:
+            self._busy.discard(key)
+        self._facts[key] = out
+        return out
+
+    def _summarise(self, scope: Scope, d: _Def, shell: Facts) -> Facts:
+        self.link_scope(scope)
+        ctx = self.ctx
+        effects: list[Effect] = []
+        for ev in scope.events:
+            if ev.kind not in _KINDS:
+                continue
+            certain = ev.certain and not ev.path and not ev.jumpy
+            line, col = ev.node.lineno, ev.node.col_offset + 1  # type: ignore[attr-defined]
+            if ev.synthetic:
+                hop = Hop(path=ctx.path, line=line, col=col, function=scope.qual, note="")
+                hop = replace(hop, note=f"calls `{_callee_text(ev.node)}`")
+                trace = (hop, *ev.via)
+            else:
+                note = f"{_KIND_NOTE[ev.kind]}: {_note(ev.node)}"
+                trace = (Hop(path=ctx.path, line=line, col=col, function=scope.qual, note=note),)
+            effects.append(Effect(kind=ev.kind, certain=certain, recv=ev.recv, trace=trace))
+        collective: tuple[str, tuple[Hop, ...]] | None = None
+        reduces = False
+        gathers = bool(scope.plain_gathers)
+        colls = scope.collectives(ctx.imports) if _may_call_collective(ctx) else []
+        if colls:
+            reduces = True
+            on_path = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
+            for q, c in colls:
+                if id(c) in on_path and not _on_subgroup(c):
+                    note = f"calls {_note(c)}"
+                    hop = Hop(
+                        path=ctx.path,
+                        line=c.lineno,
+                        col=c.col_offset + 1,
+                        function=scope.qual,
+                        note=note,
+                    )
+                    collective = (q, (hop,))
+                    break
+        on_path_calls: set[int] | None = None
+        for call, _ in scope.local_calls:
+            r = self.resolve(call, scope)
+            if r is None:
+                continue
+            f = r[0]
+            reduces = reduces or f.reduces
+            gathers = gathers or f.gathers
+            if collective is None and f.collective is not None:
+                if on_path_calls is None:
+                    on_path_calls = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
+                if id(call) in on_path_calls and not _on_subgroup(call):
+                    hop = Hop(
+                        path=ctx.path,
+                        line=call.lineno,
+                        col=call.col_offset + 1,
+                        function=scope.qual,
+                        note=f"calls `{_callee_text(call)}`",
+                    )
+                    collective = (f.collective[0], (hop, *f.collective[1]))
+        if not (effects or collective or reduces or gathers):
+            return shell
+        out = replace(
+            shell,
+            effects=tuple(effects),
+            collective=collective,
+            reduces=reduces,
+            gathers=gathers,
+        )
+        if gathers and self.returns_fn is not None:
+            self._facts[id(d)] = out  # a recursive call back into d sees no return tags
+            out = replace(out, returns=self.returns_fn(scope))
+        return out
+
+    def scope_gathers(self, scope: Scope) -> bool:
+        """Does this scope fill a tensor by c10d all-gather, itself or through a call?"""
+        if not isinstance(scope.node, ast.Module):
+            return self.facts(scope.node).gathers
+        if scope.plain_gathers:
+            return True
+        return any(
+            (r := self.resolve(c, scope)) is not None and r[0].gathers for c, _ in scope.local_calls
+        )
+
+    # -- synthetic events -----------------------------------------------------------------
+
+    def link(self) -> None:
+        """Add to every scope the events of the functions it calls (synthetic events)."""
+        for scope in self.ctx.scopes:
+            self.link_scope(scope)
+
+    def link_scope(self, scope: Scope) -> None:
+        """Add the synthetic events of one scope (once)."""
+        if scope.linked:
+            return
+        scope.linked = True
+        extra: list[Event] = []
+        for call, where in scope.local_calls:
+            r = self.resolve(call, scope)
+            if r is None or not r[0].effects:
+                continue
+            f, bound = r
+            args = dict(f.bind(call, bound))
+            for eff in f.effects:
+                extra.append(
+                    Event(
+                        kind=eff.kind,
+                        node=call,
+                        recv=_map_recv(eff.recv, args),
+                        synthetic=True,
+                        certain=eff.certain,
+                        via=eff.trace,
+                        **where,
+                    )
+                )
+        if extra:
+            scope.events.extend(extra)
+            scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
+
+    # -- collectives through calls (WB104, WB105) -----------------------------------------
+
+    def collective_calls(
+        self, nodes: list[ast.stmt], scope: Scope
+    ) -> Iterator[tuple[str, ast.Call, tuple[Hop, ...]]]:
+        """Calls in `nodes` (not entering nested defs) to functions that call a collective
+        on every call: (collective's qualified name, the call, the path to it)."""
+        calls = {id(c) for c, _ in scope.local_calls}
+        if not calls:
+            return
+        stack: list[ast.AST] = list(reversed(nodes))
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+                continue
+            if isinstance(node, ast.Call) and id(node) in calls and not _on_subgroup(node):
+                r = self.resolve(node, scope)
+                if r is not None and r[0].collective is not None:
+                    q, trace = r[0].collective
+                    yield q, node, trace
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+    def close(self) -> None:
+        """Drop the links between this resolver, its file and the flow results (a cycle)."""
+        self.ctx.resolver = None
+        self.ctx.flow_results = None  # type: ignore[attr-defined]
+        self.returns_fn = None
+        self._facts.clear()
+        self._resolved.clear()
+
+    # -- what other files see ---------------------------------------------------------------
+
+    def export(self) -> ModuleFacts:
+        """This file's summaries for the files that import it."""
+        ctx = self.ctx
+        out = ModuleFacts(path=ctx.path)
+        for local in (*ctx.imports.aliases, *ctx.imports.relative):
+            full = self.absolute(local)
+            if full is not None and full != local:
+                out.names[local] = full
+        for name, d in ctx.module_functions.items():
+            f = self.facts(d)
+            if f.interesting:
+                out.functions[name] = f
+        for cls in ctx.classes:
+            bases: list[str] = []
+            for b in cls.bases:
+                bn = dotted(b)
+                if bn is None:
+                    continue
+                if bn in ctx.class_by_name:
+                    bases.append(f"{self.module}.{bn}" if self.module else bn)
+                else:
+                    root, _, rest = bn.partition(".")
+                    full = self.absolute(root)
+                    bases.append((f"{full}.{rest}" if rest else full) if full else bn)
+            out.classes.setdefault(cls.name, tuple(bases))
+            for st in cls.body:
+                if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
+                    f = self.facts(st)
+                    if f.interesting:
+                        out.functions.setdefault(f"{cls.name}.{st.name}", f)
+        return out
+
+
+def _is_static(d: _Def) -> bool:
+    return any(isinstance(x, ast.Name) and x.id == "staticmethod" for x in d.decorator_list)
+
+
+def _may_call_collective(ctx: FileContext) -> bool:
+    hit = ctx.may_collective
+    if hit is None:
+        src = ctx.source
+        hit = ctx.may_collective = not src or "dist" in src or "wholebatch" in src
+    return hit
+
+
+def _calls_of(st: ast.stmt) -> Iterator[ast.Call]:
+    """Calls of a statement itself (a compound statement's header only)."""
+    if isinstance(st, ast.For | ast.AsyncFor):
+        parts: list[ast.AST] = [st.target, st.iter]
+    elif isinstance(st, ast.While):
+        parts = [st.test]
+    elif isinstance(st, ast.With | ast.AsyncWith):
+        parts = [i.context_expr for i in st.items]
+    elif isinstance(st, ast.Try | ast.TryStar):
+        parts = []
+    elif isinstance(st, ast.If):
+        parts = [st.test]
+    elif isinstance(st, ast.Match):
+        parts = [st.subject]
+    else:
+        parts = [st]
+    for p in parts:
+        for n in ast.walk(p):
+            if isinstance(n, ast.Call):
+                yield n
+
+
+def _callee_text(node: ast.AST) -> str:
+    if isinstance(node, ast.Call):
+        d = dotted(node.func)
+        if d is not None:
+            return f"{d}()"
+        return f"{last_name(node.func)}()"
+    return _note(node)
+
+
+def _map_recv(recv: str, args: dict[str, ast.expr]) -> str:
+    """The callee's `opt` (a parameter) as the caller's argument text: `opt_g`."""
+    if not recv:
+        return recv
+    root, _, rest = recv.partition(".")
+    if root in args:
+        arg = dotted(args[root])
+        if arg is None:
+            return ""
+        return f"{arg}.{rest}" if rest else arg
+    return recv
