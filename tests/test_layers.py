@@ -185,3 +185,12 @@ def test_lazy_names_match_all_and_resolve() -> None:
     assert set(dir(wholebatch)) >= set(wholebatch.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = wholebatch.nope  # type: ignore[attr-defined]
+
+
+def test_wholebatch_lints_its_own_source_clean() -> None:
+    """The package passes its own linter (deliberate mistakes in demos carry a `# noqa`)."""
+    from wholebatch.lint import lint_paths
+
+    findings, files = lint_paths([PKG])
+    assert files > 40
+    assert not findings, "\n".join(f"{f.path}:{f.line}: {f.code} {f.message}" for f in findings)

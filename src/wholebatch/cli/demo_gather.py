@@ -67,7 +67,8 @@ def _rank_main(method: str) -> list[float]:
         padded = torch.zeros(max(_SPLIT), 2, dtype=torch.float64)
         padded[: e_BD.shape[0]] = e_BD.detach()
         gathered = [torch.empty_like(padded) for _ in _SPLIT]
-        dist.all_gather(gathered, padded)
+        # The demonstration's wrong side, on purpose: what a user's plain gather does.
+        dist.all_gather(gathered, padded)  # noqa: WB101
         parts = [g[:n] for g, n in zip(gathered, _SPLIT, strict=True)]
         keys_ND = torch.cat(
             parts
