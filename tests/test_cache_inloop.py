@@ -140,9 +140,7 @@ def _reference(scenario: str, batches: list[list[list[MicroBatch]]]) -> dict[str
     return _grads(model, scale)
 
 
-def check(
-    world: int, scenario: str, mutation: str | None = None, rows: Any = None
-) -> list[int]:
+def check(world: int, scenario: str, mutation: str | None = None, rows: Any = None) -> list[int]:
     steps = 2 if scenario == "accumulate" else 1
     batches = [make_batches(rows or ROWS[world], seed=s) for s in range(steps)]
     ref = _reference(scenario, batches)
