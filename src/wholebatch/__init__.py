@@ -44,6 +44,11 @@ _LAZY: dict[str, str] = {
     "clip_loss": "wholebatch.losses.contrastive",
     "nt_xent_loss": "wholebatch.losses.contrastive",
     "siglip_loss": "wholebatch.losses.contrastive",
+    "info_nce_loss": "wholebatch.losses.info_nce",
+    "ClipLoss": "wholebatch.losses.modules",
+    "InfoNCELoss": "wholebatch.losses.modules",
+    "NTXentLoss": "wholebatch.losses.modules",
+    "SigLipLoss": "wholebatch.losses.modules",
     "Accumulator": "wholebatch.train.accumulate",
     "AccumulatorConfig": "wholebatch.train.accumulate",
     "CachedStep": "wholebatch.train.cache",
@@ -62,9 +67,13 @@ __all__ = [
     "Accumulator",
     "AccumulatorConfig",
     "CachedStep",
+    "ClipLoss",
     "CommStats",
     "GradCompression",
+    "InfoNCELoss",
+    "NTXentLoss",
     "NonFiniteStepError",
+    "SigLipLoss",
     "StepConfig",
     "StepFinisher",
     "StepStats",
@@ -83,6 +92,7 @@ __all__ = [
     "debug_enabled",
     "get_rank",
     "get_world_size",
+    "info_nce_loss",
     "init_process_group",
     "nt_xent_loss",
     "reduce_scatter",
@@ -114,6 +124,8 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     )
     from wholebatch.errors import WholebatchError, WholebatchTypeError
     from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+    from wholebatch.losses.info_nce import info_nce_loss
+    from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
     from wholebatch.train import checkpoint
     from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
     from wholebatch.train.cache import CachedStep

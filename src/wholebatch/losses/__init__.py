@@ -10,6 +10,21 @@ from __future__ import annotations
 
 from wholebatch.losses.common import GradReduction
 from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
+from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
 from wholebatch.losses.tiles import tile_size_for
 
-__all__ = ["GradReduction", "clip_loss", "nt_xent_loss", "siglip_loss", "tile_size_for"]
+__all__ = [
+    "ClipLoss",
+    "Direction",
+    "GradReduction",
+    "InfoNCELoss",
+    "NTXentLoss",
+    "PartitionMode",
+    "SigLipLoss",
+    "clip_loss",
+    "info_nce_loss",
+    "nt_xent_loss",
+    "siglip_loss",
+    "tile_size_for",
+]
