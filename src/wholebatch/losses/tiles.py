@@ -109,6 +109,9 @@ def tile_size_for(
     return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
 
 
+_MM_OUT_DTYPE = True  # False once `torch.mm(..., out_dtype=)` proved unavailable
+
+
 def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
     """`a @ b_T` with the result in `acc` (float32 or float64).
 
@@ -117,8 +120,12 @@ def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
     the same numbers as upcasting first, at the 16-bit speed); elsewhere the
     operands are upcast.
     """
-    if a.dtype != acc and a.is_cuda and a.dtype == b_T.dtype:
-        return torch.mm(a, b_T, out_dtype=acc)
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE and a.dtype != acc and a.is_cuda and a.dtype == b_T.dtype:
+        try:
+            return torch.mm(a, b_T, out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch or device without mm(out_dtype=): upcast
+            _MM_OUT_DTYPE = False
     return a.to(acc) @ b_T.to(acc)
 
 
