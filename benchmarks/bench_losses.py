@@ -282,13 +282,17 @@ def _child_cache_times(rows: int, tokens: int, k: int, rounds: int) -> dict[str,
 
 
 def _child_loss_times(
-    loss: str, n: int, d: int, rounds: int, tiles: tuple[int | None, ...] = (None,)
+    loss: str, n: int, d: int, rounds: int, tiles: tuple[str | None, ...] = (None,)
 ) -> dict[str, Any]:
     """Naive and tiled (each tile size) interleaved in ONE process: medians and per-round ratios."""
     embs, sc = _loss_inputs(loss, n, d)
     impls: dict[str, Callable[[], Tensor]] = {"naive": lambda: LOSSES[loss]["naive"](*embs, *sc)}
-    for t in tiles:
-        name = "tiled" if t is None else f"tiled T={t}"
+    for spec in tiles:
+        # "T": tile size T; "T/1": and WHOLEBATCH_TILE_THREADS=1 (the tile loop on one thread)
+        t = None if spec is None else int(spec.split("/")[0])
+        name = "tiled" if spec is None else f"tiled T={t}"
+        if spec is not None and spec.endswith("/1"):
+            name += ", 1 tile thread"  # run with WHOLEBATCH_TILE_THREADS=1 (set below)
         if loss in HARD_NEGATIVES:
             impls[name] = lambda t=t: info_nce_loss(
                 embs[0], embs[1], sc[0], negatives_BKD=embs[2] if embs[2].shape[1] else None,
@@ -303,9 +307,13 @@ def _child_loss_times(
     order = list(impls)
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
+            os.environ.pop("WHOLEBATCH_TILE_THREADS", None)
+            if name.endswith("1 tile thread"):
+                os.environ["WHOLEBATCH_TILE_THREADS"] = "1"
             t0 = time.perf_counter()
             impls[name]().backward()
             times[name].append(time.perf_counter() - t0)
+            os.environ.pop("WHOLEBATCH_TILE_THREADS", None)
             for t in (*embs, *sc):
                 t.grad = None
     out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
@@ -432,7 +440,7 @@ COMPETITOR = (
     "while True:\n"
     "    a = torch.tanh(a @ a / 32)\n"
 )
-CONTENTION_TILES = (512, 1024, 2048)
+CONTENTION_TILES = ("512", "1024", "2048", "512/1")
 
 
 def _contention_table(n: int, d: int, rounds: int) -> None:
@@ -445,16 +453,18 @@ def _contention_table(n: int, d: int, rounds: int) -> None:
         time.sleep(1.0)
         t = _spawn(["loss_times", "clip", str(n), str(d), str(rounds), *map(str, CONTENTION_TILES)])
         mem = {"naive": _spawn(["loss", "clip", "naive", str(n), str(d), "1"])}
-        for tile in CONTENTION_TILES:
+        for tile in CONTENTION_TILES[:3]:
             mem[f"tiled T={tile}"] = _spawn(["loss", "clip", f"tiled@{tile}", str(n), str(d), "1"])
+        mem["tiled T=512, 1 tile thread"] = mem["tiled T=512"]  # threads change no memory
     finally:
         competitor.kill()
         competitor.wait()
     print("| method | peak MiB | median s | time ratio to naive (median of rounds) |")
     print("|---|---|---|---|")
     print(f"| naive N x N | {mem['naive']['peak'] / MiB:.0f} | {t['naive']:.2f} | 1.00 |")
-    for tile in CONTENTION_TILES:
-        k = f"tiled T={tile}"
+    for k in mem:
+        if k == "naive":
+            continue
         print(
             f"| {k} | {mem[k]['peak'] / MiB:.0f} | {t[k]:.2f} | {t['ratio'][k]:.2f} |", flush=True
         )
@@ -576,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(_child_loss(loss, impl, int(n), int(d), int(reps))))
         elif kind == "loss_times":
             loss, n, d, reps, *tiles = rest
-            tl = tuple(int(t) for t in tiles) if tiles else (None,)
+            tl: tuple[str | None, ...] = tuple(tiles) if tiles else (None,)
             print(json.dumps(_child_loss_times(loss, int(n), int(d), int(reps), tl)))
         elif kind == "precision":
             n, d = rest

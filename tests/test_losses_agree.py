@@ -260,3 +260,38 @@ def test_tile_size_for_budget() -> None:
     assert tile_size_for("cuda", 10**6, 10**6, budget_bytes=2**32) == 18_688
     assert tile_size_for("cuda", 10**6, 10**6, budget_bytes=1) == 256  # never below one quantum
     assert tile_size_for("xpu", 300, 70_000) == 9216  # the longer side decides the cap
+
+
+class _ThreadsAtMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records torch's intra-op thread count at every matrix product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.mm.default:
+            self.seen.add(torch.get_num_threads())
+        return func(*args, **(kwargs or {}))
+
+
+def test_tile_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    # WHOLEBATCH_TILE_THREADS=1 runs the CPU tile loops (forward and backward) on one
+    # intra-op thread and restores torch's setting after; the answer is unchanged.
+    xs, ys = _inputs([9])
+    x, y = xs[0].requires_grad_(), ys[0].requires_grad_()
+    want = clip_loss(x, y, 2.0, tile_size=4)
+    (gx,) = torch.autograd.grad(want, [x])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", "1")
+        with _ThreadsAtMM() as mode:
+            got = clip_loss(x, y, 2.0, tile_size=4)
+            (g,) = torch.autograd.grad(got, [x])
+        assert mode.seen == {1}, mode.seen
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, **F64)
+    torch.testing.assert_close(g, gx, **F64)

@@ -35,8 +35,11 @@ rank must call them, in the same order, and back-propagate through them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +56,7 @@ __all__ = [
     "SigmoidRing",
     "SymmetricLSE",
     "compute_dtype",
+    "cpu_tile_threads",
     "softplus",
     "tile_size_for",
 ]
@@ -63,6 +67,42 @@ CPU_TILE = 512
 TILE_BUFFERS = 3
 ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
 _TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
+
+
+_THREADS_ENV = "WHOLEBATCH_TILE_THREADS"
+
+
+@contextlib.contextmanager
+def cpu_tile_threads(device: torch.device) -> Iterator[None]:
+    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads, if set.
+
+    Every tile is a dozen small parallel ops, each ending at a barrier; when the
+    machine is oversubscribed (other processes, W ranks on one host) a thread
+    that is descheduled stalls every op, and the loop's time grows with the
+    number of ops (benchmarks/RESULTS.md, contention: 10x the plain formula at 2
+    threads, 0.66x at 1). Unset (the default), torch's own setting applies.
+    """
+    want = os.environ.get(_THREADS_ENV, "")
+    if device.type != "cpu" or not want.strip():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(want)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an autograd Function's forward or backward in `cpu_tile_threads`."""
+
+    @functools.wraps(fn)
+    def run(ctx: Any, first: Tensor, *args: Any) -> Any:
+        with cpu_tile_threads(first.device):
+            return fn(ctx, first, *args)
+
+    return run
 
 
 def softplus(x: Tensor) -> Tensor:
@@ -229,6 +269,7 @@ class PositiveLSE(torch.autograd.Function):
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
         ctx: Any,
         q_BD: Tensor,
@@ -276,6 +317,7 @@ class PositiveLSE(torch.autograd.Function):
         return row_B, col_B
 
     @staticmethod
+    @_threaded
     def backward(ctx: Any, g_row_B: Tensor, g_col_B: Tensor) -> tuple[Tensor | None, ...]:
         q_BD, k_CD, scale, m_row, l_row, m_col, l_col = ctx.saved_tensors
         acc, tile, n_cols, offset, masks = m_row.dtype, ctx.tile, ctx.n_cols, ctx.offset, ctx.masks
@@ -419,6 +461,7 @@ class SymmetricLSE(torch.autograd.Function):
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
         ctx: Any, z_MD: Tensor, scale: Tensor, pos_M: Tensor, tile: int, group: Any
     ) -> Tensor:
@@ -440,6 +483,7 @@ class SymmetricLSE(torch.autograd.Function):
         return _finish(mx, sm, pos_M.detach().to(acc))
 
     @staticmethod
+    @_threaded
     def backward(ctx: Any, g_M: Tensor) -> tuple[Tensor | None, ...]:
         z_MD, scale, mx, sm = ctx.saved_tensors
         acc, tile, group = mx.dtype, ctx.tile, ctx.group
@@ -525,6 +569,7 @@ class SigmoidRing(torch.autograd.Function):
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
         ctx: Any,
         img_BD: Tensor,
@@ -551,6 +596,7 @@ class SigmoidRing(torch.autograd.Function):
         return total
 
     @staticmethod
+    @_threaded
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         img_BD, txt_BD, scale, bias = ctx.saved_tensors
         acc, tile, sizes, group = compute_dtype(img_BD.dtype), ctx.tile, ctx.sizes, ctx.group
