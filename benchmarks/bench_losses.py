@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from wholebatch.train.cache import CachedStep
 
 __all__ = ["main"]
@@ -73,12 +73,42 @@ def naive_nt_xent(z1_ND: Tensor, z2_ND: Tensor, tau: Tensor) -> Tensor:
     return F.cross_entropy(logits, torch.cat([torch.arange(n) + n, torch.arange(n)]))
 
 
+def naive_info_nce(q_ND: Tensor, d_ND: Tensor, h_NKD: Tensor, s: Tensor) -> Tensor:
+    """MultipleNegativesRankingLoss's formula: the N x N(1 + k) logits, one cross-entropy."""
+    docs = torch.cat([d_ND, *h_NKD.unbind(1)])
+    return F.cross_entropy(s * q_ND @ docs.T, torch.arange(q_ND.shape[0]))
+
+
+def tiled_info_nce(q_ND: Tensor, d_ND: Tensor, h_NKD: Tensor, s: Tensor) -> Tensor:
+    return info_nce_loss(q_ND, d_ND, s, negatives_BKD=h_NKD if h_NKD.shape[1] else None)
+
+
 LOSSES: dict[str, dict[str, Callable[..., Tensor]]] = {
     "clip": {"naive": naive_clip, "tiled": clip_loss},
     "siglip": {"naive": naive_siglip, "tiled": siglip_loss},
     "nt_xent": {"naive": naive_nt_xent, "tiled": nt_xent_loss},
+    "info_nce": {"naive": naive_info_nce, "tiled": tiled_info_nce},
+    "info_nce_k3": {"naive": naive_info_nce, "tiled": tiled_info_nce},
 }
-SCALARS = {"clip": [10.0], "siglip": [10.0, -10.0], "nt_xent": [0.1]}
+SCALARS = {
+    "clip": [10.0],
+    "siglip": [10.0, -10.0],
+    "nt_xent": [0.1],
+    "info_nce": [20.0],
+    "info_nce_k3": [20.0],
+}
+HARD_NEGATIVES = {"info_nce": 0, "info_nce_k3": 3}
+
+
+def _loss_inputs(loss: str, n: int, d: int) -> tuple[list[Tensor], list[Tensor]]:
+    """(embeddings requiring grad, scalars requiring grad) for one configuration."""
+    gen = torch.Generator().manual_seed(0)
+    embs = [F.normalize(torch.randn(n, d, generator=gen), dim=1) for _ in range(2)]
+    if loss in HARD_NEGATIVES:
+        k = HARD_NEGATIVES[loss]
+        embs.append(F.normalize(torch.randn(n, k, d, generator=gen), dim=2))
+    sc = [torch.tensor(v, requires_grad=True) for v in SCALARS[loss]]
+    return [e.requires_grad_() for e in embs], sc
 
 
 # ---------------------------------------------------------------------------
@@ -116,22 +146,21 @@ def _peak_growth(fn: Callable[[], Any]) -> tuple[float, int]:
 
 
 def _child_loss(loss: str, impl: str, n: int, d: int, repeats: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)
-    a = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
-    b = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
-    sc = [torch.tensor(v, requires_grad=True) for v in SCALARS[loss]]
-    fn = LOSSES[loss][impl]
+    embs, sc = _loss_inputs(loss, n, d)
+    fn = LOSSES[loss][impl.split("@")[0]]
+    if "@" in impl:  # "tiled@T": a given tile size
+        tile, base = int(impl.split("@")[1]), fn
+        fn = lambda *a: base(*a, tile_size=tile)  # noqa: E731
 
     def run() -> None:
-        out = fn(a, b, *sc)
+        out = fn(*embs, *sc)
         out.backward()
-        a.grad = b.grad = None
-        for s in sc:
-            s.grad = None
+        for t in (*embs, *sc):
+            t.grad = None
 
     # Warm-up on 256 rows: BLAS workspaces and thread pools exist before measuring
     # (a fixed cost that would otherwise be charged to whichever runs first).
-    fn(a[:256].detach(), b[:256].detach(), *[s.detach() for s in sc])
+    fn(*[e[:256].detach() for e in embs], *[s.detach() for s in sc])
     times, peaks = [], []
     for _ in range(repeats):
         t, p = _peak_growth(run)
@@ -252,29 +281,50 @@ def _child_cache_times(rows: int, tokens: int, k: int, rounds: int) -> dict[str,
     }
 
 
-def _child_loss_times(loss: str, n: int, d: int, rounds: int) -> dict[str, Any]:
-    """Tiled and naive interleaved in ONE process: median time and median per-round ratio."""
-    gen = torch.Generator().manual_seed(0)
-    a = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
-    b = F.normalize(torch.randn(n, d, generator=gen), dim=1).requires_grad_()
-    sc = [torch.tensor(v, requires_grad=True) for v in SCALARS[loss]]
+def _child_loss_times(
+    loss: str, n: int, d: int, rounds: int, tiles: tuple[str | None, ...] = (None,)
+) -> dict[str, Any]:
+    """Naive and tiled (each tile size) interleaved in ONE process: medians and per-round ratios."""
+    embs, sc = _loss_inputs(loss, n, d)
+    impls: dict[str, Callable[[], Tensor]] = {"naive": lambda: LOSSES[loss]["naive"](*embs, *sc)}
+    for spec in tiles:
+        # "T": tile size T; "T/1": and WHOLEBATCH_TILE_THREADS=1 (the tile loop on one thread)
+        t = None if spec is None else int(spec.split("/")[0])
+        name = "tiled" if spec is None else f"tiled T={t}"
+        if spec is not None and spec.endswith("/1"):
+            name += ", 1 tile thread"  # run with WHOLEBATCH_TILE_THREADS=1 (set below)
+        if loss in HARD_NEGATIVES:
+            impls[name] = lambda t=t: info_nce_loss(
+                embs[0], embs[1], sc[0], negatives_BKD=embs[2] if embs[2].shape[1] else None,
+                tile_size=t,
+            )  # fmt: skip
+        else:
+            impls[name] = lambda t=t: LOSSES[loss]["tiled"](*embs, *sc, tile_size=t)
+    small = [e[:256].detach() for e in embs]
     for fn in LOSSES[loss].values():
-        fn(a[:256].detach(), b[:256].detach(), *[s.detach() for s in sc])
-    times: dict[str, list[float]] = {"naive": [], "tiled": []}
+        fn(*small, *[s.detach() for s in sc])
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    order = list(impls)
     for r in range(rounds):
-        for impl in ("naive", "tiled") if r % 2 == 0 else ("tiled", "naive"):
+        for name in order if r % 2 == 0 else order[::-1]:
+            os.environ.pop("WHOLEBATCH_TILE_THREADS", None)
+            if name.endswith("1 tile thread"):
+                os.environ["WHOLEBATCH_TILE_THREADS"] = "1"
             t0 = time.perf_counter()
-            LOSSES[loss][impl](a, b, *sc).backward()
-            times[impl].append(time.perf_counter() - t0)
-            a.grad = b.grad = None
-            for s in sc:
-                s.grad = None
-    ratios = [t / nv for t, nv in zip(times["tiled"], times["naive"], strict=True)]
-    return {
-        "naive": statistics.median(times["naive"]),
-        "tiled": statistics.median(times["tiled"]),
-        "ratio": statistics.median(ratios),
+            impls[name]().backward()
+            times[name].append(time.perf_counter() - t0)
+            os.environ.pop("WHOLEBATCH_TILE_THREADS", None)
+            for t in (*embs, *sc):
+                t.grad = None
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
+    out["ratio"] = {
+        k: statistics.median(a / b for a, b in zip(v, times["naive"], strict=True))
+        for k, v in times.items()
+        if k != "naive"
     }
+    # the first tiled entry, under the old keys
+    out["tiled"], out["ratio_tiled"] = out[order[1]], out["ratio"][order[1]]
+    return out
 
 
 def _spawn(args: list[str]) -> dict[str, Any]:
@@ -311,11 +361,12 @@ def _loss_table(plan: list[tuple[str, int, bool]], d: int, repeats: int) -> None
         naive = _spawn(["loss", loss, "naive", str(n), str(d), str(reps)]) if with_naive else None
         row = [loss, f"{n:,}"]
         if naive:
-            # Times up to 8,192: naive and tiled interleaved in one process (median
-            # of the per-round ratios); above, one run each in its memory process.
-            if n <= 8192:
+            # Times up to 8,192 (and InfoNCE at any size): naive and tiled interleaved in
+            # one process (median of the per-round ratios); above, one run each in its
+            # memory process.
+            if n <= 8192 or loss in HARD_NEGATIVES:
                 t = _spawn(["loss_times", loss, str(n), str(d), str(repeats)])
-                secs = (t["naive"], t["tiled"], t["ratio"])
+                secs = (t["naive"], t["tiled"], t["ratio_tiled"])
             else:
                 secs = (naive["seconds"], tiled["seconds"], tiled["seconds"] / naive["seconds"])
             row += [
@@ -378,6 +429,141 @@ def _cache_table(name: str, rows: int, tokens: int, k: int, repeats: int) -> Non
         )
 
 
+# ---------------------------------------------------------------------------
+# Contention: 2 threads while a competing process computes
+# ---------------------------------------------------------------------------
+
+COMPETITOR = (
+    "import torch\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(1024, 1024)\n"
+    "while True:\n"
+    "    a = torch.tanh(a @ a / 32)\n"
+)
+CONTENTION_TILES = ("512", "1024", "2048", "512/1")
+
+
+def _contention_table(n: int, d: int, rounds: int) -> None:
+    print(
+        f"\n### contention: clip, N = {n:,}, D = {d}, torch 2 threads, while a competing "
+        "process (1 thread of matrix products) runs\n"
+    )
+    competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR])
+    try:
+        time.sleep(1.0)
+        t = _spawn(["loss_times", "clip", str(n), str(d), str(rounds), *map(str, CONTENTION_TILES)])
+        mem = {"naive": _spawn(["loss", "clip", "naive", str(n), str(d), "1"])}
+        for tile in CONTENTION_TILES[:3]:
+            mem[f"tiled T={tile}"] = _spawn(["loss", "clip", f"tiled@{tile}", str(n), str(d), "1"])
+        mem["tiled T=512, 1 tile thread"] = mem["tiled T=512"]  # threads change no memory
+    finally:
+        competitor.kill()
+        competitor.wait()
+    print("| method | peak MiB | median s | time ratio to naive (median of rounds) |")
+    print("|---|---|---|---|")
+    print(f"| naive N x N | {mem['naive']['peak'] / MiB:.0f} | {t['naive']:.2f} | 1.00 |")
+    for k in mem:
+        if k == "naive":
+            continue
+        print(
+            f"| {k} | {mem[k]['peak'] / MiB:.0f} | {t[k]:.2f} | {t['ratio'][k]:.2f} |", flush=True
+        )
+
+
+# ---------------------------------------------------------------------------
+# float32 precision in issue 14's regimes
+# ---------------------------------------------------------------------------
+
+# (scale s, noise σ): text = normalise(image + σ/√D·noise); σ bisected on the float64
+# CLIP loss at N = 2,048 to give the issue's losses (tests/test_loss_precision.py).
+REGIMES = {
+    "s = 100, ordinary": (100.0, 8.0),
+    "s = 100, loss 0.32": (100.0, 3.205),
+    "s = 30, loss 3.4e-3": (30.0, 1.599),
+    "s = 100, saturated (1e-9)": (100.0, 1.5993),
+}
+PRECISION_LOSSES: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {
+    "clip": (naive_clip, lambda i, t, s: clip_loss(i, t, s)),
+    "siglip (b = -0.6 s)": (
+        lambda i, t, s: naive_siglip(i, t, s, -0.6 * s),
+        lambda i, t, s: siglip_loss(i, t, s, -0.6 * s),
+    ),
+    "nt_xent (τ = 1/s)": (
+        lambda i, t, s: naive_nt_xent(i, t, 1 / s),
+        lambda i, t, s: nt_xent_loss(i, t, 1 / s),
+    ),
+    "info_nce (k = 3)": (naive_info_nce, tiled_info_nce),
+}
+
+
+def _child_precision(n: int, d: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for regime, (s_val, sigma) in REGIMES.items():
+        gen = torch.Generator().manual_seed(0)
+        i = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+        noise = torch.randn(n, d, generator=gen, dtype=torch.float64)
+        t = F.normalize(i + sigma / d**0.5 * noise, dim=1)
+        h = F.normalize(torch.randn(n, 3, d, generator=gen, dtype=torch.float64), dim=2)
+        for name, (plain, tiled) in PRECISION_LOSSES.items():
+            xs = [i, t, h] if name.startswith("info_nce") else [i, t]
+            xs = [x.float().double() for x in xs]
+            res = []
+            for fn, dtype in (
+                (plain, torch.float64),
+                (plain, torch.float32),
+                (tiled, torch.float32),
+            ):
+                ins = [x.to(dtype).requires_grad_() for x in xs]
+                sc = torch.tensor(s_val, dtype=dtype, requires_grad=True)
+                loss = fn(*ins, sc)
+                res.append(
+                    [
+                        loss.detach().double(),
+                        *(g.double() for g in torch.autograd.grad(loss, [*ins, sc])),
+                    ]
+                )
+            ref = res[0]
+
+            def err(got: list[Tensor], ref: list[Tensor] = ref) -> list[float]:
+                gx = torch.cat(
+                    [(a - b).flatten() for a, b in zip(got[1:-1], ref[1:-1], strict=True)]
+                )
+                rx = torch.cat([b.flatten() for b in ref[1:-1]])
+                return [
+                    abs((got[0] - ref[0]).item()) / abs(ref[0].item()),
+                    (gx.norm() / rx.norm()).item(),
+                    abs((got[-1] - ref[-1]).item()) / abs(ref[-1].item()),
+                ]
+
+            out[f"{name}|{regime}"] = {
+                "loss": ref[0].item(),
+                "plain": err(res[1]),
+                "tiled": err(res[2]),
+            }
+    return out
+
+
+def _precision_table(n: int, d: int) -> None:
+    print(
+        f"\n### float32 precision against float64 (same float32 inputs), N = {n:,}, D = {d}: "
+        "relative error of the loss, of the embeddings' gradient, of dL/ds\n"
+    )
+    res = _spawn(["precision", str(n), str(d)])
+    print(
+        "| loss | regime | loss (float64) | plain: loss / grad / dL/ds | tiled: loss / grad / dL/ds | worst tiled/plain |"
+    )
+    print("|---|---|---|---|---|---|")
+    for key, r in res.items():
+        name, regime = key.split("|")
+        ratio = max(t / max(p, 2**-23) for p, t in zip(r["plain"], r["tiled"], strict=True))
+        fmt = " / ".join
+        print(
+            f"| {name} | {regime} | {r['loss']:.3g} | {fmt(f'{e:.1e}' for e in r['plain'])} | "
+            f"{fmt(f'{e:.1e}' for e in r['tiled'])} | {ratio:.2f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -385,20 +571,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (~1 minute)")
     parser.add_argument(
         "--only",
-        choices=["clip", "siglip", "nt_xent", "cache"],
+        choices=["clip", "siglip", "nt_xent", "info_nce", "cache", "contention", "precision"],
         action="append",
         help="run only these tables' rows (repeatable); default: all",
     )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.child:
         kind, *rest = args.child
         if kind == "loss":
             loss, impl, n, d, reps = rest
             print(json.dumps(_child_loss(loss, impl, int(n), int(d), int(reps))))
         elif kind == "loss_times":
-            loss, n, d, reps = rest
-            print(json.dumps(_child_loss_times(loss, int(n), int(d), int(reps))))
+            loss, n, d, reps, *tiles = rest
+            tl: tuple[str | None, ...] = tuple(tiles) if tiles else (None,)
+            print(json.dumps(_child_loss_times(loss, int(n), int(d), int(reps), tl)))
+        elif kind == "precision":
+            n, d = rest
+            print(json.dumps(_child_precision(int(n), int(d))))
         elif kind == "cache":
             mode, rows, tokens, k, reps = rest
             print(json.dumps(_child_cache(mode, int(rows), int(tokens), int(k), int(reps))))
@@ -406,23 +598,33 @@ def main(argv: list[str] | None = None) -> None:
             rows, tokens, k, reps = rest
             print(json.dumps(_child_cache_times(int(rows), int(tokens), int(k), int(reps))))
         return
-    only = set(args.only or ["clip", "siglip", "nt_xent", "cache"])
+    only = set(
+        args.only or ["clip", "siglip", "nt_xent", "info_nce", "cache", "contention", "precision"]
+    )
     t0 = time.perf_counter()
+    print(f"load average at start: {os.getloadavg()[0]:.1f}; torch threads {args.threads}")
     if args.quick:
         plan = [(loss, n, True) for loss in ("clip", "siglip", "nt_xent") for n in (2048, 4096)]
+        plan += [("info_nce", 2048, True), ("info_nce_k3", 2048, True)]
         repeats, configs = 1, CACHE_CONFIGS_QUICK
     else:
         plan = [("clip", n, True) for n in (4096, 8192, 16384)]
         plan += [("clip", 32768, False), ("clip", 65536, False)]
         plan += [("siglip", n, True) for n in (4096, 8192, 16384)]
         plan += [("nt_xent", n, True) for n in (4096, 8192)]
+        plan += [("info_nce", 16384, True), ("info_nce_k3", 16384, True)]
         repeats, configs = 3, CACHE_CONFIGS
-    plan = [p for p in plan if p[0] in only]
+    plan = [p for p in plan if p[0].removesuffix("_k3") in only]
     if plan:
         _loss_table(plan, 256, repeats)
     if "cache" in only:
         for name, (rows, tokens, k) in configs.items():
             _cache_table(name, rows, tokens, k, max(2, repeats))
+    if "contention" in only:
+        _contention_table(2048 if args.quick else 4096, 256, 3 if args.quick else 7)
+    if "precision" in only:
+        _precision_table(512 if args.quick else 2048, 256)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
 
 

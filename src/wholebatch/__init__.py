@@ -45,6 +45,11 @@ _LAZY: dict[str, str] = {
     "clip_loss": "wholebatch.losses.contrastive",
     "nt_xent_loss": "wholebatch.losses.contrastive",
     "siglip_loss": "wholebatch.losses.contrastive",
+    "info_nce_loss": "wholebatch.losses.info_nce",
+    "ClipLoss": "wholebatch.losses.modules",
+    "InfoNCELoss": "wholebatch.losses.modules",
+    "NTXentLoss": "wholebatch.losses.modules",
+    "SigLipLoss": "wholebatch.losses.modules",
     "Accumulator": "wholebatch.train.accumulate",
     "AccumulatorConfig": "wholebatch.train.accumulate",
     "CachedStep": "wholebatch.train.cache",
@@ -67,12 +72,16 @@ __all__ = [
     "Accumulator",
     "AccumulatorConfig",
     "CachedStep",
+    "ClipLoss",
     "CommStats",
     "GradCache",
     "GradCompression",
+    "InfoNCELoss",
+    "NTXentLoss",
     "NonFiniteStepError",
     "Plan",
     "PlanConfig",
+    "SigLipLoss",
     "StepConfig",
     "StepFinisher",
     "StepStats",
@@ -91,6 +100,7 @@ __all__ = [
     "debug_enabled",
     "get_rank",
     "get_world_size",
+    "info_nce_loss",
     "init_process_group",
     "nt_xent_loss",
     "plan",
@@ -123,6 +133,8 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     )
     from wholebatch.errors import WholebatchError, WholebatchTypeError
     from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+    from wholebatch.losses.info_nce import info_nce_loss
+    from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
     from wholebatch.planner.config import PlanConfig
     from wholebatch.planner.core import Plan, plan
     from wholebatch.train import checkpoint

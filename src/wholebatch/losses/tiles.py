@@ -1,19 +1,33 @@
 """Tiled autograd kernels behind `wholebatch.losses`: logits live one tile at a time.
 
 No kernel ever holds a B x N logits matrix. The forward walks T x T tiles
-of the logits and keeps only per-row (and per-column) running log-sum-exps;
-the backward recomputes each tile from the saved inputs and those log-sum-exps
-(the memory recipe of Inf-CL, arXiv:2410.17243, and FlashAttention). Peak memory
-is O(N·D + T²) for `TiledLSE` and `SymmetricLSE` (the self-similarity logits of
-NT-Xent, whose tiles below the diagonal are the transposes of those above and
-are never computed) and O(B·D + T²) for `SigmoidRing`, independent of W.
+of the logits and keeps only a running (max, sum of exponentials) per row (and
+per column); the backward recomputes each tile from the saved inputs and those
+statistics (the memory recipe of Inf-CL, arXiv:2410.17243, and FlashAttention).
+Peak memory is O(N·D + T²) for `PositiveLSE` and `SymmetricLSE` (the
+self-similarity logits of NT-Xent, whose tiles below the diagonal are the
+transposes of those above and are never computed) and O(B·D + T²) for
+`SigmoidRing`, independent of W.
+
+**Precision (issue 14).** A softmax cross-entropy row loss is
+lse_j(s_ij) − s_i,pos = softplus(a_i) with a_i = lse_{j ≠ pos}(s_ij) − s_i,pos:
+the log-sum-exp over the NEGATIVES only, minus the positive logit. The kernels
+mask each row's positive and return a_i, computed as (m_i − s_i,pos) + log l_i
+from the running max m_i (an exact logit) and sum l_i, never as the difference
+of two large rounded numbers; the loss softplus(a_i) and its gradient
+(sigmoid(a_i) times the softmax over negatives, and −sigmoid(a_i) for the
+positive, never 1 − p) then have an error relative to the loss, also when a
+pair is nearly saturated (loss → 0) in float32. SigLIP likewise masks the
+positive pairs, whose terms softplus(−z_ii) are computed on their own.
+16-bit inputs are computed in float32, tile by tile.
 
 On CPU the tiles' elementwise passes (exp, subtract, multiply) cost as much as
 their matrix products, so the kernels scale the queries once (B x D) instead
 of every tile, and fuse what they can (`addcmul_`).
 
-Legend: W ranks in the group, B this rank's query rows, N global key rows,
-D embedding dim, T the tile size (rows and columns of one logits tile).
+Legend: W ranks in the group, B this rank's query rows, N global rows, C
+candidate (key) rows, M rows of a self-similarity matrix, D embedding dim, T
+the tile size (rows and columns of one logits tile).
 
 The kernels are collectives when the group holds more than one rank: every
 rank must call them, in the same order, and back-propagate through them.
@@ -21,7 +35,11 @@ rank must call them, in the same order, and back-propagate through them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,11 +47,68 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from wholebatch.comm.collectives import ring_shift
+from wholebatch.comm.collectives import all_gather, ring_shift
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_sizes
 
-__all__ = ["SigmoidRing", "SymmetricLSE", "TiledLSE", "compute_dtype"]
+__all__ = [
+    "CPU_TILE",
+    "PositiveLSE",
+    "SigmoidRing",
+    "SymmetricLSE",
+    "compute_dtype",
+    "cpu_tile_threads",
+    "softplus",
+    "tile_size_for",
+]
+
+CPU_TILE = 512
+# Accelerators: the tile buffers of one step (the logits tile, its exponentials,
+# the gradient tile) live at once; float32 each.
+TILE_BUFFERS = 3
+ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
+_TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
+
+
+_THREADS_ENV = "WHOLEBATCH_TILE_THREADS"
+
+
+@contextlib.contextmanager
+def cpu_tile_threads(device: torch.device) -> Iterator[None]:
+    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads, if set.
+
+    Every tile is a dozen small parallel ops, each ending at a barrier; when the
+    machine is oversubscribed (other processes, W ranks on one host) a thread
+    that is descheduled stalls every op, and the loop's time grows with the
+    number of ops (benchmarks/RESULTS.md, contention: 10x the plain formula at 2
+    threads, 0.66x at 1). Unset (the default), torch's own setting applies.
+    """
+    want = os.environ.get(_THREADS_ENV, "")
+    if device.type != "cpu" or not want.strip():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(want)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _threaded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an autograd Function's forward or backward in `cpu_tile_threads`."""
+
+    @functools.wraps(fn)
+    def run(ctx: Any, first: Tensor, *args: Any) -> Any:
+        with cpu_tile_threads(first.device):
+            return fn(ctx, first, *args)
+
+    return run
+
+
+def softplus(x: Tensor) -> Tensor:
+    """log(1 + exp(x)) to round-off for every x (`F.softplus` turns linear above 20: 2e-9 off)."""
+    return -F.logsigmoid(-x)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -41,136 +116,345 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _upper_tiles(m: int, tile: int, group: Any) -> Iterator[tuple[int, int, int, int]]:
-    """(i0, i1, j0, j1) of this rank's tiles on and above the diagonal of an M x M matrix.
+def tile_size_for(
+    device_type: str, rows: int, cols: int, *, budget_bytes: int | None = None
+) -> int:
+    """The tile side T for a `rows` x `cols` logits sweep on `device_type` (a pure function).
 
-    The upper-triangle tiles, in row-major order, are dealt round-robin to the
-    ranks of `group` (every rank gets them all when the group has one rank).
+    CPU: `CPU_TILE` (512): on CPU a tile's elementwise passes cost as much as
+    its product, larger tiles measured no faster (benchmarks/RESULTS.md), and
+    512 keeps the tile buffers at 1 MiB each. With `budget_bytes`, no larger
+    than the budget allows.
+
+    Accelerators (cuda, xpu, ...): as large as the memory budget allows
+    (`TILE_BUFFERS` float32 T x T buffers within `budget_bytes`, default
+    `ACCEL_TILE_BUDGET` = 1 GiB: T = 9,216), a multiple of 256, and no larger
+    than the sweep itself: each tile is a handful of kernel launches, so
+    fewer, larger tiles keep the launches negligible next to the work (at
+    N = 65,536 a sweep is 64 tiles; at 262,144, 841).
+
+    Args:
+        device_type: "cpu", "cuda", ... (`tensor.device.type`).
+        rows: rows of the logits swept (this rank's queries).
+        cols: columns swept (the candidates).
+        budget_bytes: bytes the tile buffers may use.
     """
-    w, r = get_world_size(group), get_rank(group)
-    starts = range(0, m, tile)
-    pairs = [(i0, j0) for i0 in starts for j0 in starts if j0 >= i0]
-    for i0, j0 in pairs[r::w]:
-        yield i0, min(i0 + tile, m), j0, min(j0 + tile, m)
+    if device_type == "cpu":
+        if budget_bytes is None:
+            return CPU_TILE
+        return max(1, min(CPU_TILE, math.isqrt(budget_bytes // (4 * TILE_BUFFERS))))
+    budget = ACCEL_TILE_BUDGET if budget_bytes is None else budget_bytes
+    t = math.isqrt(max(budget, 0) // (4 * TILE_BUFFERS))
+    t = max(_TILE_QUANTUM, t // _TILE_QUANTUM * _TILE_QUANTUM)
+    longest = max(rows, cols, 1)
+    return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
 
 
-def _combine_lse(part_N: Tensor, group: Any) -> Tensor:
-    """Each entry's log-sum-exp over every rank's partial one: all-reduce max, then sum of exps."""
-    m_N = part_N.clone()
-    dist.all_reduce(m_N, op=dist.ReduceOp.MAX, group=group)
-    m_N = torch.where(torch.isfinite(m_N), m_N, torch.zeros_like(m_N))
-    sum_N = (part_N - m_N).exp_()
-    dist.all_reduce(sum_N, op=dist.ReduceOp.SUM, group=group)
-    return m_N + sum_N.log_()
+_MM_OUT_DTYPE = True  # False once `torch.mm(..., out_dtype=)` proved unavailable
 
 
-class TiledLSE(torch.autograd.Function):
-    """Row (and optionally column) log-sum-exp of `scale * q_BD @ k_NDᵀ`, tile by tile.
+def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
+    """`a @ b_T` with the result in `acc` (float32 or float64).
 
-    Outputs `row_B[i] = logsumexp_j(scale * q_i·k_j)` over every key j and, when
-    `cols` is set, `col_N[j] = logsumexp_i(scale * q_i·k_j)` over the query rows
-    of EVERY rank of `group` (combined across ranks in the forward: one
-    all-reduce of N floats for the max, one for the sums). With `cols` unset
-    `col_N` is empty.
+    16-bit operands on CUDA use the matrix units with a float32 result (each
+    bf16 x bf16 product is exact in float32, the sum accumulates in float32:
+    the same numbers as upcasting first, at the 16-bit speed); elsewhere the
+    operands are upcast.
+    """
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE and a.dtype != acc and a.is_cuda and a.dtype == b_T.dtype:
+        try:
+            return torch.mm(a, b_T, out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch or device without mm(out_dtype=): upcast
+            _MM_OUT_DTYPE = False
+    return a.to(acc) @ b_T.to(acc)
 
-    Backward: `row_B`'s gradient is local; `col_N` is a collective output (the
-    same on every rank, a function of every rank's rows), so its gradient is
-    first all-reduced (sum) and each rank then adds the part of every column's
-    gradient that flows through its own rows: the exact adjoint, so the sum over
-    ranks of every rank's scalar has its true gradient. Tiles are recomputed
-    from `q_BD`, `k_ND`, `scale` and the saved log-sum-exps; memory O(N·D + T²)
-    (the queries are scaled once, B x D, rather than every tile).
+
+def _scaled_rows(x: Tensor, scale: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """(rows to multiply, scale left to apply per tile or None).
+
+    Upcast path: the rows scaled once (B x D, no per-tile multiply). 16-bit on
+    CUDA: the rows as they are and the scale applied to each float32 tile
+    (rounding scaled rows to 16 bits would put 2**-9 relative error on every logit).
+    """
+    if x.is_cuda and x.dtype != acc:
+        return x, scale.detach().to(acc)
+    return x.to(acc) * scale.detach().to(acc), None
+
+
+def _logits(qs: Tensor, k_T: Tensor, post: Tensor | None, acc: torch.dtype) -> Tensor:
+    s_TT = _mm_acc(qs, k_T, acc)
+    return s_TT if post is None else s_TT.mul_(post)
+
+
+def _running(
+    m: Tensor, sm: Tensor, s_TT: Tensor, dim: int, buf: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Fold one tile into the running (max, sum of exponentials) along `dim` (1: rows, 0: cols).
+
+    Entries set to -inf (masked) count for nothing; a row with none left keeps
+    (-inf, 0).
+    """
+    t_max = s_TT.amax(dim)
+    m_new = torch.maximum(m, t_max)
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    shift = safe[:, None] if dim == 1 else safe[None, :]
+    e = torch.sub(s_TT, shift, out=buf) if buf is not None else torch.sub(s_TT, shift)
+    sm_new = sm.mul_((m - safe).exp_()).add_(e.exp_().sum(dim))
+    return m_new, sm_new
+
+
+def _combine(m: Tensor, sm: Tensor, group: Any) -> tuple[Tensor, Tensor]:
+    """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled sums."""
+    if not is_distributed(group):
+        return m, sm
+    m_all = m.clone()
+    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+    safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    sm_all = sm * (m - safe).exp()
+    dist.all_reduce(sm_all, op=dist.ReduceOp.SUM, group=group)
+    return m_all, sm_all
+
+
+def _finish(m: Tensor, sm: Tensor, pos: Tensor) -> Tensor:
+    """a = lse(negatives) − positive, as (m − pos) + log(sum): no large terms cancel."""
+    return (m - pos) + sm.log()
+
+
+def _softmax_coef(m: Tensor, sm: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """(shift, g / sum) so that g·softmax = exp(s − shift)·(g / sum); zeros where nothing is left."""
+    live = sm > 0
+    shift = torch.where(live, m, torch.zeros_like(m))
+    coef = torch.where(live, g / torch.where(live, sm, torch.ones_like(sm)), torch.zeros_like(g))
+    return shift, coef
+
+
+def _mask_rows(s_TT: Tensor, masks: tuple[int, ...], shift: int) -> None:
+    """Set entries (i, t + shift + i) of a tile to -inf for every t in `masks`."""
+    for t in masks:
+        s_TT.diagonal(t + shift).fill_(float("-inf"))
+
+
+def _tiles(rows: int, cols: int, tile: int) -> Iterator[tuple[int, int, int, int]]:
+    for i0 in range(0, rows, tile):
+        for j0 in range(0, cols, tile):
+            yield i0, min(i0 + tile, rows), j0, min(j0 + tile, cols)
+
+
+class PositiveLSE(torch.autograd.Function):
+    """Softmax cross-entropy terms of `scale * q_BD @ k_CDᵀ` with known positives, tile by tile.
+
+    Query row i (global row `offset + i`) has its positive at candidate column
+    `offset + i`; the candidates at `t + offset + i` for t in `masks` (which
+    holds 0) are left out of row i, every other candidate is a negative
+    (InfoNCE's document-to-document direction leaves out a row's own hard
+    negatives, at t = N, 2N, ...). Outputs:
+
+    - `row_B[i] = lse_{j ∉ masked}(s_ij) − pos_B[i]`: row i's loss is softplus(row_B[i]);
+    - when `n_cols > 0`, `col_B[i] = lse_{i' ≠ offset+i}(s_{i', offset+i}) − pos_B[i]`
+      over the query rows of EVERY rank of `group` (column `offset + i` of the
+      first `n_cols` candidates, those that are some row's positive; partial
+      statistics combined across ranks: one all-reduce of n_cols floats for the
+      max, one for the sums). Empty when `n_cols == 0`.
+
+    `pos_B` (the positive logits, computed by the caller with autograd) is an
+    input, so that each output is formed as (max − positive) + log(sum): its
+    error is relative to the loss (module docstring).
+
+    Backward: `row_B`'s gradient is local; `col_B` of every rank depends on every
+    rank's rows, so the column gradients are all-gathered (N floats) and each
+    rank adds the part flowing through its own rows: the exact adjoint, so the
+    sum over ranks of every rank's scalar has its true gradient. `pos_B` gets
+    −(its rows' gradients). Tiles are recomputed from the inputs and the saved
+    (max, sum) statistics; memory O(C·D + T²).
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
         ctx: Any,
         q_BD: Tensor,
-        k_ND: Tensor,
+        k_CD: Tensor,
         scale: Tensor,
-        cols: bool,
+        pos_B: Tensor,
+        offset: int,
+        masks: tuple[int, ...],
+        n_cols: int,
+        sizes: tuple[int, ...],
         tile: int,
         group: Any,
     ) -> tuple[Tensor, Tensor]:
         acc = compute_dtype(q_BD.dtype)
-        b, n = q_BD.shape[0], k_ND.shape[0]
-        qs_BD = q_BD.to(acc) * scale.detach().to(acc)
-        k = k_ND.to(acc)
-        row_B = qs_BD.new_full((b,), float("-inf"))
-        col_N = qs_BD.new_full((n if cols else 0,), float("-inf"))
-        for i0 in range(0, b, tile):
-            i1 = min(i0 + tile, b)
-            for j0 in range(0, n, tile):
-                j1 = min(j0 + tile, n)
-                s_TT = qs_BD[i0:i1] @ k[j0:j1].T
-                row_B[i0:i1] = torch.logaddexp(row_B[i0:i1], torch.logsumexp(s_TT, 1))
-                if cols:
-                    col_N[j0:j1] = torch.logaddexp(col_N[j0:j1], torch.logsumexp(s_TT, 0))
-        if cols and is_distributed(group):
-            col_N = _combine_lse(col_N, group)
-        ctx.save_for_backward(q_BD, k_ND, scale, row_B, col_N)
-        ctx.cols, ctx.tile, ctx.group = cols, tile, group
-        return row_B, col_N
+        b, c = q_BD.shape[0], k_CD.shape[0]
+        qs_BD, post = _scaled_rows(q_BD, scale, acc)
+        m_row = qs_BD.new_full((b,), float("-inf"), dtype=acc)
+        l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
+        m_col = torch.full((n_cols,), float("-inf"), dtype=acc, device=q_BD.device)
+        l_col = torch.zeros(n_cols, dtype=acc, device=q_BD.device)
+        buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
+        k = k_CD if post is not None else k_CD.to(acc)
+        for i0, i1, j0, j1 in _tiles(b, c, tile):
+            s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
+            # the positives (i, offset + i) are not negatives: masked in rows and columns
+            _mask_rows(s_TT, masks, offset + i0 - j0)
+            e = buf[: s_TT.numel()].view(s_TT.shape)
+            m_row[i0:i1], l_row[i0:i1] = _running(m_row[i0:i1], l_row[i0:i1], s_TT, 1, e)
+            if j0 < n_cols:
+                jc = min(j1, n_cols)
+                sc = s_TT[:, : jc - j0]
+                m_col[j0:jc], l_col[j0:jc] = _running(m_col[j0:jc], l_col[j0:jc], sc, 0)
+        m_col, l_col = _combine(m_col, l_col, group)
+        pos = pos_B.detach().to(acc)
+        row_B = _finish(m_row, l_row, pos)
+        col_B = (
+            _finish(m_col[offset : offset + b], l_col[offset : offset + b], pos)
+            if n_cols
+            else pos.new_zeros(0)
+        )
+        ctx.save_for_backward(q_BD, k_CD, scale, m_row, l_row, m_col, l_col)
+        ctx.offset, ctx.n_cols, ctx.sizes, ctx.tile, ctx.group = offset, n_cols, sizes, tile, group
+        ctx.masks = masks
+        ctx.pos_dtype = pos_B.dtype
+        return row_B, col_B
 
     @staticmethod
-    def backward(ctx: Any, g_row_B: Tensor, g_col_N: Tensor) -> tuple[Tensor | None, ...]:
-        q_BD, k_ND, scale, row_B, col_N = ctx.saved_tensors
-        acc, tile, cols = row_B.dtype, ctx.tile, ctx.cols
-        b, n = q_BD.shape[0], k_ND.shape[0]
+    @_threaded
+    def backward(ctx: Any, g_row_B: Tensor, g_col_B: Tensor) -> tuple[Tensor | None, ...]:
+        q_BD, k_CD, scale, m_row, l_row, m_col, l_col = ctx.saved_tensors
+        acc, tile, n_cols, offset, masks = m_row.dtype, ctx.tile, ctx.n_cols, ctx.offset, ctx.masks
+        b, c = q_BD.shape[0], k_CD.shape[0]
         s = scale.detach().to(acc)
-        q, k = q_BD.to(acc), k_ND.to(acc)
-        qs_BD = q * s
         g_row_B = g_row_B.to(acc)
-        if cols:
-            # backward of the cross-rank combine: all-reduce (sum) of the column gradient.
-            g_col_N = g_col_N.to(acc).contiguous().clone()
-            if is_distributed(ctx.group):
-                dist.all_reduce(g_col_N, op=dist.ReduceOp.SUM, group=ctx.group)
+        sh_row, cf_row = _softmax_coef(m_row, l_row, g_row_B)
+        if n_cols:
+            g_col_B = g_col_B.to(acc).contiguous()
+            # every rank's rows feed every column: the column gradients, all-gathered.
+            g_col_N = (
+                all_gather(g_col_B, sizes=ctx.sizes, group=ctx.group, check=False)
+                if is_distributed(ctx.group)
+                else g_col_B
+            )
+            sh_col, cf_col = _softmax_coef(m_col, l_col, g_col_N)
+        qs_BD, post = _scaled_rows(q_BD, scale, acc)
+        low = post is not None
+        q = q_BD if low else q_BD.to(acc)
+        k = k_CD if low else k_CD.to(acc)
         # Unscaled: dq = s·uq, dk = s·uk, d scale = sum_ij g_ij q_i·k_j = (q · uq).sum().
-        uq_BD = torch.zeros(q.shape, dtype=acc, device=q.device)
-        uk_ND = torch.zeros(k.shape, dtype=acc, device=k.device)
-        for i0 in range(0, b, tile):
-            i1 = min(i0 + tile, b)
-            for j0 in range(0, n, tile):
-                j1 = min(j0 + tile, n)
-                s_TT = qs_BD[i0:i1] @ k[j0:j1].T
-                # d(lse_i)/d(s_ij) = softmax along the row; likewise along the column.
-                g_TT = torch.sub(s_TT, row_B[i0:i1, None]).exp_().mul_(g_row_B[i0:i1, None])
-                if cols:
-                    g_TT.addcmul_(s_TT.sub_(col_N[None, j0:j1]).exp_(), g_col_N[None, j0:j1])
-                uq_BD[i0:i1] += g_TT @ k[j0:j1]
-                uk_ND[j0:j1] += g_TT.T @ q[i0:i1]
+        uq_BD = torch.zeros(q_BD.shape, dtype=acc, device=q_BD.device)
+        uk_CD = torch.zeros(k_CD.shape, dtype=acc, device=k_CD.device)
+        for i0, i1, j0, j1 in _tiles(b, c, tile):
+            s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
+            _mask_rows(s_TT, masks, offset + i0 - j0)
+            # d a_i / d s_ij = softmax over row i's negatives; likewise along the columns.
+            g_TT = torch.sub(s_TT, sh_row[i0:i1, None]).exp_().mul_(cf_row[i0:i1, None])
+            if n_cols and j0 < n_cols:
+                jc = min(j1, n_cols)
+                sc = s_TT[:, : jc - j0]
+                g_TT[:, : jc - j0].addcmul_(
+                    sc.sub_(sh_col[None, j0:jc]).exp_(), cf_col[None, j0:jc]
+                )
+            uq_BD[i0:i1] += _mm_acc(g_TT.to(k.dtype), k[j0:j1], acc)
+            uk_CD[j0:j1] += _mm_acc(g_TT.T.to(q.dtype), q[i0:i1], acc)
         need = ctx.needs_input_grad
-        ds = (q * uq_BD).sum() if need[2] else None
+        ds = (q_BD.to(acc) * uq_BD).sum() if need[2] else None
+        g_pos = -g_row_B
+        if n_cols:
+            g_pos = g_pos - g_col_B
         return (
             uq_BD.mul_(s).to(q_BD.dtype) if need[0] else None,
-            uk_ND.mul_(s).to(k_ND.dtype) if need[1] else None,
+            uk_CD.mul_(s).to(k_CD.dtype) if need[1] else None,
             ds.to(scale.dtype) if ds is not None else None,
+            g_pos.to(ctx.pos_dtype) if need[3] else None,
+            None,
+            None,
+            None,
             None,
             None,
             None,
         )
 
 
+# ---------------------------------------------------------------------------
+# NT-Xent: the upper triangle of a symmetric matrix, dealt to the ranks
+# ---------------------------------------------------------------------------
+
+
+def _panels(m: int, w: int) -> list[tuple[int, int]]:
+    """Row panels of an M x M matrix, from M and W only (never from a tile size).
+
+    One panel on one rank; on W ranks, p panels with p(p+1)/2 >= 4W pairs on and
+    above the diagonal, enough for an even deal.
+    """
+    p = 1
+    if w > 1:
+        while p * (p + 1) // 2 < 4 * w:
+            p += 1
+    size = max(1, -(-m // p))
+    return [(a, min(a + size, m)) for a in range(0, m, size)]
+
+
+def _dealt_pairs(m: int, w: int, r: int) -> list[tuple[int, int, int, int]]:
+    """Rank r's panel pairs (i0, i1, j0, j1), j0 >= i0, of an M x M symmetric matrix.
+
+    Every rank computes the same deal from (M, W) alone: the pairs, heaviest
+    first (a diagonal pair is half a square), each to the least loaded rank.
+    The tile size never enters, so ranks may tile their pairs differently
+    (issue 14: a per-rank tile size once changed the deal and the answer).
+    """
+    panels = _panels(m, w)
+    pairs = [(a, b) for a in range(len(panels)) for b in range(a, len(panels))]
+
+    def weight(pair: tuple[int, int]) -> float:
+        (i0, i1), (j0, j1) = panels[pair[0]], panels[pair[1]]
+        return (i1 - i0) * (i1 - i0 + 1) / 2 if pair[0] == pair[1] else (i1 - i0) * (j1 - j0)
+
+    load = [0.0] * w
+    mine: list[tuple[int, int, int, int]] = []
+    for pair in sorted(pairs, key=lambda p: (-weight(p), p)):
+        owner = min(range(w), key=lambda q: (load[q], q))
+        load[owner] += weight(pair)
+        if owner == r:
+            mine.append((*panels[pair[0]], *panels[pair[1]]))
+    return sorted(mine)
+
+
+def _upper_tiles(m: int, tile: int, group: Any) -> Iterator[tuple[int, int, int, int]]:
+    """(i0, i1, j0, j1) of this rank's tiles on and above the diagonal of an M x M matrix."""
+    for a0, a1, b0, b1 in _dealt_pairs(m, get_world_size(group), get_rank(group)):
+        for i0 in range(a0, a1, tile):
+            for j0 in range(i0 if a0 == b0 else b0, b1, tile):
+                yield i0, min(i0 + tile, a1), j0, min(j0 + tile, b1)
+
+
+def _mask_sym(s_TT: Tensor, i0: int, j0: int, half: int) -> None:
+    """Mask what is not a negative in tile (i0, j0): the diagonal, and the positives i ↔ i ± half."""
+    if i0 == j0:
+        s_TT.fill_diagonal_(float("-inf"))
+        s_TT.diagonal(-half).fill_(float("-inf"))
+    s_TT.diagonal(half + i0 - j0).fill_(float("-inf"))
+
+
 class SymmetricLSE(torch.autograd.Function):
-    """Row log-sum-exp of the symmetric `scale * z_MD @ z_MDᵀ`, its diagonal excluded, tile by tile.
+    """NT-Xent's row terms over the symmetric `scale * z_MD @ z_MDᵀ`, tile by tile.
 
-    Outputs `lse_M[i] = logsumexp_{j != i}(scale * z_i·z_j)` for EVERY row of
-    `z_MD` (the same on every rank of `group`). The logits are symmetric, so only
-    the tiles on and above the diagonal are computed: an off-diagonal tile
-    serves its rows (a row log-sum-exp) and, transposed, its columns (a column
-    log-sum-exp), in the forward and in the recomputing backward; a diagonal
-    tile serves its rows only. The upper-triangle tiles are dealt to the ranks
-    of `group` round-robin, so each rank does 1/W of half the work; the partial
-    log-sum-exps are combined across ranks in the forward (one all-reduce of M
-    floats for the max, one for the sums).
+    Outputs, for EVERY row of `z_MD` (M = 2N; the positive of row i is row
+    i ± N), `a_M[i] = lse_{j ∉ {i, pos(i)}}(scale·z_i·z_j) − pos_M[i]`: row i's
+    loss is softplus(a_M[i]) (error relative to the loss, see the module
+    docstring). The logits are symmetric, so only the tiles on and above the
+    diagonal are computed: an off-diagonal tile serves its rows and,
+    transposed, its columns, in the forward and in the recomputing backward; a
+    diagonal tile serves its rows only. Panel pairs of the upper triangle are
+    dealt to the ranks of `group` from M and W alone (so ranks may use
+    different tile sizes), each rank doing about 1/W of half the work; the
+    partial statistics are combined across ranks in the forward (one
+    all-reduce of M floats for the max, one for the sums).
 
-    Backward: `lse_M` is a collective output, so its gradient is first
-    all-reduced (sum); each rank then returns the part of every row's gradient
-    that flows through its own tiles: the exact adjoint, so the sum over ranks
-    of every rank's scalar has its true gradient (`z_MD`'s gradient is summed
-    over ranks by the all-gather's reduce-scatter upstream). Tiles are
-    recomputed from `z_MD`, `scale` and `lse_M`; memory O(M·D + T²).
+    Backward: `a_M` is a collective output (the same on every rank), so its
+    gradient is first all-reduced (sum); each rank then returns the part of
+    every row's gradient that flows through its own tiles, and −(its own
+    upstream gradient) for `pos_M`: the exact adjoint, so the sum over ranks of
+    every rank's scalar has its true gradient. Tiles are recomputed from
+    `z_MD`, `scale` and the saved statistics; memory O(M·D + T²).
 
     With G the tile's gradient (row part + transposed column part, which holds
     both (i, j) and (j, i)) and U = sum over tiles of G·z (unscaled):
@@ -178,58 +462,68 @@ class SymmetricLSE(torch.autograd.Function):
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
-        ctx: Any, z_MD: Tensor, scale: Tensor, tile: int, group: Any
+        ctx: Any, z_MD: Tensor, scale: Tensor, pos_M: Tensor, tile: int, group: Any
     ) -> Tensor:
         acc = compute_dtype(z_MD.dtype)
-        m = z_MD.shape[0]
-        z = z_MD.to(acc)
-        zs_MD = z * scale.detach().to(acc)  # scaled once: no per-tile multiply
-        lse_M = z.new_full((m,), float("-inf"))
+        m, half = z_MD.shape[0], z_MD.shape[0] // 2
+        zs_MD, post = _scaled_rows(z_MD, scale, acc)  # scaled once (upcast path)
+        z = z_MD if post is not None else z_MD.to(acc)
+        mx = torch.full((m,), float("-inf"), dtype=acc, device=z_MD.device)
+        sm = torch.zeros(m, dtype=acc, device=z_MD.device)
         for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
-            s_TT = zs_MD[i0:i1] @ z[j0:j1].T
-            if i0 == j0:
-                s_TT.fill_diagonal_(float("-inf"))
-            lse_M[i0:i1] = torch.logaddexp(lse_M[i0:i1], torch.logsumexp(s_TT, 1))
+            s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
+            _mask_sym(s_TT, i0, j0, half)
+            mx[i0:i1], sm[i0:i1] = _running(mx[i0:i1], sm[i0:i1], s_TT, 1)
             if i0 != j0:  # the mirrored tile (j, i): its rows are this tile's columns
-                lse_M[j0:j1] = torch.logaddexp(lse_M[j0:j1], torch.logsumexp(s_TT, 0))
-        if is_distributed(group):
-            lse_M = _combine_lse(lse_M, group)
-        ctx.save_for_backward(z_MD, scale, lse_M)
-        ctx.tile, ctx.group = tile, group
-        return lse_M
+                mx[j0:j1], sm[j0:j1] = _running(mx[j0:j1], sm[j0:j1], s_TT, 0)
+        mx, sm = _combine(mx, sm, group)
+        ctx.save_for_backward(z_MD, scale, mx, sm)
+        ctx.tile, ctx.group, ctx.pos_dtype = tile, group, pos_M.dtype
+        return _finish(mx, sm, pos_M.detach().to(acc))
 
     @staticmethod
+    @_threaded
     def backward(ctx: Any, g_M: Tensor) -> tuple[Tensor | None, ...]:
-        z_MD, scale, lse_M = ctx.saved_tensors
-        acc, tile, group = lse_M.dtype, ctx.tile, ctx.group
+        z_MD, scale, mx, sm = ctx.saved_tensors
+        acc, tile, group = mx.dtype, ctx.tile, ctx.group
+        m, half = z_MD.shape[0], z_MD.shape[0] // 2
+        g_local = g_M.to(acc)
         # backward of the cross-rank combine: all-reduce (sum) of the gradient.
-        g_M = g_M.to(acc).contiguous().clone()
+        g_all = g_local.contiguous().clone()
         if is_distributed(group):
-            dist.all_reduce(g_M, op=dist.ReduceOp.SUM, group=group)
-        z = z_MD.to(acc)
+            dist.all_reduce(g_all, op=dist.ReduceOp.SUM, group=group)
+        shift, coef = _softmax_coef(mx, sm, g_all)
         s = scale.detach().to(acc)
-        zs_MD = z * s
-        u_MD = torch.zeros(z.shape, dtype=acc, device=z.device)
-        for i0, i1, j0, j1 in _upper_tiles(z.shape[0], tile, group):
-            s_TT = zs_MD[i0:i1] @ z[j0:j1].T
-            if i0 == j0:
-                s_TT.fill_diagonal_(float("-inf"))
-            # d lse_i / d s_ij = softmax along row i; the column part is d lse_j / d s_ji.
-            g_TT = torch.sub(s_TT, lse_M[i0:i1, None]).exp_().mul_(g_M[i0:i1, None])
-            g_TT.addcmul_(s_TT.sub_(lse_M[None, j0:j1]).exp_(), g_M[None, j0:j1])
-            u_MD[i0:i1] += g_TT @ z[j0:j1]
+        zs_MD, post = _scaled_rows(z_MD, scale, acc)
+        z = z_MD if post is not None else z_MD.to(acc)
+        u_MD = torch.zeros(z_MD.shape, dtype=acc, device=z_MD.device)
+        for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
+            s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
+            _mask_sym(s_TT, i0, j0, half)
+            # d a_i / d s_ij = softmax over row i's negatives; the column part is
+            # d a_j / d s_ji (on a diagonal tile it makes G symmetric: one product serves).
+            g_TT = torch.sub(s_TT, shift[i0:i1, None]).exp_().mul_(coef[i0:i1, None])
+            g_TT.addcmul_(s_TT.sub_(shift[None, j0:j1]).exp_(), coef[None, j0:j1])
+            u_MD[i0:i1] += _mm_acc(g_TT.to(z.dtype), z[j0:j1], acc)
             if i0 != j0:
-                u_MD[j0:j1] += g_TT.T @ z[i0:i1]
+                u_MD[j0:j1] += _mm_acc(g_TT.T.to(z.dtype), z[i0:i1], acc)
         need = ctx.needs_input_grad
-        ds = (z * u_MD).sum() / 2 if need[1] else None
+        ds = (z_MD.to(acc) * u_MD).sum() / 2 if need[1] else None
         dz = u_MD.mul_(s) if need[0] else None
         return (
             dz.to(z_MD.dtype) if dz is not None else None,
             ds.to(scale.dtype) if ds is not None else None,
+            (-g_local).to(ctx.pos_dtype) if need[2] else None,
             None,
             None,
         )
+
+
+# ---------------------------------------------------------------------------
+# SigLIP: every pair's softplus, text blocks around the ring
+# ---------------------------------------------------------------------------
 
 
 def _ring_sizes(sizes: tuple[int, ...], step: int) -> list[int]:
@@ -238,20 +532,29 @@ def _ring_sizes(sizes: tuple[int, ...], step: int) -> list[int]:
 
 
 def _softplus_sum(
-    img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, tile: int, acc: torch.dtype
+    img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, tile: int, acc: torch.dtype, own: bool
 ) -> Tensor:
-    """sum_ij softplus(s * img_i·blk_j + b), tile by tile (softplus(z) = -logsigmoid(-z), exact)."""
+    """sum_ij softplus(s * img_i·blk_j + b) over the negative pairs, tile by tile.
+
+    `own`: the block is this rank's own texts, whose pairs (i, i) are the
+    positives, left out (their terms softplus(−z_ii) are computed apart).
+    """
     total = torch.zeros((), dtype=acc, device=img_BD.device)
     for i0 in range(0, img_BD.shape[0], tile):
-        q_TD = img_BD[i0 : i0 + tile].to(acc)
+        q_TD = img_BD[i0 : i0 + tile]
         for j0 in range(0, blk_MD.shape[0], tile):
-            z_TT = (q_TD @ blk_MD[j0 : j0 + tile].to(acc).T).mul_(s).add_(b)
+            z_TT = _mm_acc(q_TD, blk_MD[j0 : j0 + tile].T, acc).mul_(s).add_(b)
+            if own:
+                z_TT.diagonal(i0 - j0).fill_(float("-inf"))
             total -= F.logsigmoid(z_TT.neg_()).sum()
     return total
 
 
 class SigmoidRing(torch.autograd.Function):
-    """sum over this rank's image rows i and EVERY rank's text rows j of softplus(s·Iᵢ·Tⱼ + b).
+    """sum over this rank's image rows i and EVERY rank's text rows j of softplus(s·Iᵢ·Tⱼ + b), j ≠ i.
+
+    The positive pairs (this rank's own (i, i)) are left out: the caller adds
+    softplus(−z_ii), so no term is formed as a difference (issue 14).
 
     Text blocks travel around the ring with `ring_shift` (receive from rank - 1),
     one block in memory at a time: W - 1 shifts in the forward. Nothing exchanged
@@ -266,6 +569,7 @@ class SigmoidRing(torch.autograd.Function):
     """
 
     @staticmethod
+    @_threaded
     def forward(  # type: ignore[override]
         ctx: Any,
         img_BD: Tensor,
@@ -282,7 +586,7 @@ class SigmoidRing(torch.autograd.Function):
         blk_MD = txt_BD.detach()
         total = torch.zeros((), dtype=acc, device=img_BD.device)
         for step in range(w):
-            total += _softplus_sum(img_BD, blk_MD, s, b, tile, acc)
+            total += _softplus_sum(img_BD, blk_MD, s, b, tile, acc, own=step == 0)
             if step < w - 1:
                 blk_MD = ring_shift(
                     blk_MD, 1, sizes=_ring_sizes(sizes, step), group=group, check=False
@@ -292,38 +596,42 @@ class SigmoidRing(torch.autograd.Function):
         return total
 
     @staticmethod
+    @_threaded
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         img_BD, txt_BD, scale, bias = ctx.saved_tensors
         acc, tile, sizes, group = compute_dtype(img_BD.dtype), ctx.tile, ctx.sizes, ctx.group
         s, b, g = scale.detach().to(acc), bias.detach().to(acc), g.to(acc)
         w, d = get_world_size(group), img_BD.shape[1]
+        low = img_BD.is_cuda and img_BD.dtype != acc
+        img = img_BD if low else img_BD.to(acc)
         di_BD = torch.zeros(img_BD.shape, dtype=acc, device=img_BD.device)
         ds = torch.zeros((), dtype=acc, device=img_BD.device)
         db = torch.zeros((), dtype=acc, device=img_BD.device)
-        blk_MD = txt_BD.detach().to(acc)
-        dblk_MD = torch.zeros_like(blk_MD)
+        blk_MD = txt_BD.detach().to(img.dtype)
+        dblk_MD = torch.zeros(blk_MD.shape, dtype=acc, device=blk_MD.device)
         for step in range(w):
             for i0 in range(0, img_BD.shape[0], tile):
-                q_TD = img_BD[i0 : i0 + tile].to(acc)
+                q_TD = img[i0 : i0 + tile]
                 for j0 in range(0, blk_MD.shape[0], tile):
                     k_TD = blk_MD[j0 : j0 + tile]
+                    z_TT = _mm_acc(q_TD, k_TD.T, acc).mul_(s).add_(b)
+                    if step == 0:
+                        z_TT.diagonal(i0 - j0).fill_(float("-inf"))
                     # d softplus(z)/dz = sigmoid(z)
-                    g_TT = (q_TD @ k_TD.T).mul_(s).add_(b).sigmoid_().mul_(g)
-                    gk_TD = g_TT @ k_TD
-                    ds += (q_TD * gk_TD).sum()
+                    g_TT = z_TT.sigmoid_().mul_(g)
+                    gk_TD = _mm_acc(g_TT.to(k_TD.dtype), k_TD, acc)
+                    ds += (q_TD.to(acc) * gk_TD).sum()
                     db += g_TT.sum()
                     di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
-                    dblk_MD[j0 : j0 + tile] += (g_TT.T @ q_TD).mul_(s)
+                    dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
             ring = _ring_sizes(sizes, step)
             if step < w - 1:
-                both = torch.cat([blk_MD, dblk_MD], 1)
+                both = torch.cat([blk_MD.to(acc), dblk_MD], 1)
                 both = ring_shift(both, 1, sizes=ring, group=group, check=False)
-                blk_MD, dblk_MD = both[:, :d], both[:, d:]
+                blk_MD, dblk_MD = both[:, :d].to(img.dtype), both[:, d:]
             elif w > 1:
                 # The gradient of the block held now belongs to the next rank on the ring.
                 dblk_MD = ring_shift(dblk_MD, 1, sizes=ring, group=group, check=False)
-        if w > 1:
-            assert dblk_MD.shape[0] == sizes[get_rank(group)]
         need = ctx.needs_input_grad
         return (
             di_BD.to(img_BD.dtype) if need[0] else None,

@@ -1,0 +1,188 @@
+"""The GPU loss benchmark behind `benchmarks/gpu.sh`: CLIP forward + backward at GPU batch sizes.
+
+    .venv/bin/python -m benchmarks.gpu_bench                       # on a CUDA machine (gpu.sh runs this)
+    .venv/bin/python -m benchmarks.gpu_bench --device cpu --sizes 512 1024 --dim 32 --results /tmp/r.md
+
+For each N and dtype: `clip_loss` forward + backward on one device (W = 1,
+the tile size from `tile_size_for`), its peak memory (inputs included, as
+`torch.cuda.max_memory_allocated` sees it) and its median time, against the
+MATMUL FLOOR measured in the same run: the loss's matrix products (4 of
+N x N x D: the forward logits, their recomputation and the two gradient
+products) timed as plain `torch.matmul` calls in the input dtype on
+tile-shaped operands, scaled to the same FLOPs. Targets (issue 10): at
+N = 262,144, D = 512, peak under 4 GB and time within 2x of the floor.
+
+The table is printed and written into the results file between the markers
+`<!-- gpu-bench:begin -->` and `<!-- gpu-bench:end -->` (replaced on a rerun,
+appended the first time). On CPU (`--device cpu`, small sizes) the same code
+runs without memory figures: that is how the tests check it.
+
+Legend: N rows, D embedding dim, T tile size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from wholebatch.losses import clip_loss, tile_size_for
+
+__all__ = ["main"]
+
+BEGIN, END = "<!-- gpu-bench:begin -->", "<!-- gpu-bench:end -->"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GB = 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_floor(n: int, d: int, dtype: torch.dtype, device: torch.device, tile: int) -> float:
+    """Seconds plain `torch.matmul` takes for the loss's 4·2·N²·D FLOPs, on tile-shaped operands."""
+    t = min(tile, n)
+    a = torch.randn(t, d, device=device, dtype=dtype)
+    b = torch.randn(d, t, device=device, dtype=dtype)
+    reps = max(1, min(64, (n // t) ** 2))
+    secs = _timed(lambda: [torch.matmul(a, b) for _ in range(reps)], device, 3)
+    rate = reps * 2 * t * t * d / secs  # FLOP/s
+    return 4 * 2 * n * n * d / rate
+
+
+def _clip_run(
+    n: int, d: int, dtype: torch.dtype, device: torch.device, repeats: int
+) -> dict[str, float]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    img = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=1).to(dtype)
+    txt = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=1).to(dtype)
+    img.requires_grad_()
+    txt.requires_grad_()
+    scale = torch.tensor(20.0, device=device, requires_grad=True)
+
+    def step() -> None:
+        clip_loss(img, txt, scale).backward()
+        img.grad = txt.grad = scale.grad = None
+
+    clip_loss(
+        img[:256].detach(), txt[:256].detach(), scale.detach()
+    )  # warm-up: kernels, workspaces
+    peak = float("nan")
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) / GB
+    secs = _timed(step, device, repeats)
+    return {
+        "seconds": secs,
+        "peak_gb": peak,
+        "inputs_gb": 2 * img.numel() * img.element_size() / GB,
+    }
+
+
+def run(
+    sizes: list[int], dim: int, dtypes: list[str], device: torch.device, repeats: int
+) -> list[str]:
+    """The results section (markdown lines)."""
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    lines = [
+        f"Device: {name}; torch {torch.__version__}; "
+        f"command: `bash benchmarks/gpu.sh` (`python -m benchmarks.gpu_bench`).",
+        "",
+        "| N | D | dtype | tile T | tiles per sweep | peak GB (inputs) | loss fwd+bwd s | matmul floor s | ratio | targets (N = 262,144) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in sizes:
+        for key in dtypes:
+            dtype = DTYPES[key]
+            tile = tile_size_for(device.type, n, n)
+            r = _clip_run(n, dim, dtype, device, repeats)
+            floor = _matmul_floor(n, dim, dtype, device, tile)
+            ratio = r["seconds"] / floor
+            target = "-"
+            if n == 262_144 and dim == 512:
+                mem_ok = "met" if r["peak_gb"] < 4 else "NOT met"
+                time_ok = "met" if ratio <= 2 else "NOT met"
+                target = f"peak < 4 GB {mem_ok}; within 2x {time_ok}"
+            peak = "-" if r["peak_gb"] != r["peak_gb"] else f"{r['peak_gb']:.2f}"
+            line = (
+                f"| {n:,} | {dim} | {key} | {tile} | {math.ceil(n / tile) ** 2} | {peak} ({r['inputs_gb']:.2f}) | "
+                f"{r['seconds']:.3f} | {floor:.3f} | {ratio:.2f} | {target} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return lines
+
+
+def write_results(path: Path, lines: list[str]) -> None:
+    """Put `lines` between the markers in `path` (replacing an earlier run's), or append them."""
+    block = "\n".join([BEGIN, *lines, END])
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n### losses on a GPU (benchmarks/gpu.sh)\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default) or cpu (small sizes: a smoke run)"
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[65_536, 262_144])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/RESULTS.md"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "gpu_bench: no CUDA device is visible (torch.cuda.is_available() is False)"
+        )
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    t0 = time.perf_counter()
+    lines = run(args.sizes, args.dim, args.dtypes, device, args.repeats)
+    lines.append("")
+    lines.append(f"Total {time.perf_counter() - t0:.0f} s.")
+    write_results(args.results, lines)
+    print(f"written to {args.results}")
+
+
+if __name__ == "__main__":
+    main()
