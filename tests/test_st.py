@@ -200,11 +200,17 @@ def test_model_forward_equals_peer_with_dropout(kind: str, model_dir: str) -> No
         model = load_model(model_dir)
         kw: dict[str, Any] = {"scale": 9.0} | ({"mini_batch_size": 3} if kind == "cached" else {})
         loss_fn = make(kind, model, **kw)
+        forwards = [0]
+        model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         torch.manual_seed(5)
         loss = loss_fn([model.preprocess(c) for c in cols], None)
         loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))  # type: ignore[union-attr]
-    (lp, gp), (lo, go) = results
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        results.append((loss.detach(), grads, forwards[0]))
+    (lp, gp, fp), (lo, go, fo) = results
+    # The same forwards as the peer: MNRL 2 (anchors; candidates merged); cached: every
+    # mini-batch twice (3 columns x 3 mini-batches x 2 passes), so the same peak memory.
+    assert fo == fp == (2 if kind == "mnrl" else 18)
     torch.testing.assert_close(lo, lp, **F64)
     for a, b in zip(go, gp, strict=True):
         torch.testing.assert_close(a, b, **F64)
