@@ -319,7 +319,7 @@ def _table(part: str, n: int, rounds: int, threads: int) -> None:
         peer, ours = modes[i], modes[i + 1]
         print(f"| {peer} | {mem[peer]:,.0f} | | {times['median_s'][peer]:.3f} | |")
         print(
-            f"| {ours} | {mem[ours]:,.0f} | {mem[peer] / mem[ours]:.1f}x less | "
+            f"| {ours} | {mem[ours]:,.0f} | {mem[peer] / mem[ours]:.2f}x | "
             f"{times['median_s'][ours]:.3f} | {times['ratio'][ours]:.2f}x |"
         )
 
@@ -344,7 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
     parts = args.only or ["exact", "loss", "cached"]
-    print(f"torch {torch.__version__}, {args.threads} thread(s), N = {args.n:,}")
+    tile = os.environ.get("WHOLEBATCH_TILE_THREADS", "unset")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), N = {args.n:,}, "
+        f"WHOLEBATCH_TILE_THREADS={tile}"
+    )
     if "exact" in parts:
         print("\n### exactness (float64, N = 512, one process)")
         print(json.dumps(_exactness(), indent=1))

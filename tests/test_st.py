@@ -201,7 +201,11 @@ def test_model_forward_equals_peer_with_dropout(kind: str, model_dir: str) -> No
         kw: dict[str, Any] = {"scale": 9.0} | ({"mini_batch_size": 3} if kind == "cached" else {})
         loss_fn = make(kind, model, **kw)
         forwards = [0]
-        model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+        def count(*_: Any, forwards: list[int] = forwards) -> None:
+            forwards[0] += 1
+
+        model.register_forward_pre_hook(count)
         torch.manual_seed(5)
         loss = loss_fn([model.preprocess(c) for c in cols], None)
         loss.backward()
@@ -299,6 +303,65 @@ def test_equal_rows_equal_peer_with_gather(setting: str) -> None:
 def test_mutation_peer_default_local_negatives_is_caught() -> None:
     with pytest.raises(AssertionError, match="rank 0"):
         check_embeddings("peer_default", [3, 3], 1, "q2d")
+
+
+class LinearSentenceModel(nn.Module):
+    """A sentence model that embeds 0 rows too: features["input_ids"] (B x D_IN floats) -> B x D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _encoder()
+
+    def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {**features, "sentence_embedding": self.lin(features["input_ids"])}
+
+
+def _linear_ddp_step(kind: str, sizes: list[int], k: int) -> Tensor:
+    """One rank: both losses on a DDP-wrapped linear sentence model; its gradient (DDP-averaged)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = nn.Sequential(LinearSentenceModel())  # indexable, as a SentenceTransformer
+    kw: dict[str, Any] = {"scale": 6.0} | ({"mini_batch_size": 2} if kind == "cached" else {})
+    loss_fn = our_loss(kind, model, **kw)
+    loss_fn.model = DistributedDataParallel(model)
+    x = _rank_inputs(get_rank(), sizes[get_rank()], k)
+    loss_fn([{"input_ids": x[:, c]} for c in range(2 + k)], None).backward()
+    grad = model[0].lin.weight.grad
+    assert grad is not None
+    return grad
+
+
+@needs_peer
+@pytest.mark.parametrize("kind", ["mnrl", "cached"])
+def test_ddp_empty_rank_with_a_model_that_embeds_zero_rows(kind: str) -> None:
+    """W = 3, rows 3, 0, 2: the empty rank's cached loss runs only 0-row forwards (padding)."""
+    sizes, k = [3, 0, 2], 1
+    got = run_ranks(3, _linear_ddp_step, kind, sizes, k)
+    _, ref_grad = _embeddings_reference(sizes, k, "q2d")
+    for r, grad in enumerate(got):
+        torch.testing.assert_close(grad, ref_grad, **F64, msg=lambda m, r=r: f"rank {r}: {m}")
+
+
+def _bad_columns_on_rank_0() -> str:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = nn.Sequential(LinearSentenceModel())
+    loss_fn = our_loss("cached", model, mini_batch_size=2)
+    loss_fn.model = DistributedDataParallel(model)
+    x = _rank_inputs(get_rank(), 3, 0)
+    cols = [{"input_ids": x[:, 0]}, {"input_ids": x[: 2 if get_rank() == 0 else 3, 1]}]
+    try:
+        loss_fn(cols, None)
+    except WholebatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@needs_peer
+def test_bad_input_on_one_rank_is_the_same_error_on_every_rank() -> None:
+    texts_ = run_ranks(2, _bad_columns_on_rank_0)
+    assert texts_[0] == texts_[1]
+    assert "rank 0: the input columns hold different numbers of rows [3, 2]" in texts_[0]
 
 
 # ---------------------------------------------------------------------------

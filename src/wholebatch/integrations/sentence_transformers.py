@@ -405,7 +405,7 @@ class CachedMultipleNegativesRankingLoss(_WholeBatchMNRL):
             if self._kind == "cos":
                 all_RD = F.normalize(all_RD, dim=-1)
             k = len(columns) - 2
-            negs_BKD = all_RD[2 * b :].unflatten(0, (k, b)).transpose(0, 1) if k else None
+            negs_BKD = all_RD[2 * b :].view(k, b, all_RD.shape[1]).transpose(0, 1) if k else None
             return self._info_nce(all_RD[:b], all_RD[b : 2 * b], negs_BKD)
 
         if not torch.is_grad_enabled():
