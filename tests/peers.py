@@ -34,7 +34,13 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["SKIP_REASON", "load_lightly_ntxent", "load_open_clip_loss", "peer_root"]
+__all__ = [
+    "SKIP_REASON",
+    "accelerate_on_harness_group",
+    "load_lightly_ntxent",
+    "load_open_clip_loss",
+    "peer_root",
+]
 
 SKIP_REASON = "{} is not installed; `make .venv/.peers` installs the peer libraries"
 
@@ -110,3 +116,40 @@ def load_lightly_ntxent() -> types.ModuleType | None:
             tv.ops = ops  # type: ignore[attr-defined]
             sys.modules.update({"torchvision": tv, "torchvision.ops": ops})
         return _exec_file("lightly.loss.ntx_ent_loss", root / "loss" / "ntx_ent_loss.py")
+
+
+@contextlib.contextmanager
+def accelerate_on_harness_group() -> Iterator[None]:
+    """Let accelerate (and so a Hugging Face `Trainer`) use a harness worker's gloo group.
+
+    accelerate reads torchrun's environment variables to decide it is distributed
+    (`MULTI_CPU` with `use_cpu=True` / `cpu=True`) and initialises a process group
+    only when none exists: the harness's, already initialised, is reused. Its
+    state is a process-wide singleton: it is reset on entry and on exit, and the
+    environment restored on exit, so the reused worker is left as it was. Run
+    the `Accelerator` / `Trainer` inside the block, in the worker.
+    """
+    import os
+
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    env = {
+        "RANK": str(r), "WORLD_SIZE": str(w), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(w),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"),
+    }  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -28,7 +28,6 @@ where it is wrong (GPT-2's own loss; any custom `compute_loss`).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.harness import run_ranks, run_ranks_outcomes
-from tests.peers import SKIP_REASON
-from wholebatch.comm import get_rank, get_world_size
+from tests.peers import SKIP_REASON, accelerate_on_harness_group
 
 transformers = pytest.importorskip("transformers", reason=SKIP_REASON.format("transformers"))
 pytest.importorskip("accelerate", reason=SKIP_REASON.format("accelerate"))
@@ -183,19 +181,6 @@ class Grab(transformers.TrainerCallback):  # type: ignore[misc]
             self.logged.append(float(logs["loss"]))
 
 
-def _torchrun_env() -> None:
-    """Point accelerate at the harness's already-initialised gloo group, fresh state."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    r, w = get_rank(), get_world_size()
-    os.environ.update(
-        RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(w),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
-    )  # fmt: skip
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def _rank_train(
     name: str, fixed: bool, loss: str, empty: bool = True
 ) -> tuple[dict[str, Tensor], list[float], int]:
@@ -205,7 +190,6 @@ def _rank_train(
     (compute_loss_func), or "mean" (the model's own, from a model whose forward
     does not accept loss kwargs: it returns each micro-batch's mean).
     """
-    _torchrun_env()
     base = WholeBatchTrainer if fixed else transformers.Trainer
     cls = type("T", (base,), {"compute_loss": custom_compute_loss}) if loss == "custom" else base
     grab = Grab()
@@ -219,7 +203,7 @@ def _rank_train(
             return batches, n
 
         cls = type("T", (cls,), {"get_batch_samples": spy})
-    with tempfile.TemporaryDirectory() as out:
+    with accelerate_on_harness_group(), tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=B, gradient_accumulation_steps=K,
             max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, use_cpu=True, report_to=[],
@@ -304,16 +288,18 @@ def test_custom_float64_loss_is_exact(name: str, loss: str) -> None:
 def test_custom_loss_plain_trainer_fails_the_same_assertion() -> None:
     # MUTATION: the plain Trainer hands a custom compute_loss its (unshifted) count
     # and no factor for DDP's mean over ranks.
+    plain = run("gpt2", False, "custom")
     with pytest.raises(AssertionError, match="gradient off"):
-        check(run("gpt2", False, "custom"), "gpt2", FLOAT64_TOL)
+        check(plain, "gpt2", FLOAT64_TOL)
 
 
 def test_mean_only_model_is_exact() -> None:
     # A model that cannot be told the count returns each micro-batch's mean: the plain
     # Trainer averages those means (MUTATION), the mixin turns each back into a sum.
     check(run("gpt2", True, "mean", empty=False), "gpt2", CAST_TOL, empty=False)
+    plain = run("gpt2", False, "mean", empty=False)
     with pytest.raises(AssertionError, match="gradient off"):
-        check(run("gpt2", False, "mean", empty=False), "gpt2", CAST_TOL, empty=False)
+        check(plain, "gpt2", CAST_TOL, empty=False)
 
 
 def test_mean_only_model_with_an_empty_micro_batch_same_error_on_every_rank() -> None:

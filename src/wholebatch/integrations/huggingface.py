@@ -292,6 +292,7 @@ def _trainer_class() -> type[Trainer]:
         """`transformers.Trainer` whose step has the whole-batch gradient (see the module docstring)."""
 
     WholeBatchTrainer.__module__ = __name__
+    WholeBatchTrainer.__qualname__ = "WholeBatchTrainer"
     return WholeBatchTrainer  # type: ignore[no-any-return]
 
 
