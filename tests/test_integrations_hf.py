@@ -50,6 +50,7 @@ from wholebatch.integrations.huggingface import (  # noqa: E402
 )
 
 W, K, B = 2, 3, 2  # ranks, micro-batches per step, sequences per micro-batch
+EVAL_ROWS = 4  # the first 4 sequences, one evaluation batch of 2 per rank
 VOCAB = 40
 FLOAT64_TOL = 1e-10  # the model and the loss in float64: round-off ~1e-15
 CAST_TOL = 1e-6  # ForCausalLMLoss computes in float32: measured 4.7e-8 (GPT-2), 5.7e-8 (Llama)
@@ -123,10 +124,12 @@ def shifted_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )  # fmt: skip
 
 
-def reference(name: str, empty: bool = True) -> tuple[float, dict[str, Tensor]]:
+def reference(
+    name: str, empty: bool = True, rows: list[dict[str, list[int]]] | None = None
+) -> tuple[float, dict[str, Tensor]]:
     """One process, every sequence on its own (no padding), float64: (mean loss, gradients)."""
     model = build_model(name)
-    rows = sequences(empty)
+    rows = sequences(empty) if rows is None else rows
     total = sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
     loss_sum = sum(
         shifted_ce_sum(
@@ -183,8 +186,11 @@ class Grab(transformers.TrainerCallback):  # type: ignore[misc]
 
 def _rank_train(
     name: str, fixed: bool, loss: str, empty: bool = True
-) -> tuple[dict[str, Tensor], list[float], int]:
-    """One optimizer step of a real Trainer on this rank: (gradients, logged losses, items).
+) -> tuple[dict[str, Tensor], list[float], int, float]:
+    """One optimizer step of a real Trainer on this rank.
+
+    Returns (gradients, logged losses, the agreed item count or -1, and for
+    loss="model" the evaluation loss of an untrained model on EVAL_ROWS, else nan).
 
     loss: "model" (the model's own), "custom" (a compute_loss override), "func"
     (compute_loss_func), or "mean" (the model's own, from a model whose forward
@@ -209,6 +215,7 @@ def _rank_train(
             max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, use_cpu=True, report_to=[],
             save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
             train_sampling_strategy="sequential", remove_unused_columns=False, seed=0,
+            per_device_eval_batch_size=EVAL_ROWS // W,
         )  # fmt: skip
         model = build_model(name)
         if loss == "mean":
@@ -218,7 +225,11 @@ def _rank_train(
             callbacks=[grab], compute_loss_func=loss_func if loss == "func" else None,
         )  # fmt: skip
         trainer.train()
-    return grab.grads, grab.logged, items[0] if items else -1
+        eval_loss = float("nan")
+        if loss == "model":  # a fresh model; one eval batch per rank: the loss is the token mean
+            fresh = cls(model=build_model(name), args=args, data_collator=collate)
+            eval_loss = fresh.evaluate(eval_dataset=sequences()[:EVAL_ROWS])["eval_loss"]
+    return grab.grads, grab.logged, items[0] if items else -1, eval_loss
 
 
 def rel_error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
@@ -237,13 +248,13 @@ def scale(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
 
 def run(
     name: str, fixed: bool, loss: str, empty: bool = True
-) -> list[tuple[dict[str, Tensor], list[float], int]]:
+) -> list[tuple[dict[str, Tensor], list[float], int, float]]:
     return run_ranks(W, _rank_train, name, fixed, loss, empty, timeout=120)
 
 
 def check(outs: list[Any], name: str, tol: float, empty: bool = True) -> None:
     ref_loss, ref_grads = reference(name, empty)
-    for r, (grads, logged, _) in enumerate(outs):
+    for r, (grads, logged, *_) in enumerate(outs):
         err = rel_error(grads, ref_grads)
         assert err <= tol, (
             f"rank {r}: gradient off the whole batch's by {err:.3g} "
@@ -265,6 +276,9 @@ def test_model_loss_is_exact(name: str) -> None:
     outs = run(name, True, "model")
     assert {o[2] for o in outs} == {TOTAL_ITEMS}  # the shifted count, agreed on every rank
     check(outs, name, CAST_TOL)
+    # Evaluation counts with count_items too: its loss is the eval set's token mean.
+    eval_ref, _ = reference(name, rows=sequences()[:EVAL_ROWS])
+    assert [o[3] for o in outs] == pytest.approx([eval_ref] * W, rel=LOGGED_TOL)
 
 
 def test_model_loss_plain_trainer_gpt2_fails_the_same_assertion() -> None:
@@ -273,6 +287,8 @@ def test_model_loss_plain_trainer_gpt2_fails_the_same_assertion() -> None:
     outs = run("gpt2", False, "model")
     with pytest.raises(AssertionError, match=r"scale 0\.\d+"):
         check(outs, "gpt2", CAST_TOL)
+    eval_ref, _ = reference("gpt2", rows=sequences()[:EVAL_ROWS])
+    assert outs[0][3] < eval_ref * (1 - 100 * LOGGED_TOL)  # counted too many tokens
 
 
 def test_model_loss_plain_trainer_llama_is_exact_too() -> None:

@@ -41,6 +41,7 @@ Legend: W ranks, B this rank's rows, N global rows, D embedding dim, K bank rows
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,8 @@ class NTXentLoss(nn.Module):
         gather_distributed: accepted, no effect (the loss is always the whole batch's).
         group: the process group the batch is split over (default: the world).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
-        tile_size: rows and columns of one logits tile (no bank).
+        tile_size: rows and columns of one logits tile (with a bank: rows of one
+            tile_size x K tile of logits).
     """
 
     bank: Tensor
@@ -173,9 +175,11 @@ class NTXentLoss(nn.Module):
         if err is None:
             z0, z1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
             bank_KD = self._shared_bank().to(z0.dtype)  # read before this call's update
-            pos_B = (z0 * z1).sum(1) / self.temperature
-            logits_BK1 = torch.cat([pos_B[:, None], z0 @ bank_KD.T / self.temperature], 1)
-            local = (torch.logsumexp(logits_BK1, 1) - pos_B).sum()  # CE against class 0
+            z0_tau = z0 / self.temperature  # B x D: scale the rows, not the B x K logits
+            pos_B = (z0_tau * z1).sum(1)
+            # Cross-entropy against class 0 of [positive | K negatives], in row tiles.
+            lse_B: Tensor = _BankLSE.apply(z0_tau, pos_B, bank_KD, self.tile_size)  # type: ignore[no-untyped-call]
+            local = (lse_B - pos_B).sum()
             row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
         else:
             self._shared_bank()  # the broadcast every rank joins on the first call
@@ -242,6 +246,41 @@ class NTXentLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}, memory_bank_size={self.size}"
+
+
+class _BankLSE(torch.autograd.Function):
+    """lse_i = log(exp(pos_i) + Σ_k exp(q_i·bank_k)) for every row i, T rows at a time.
+
+    The bank is a constant and each lse_i depends on row i alone, so the
+    forward computes each T x K tile of logits once and, when q needs a
+    gradient, also d lse_i / d q_i = Σ_k softmax_ik · bank_k (one more T x K
+    by K x D product) and keeps that B x D result instead of any logits.
+    Backward is then elementwise: grad_q = grad · that, grad_pos = grad ·
+    exp(pos - lse). The same two products per tile as the plain formula's
+    forward and backward; peak memory O(B·D + T·K) instead of several B x K.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q_BD: Tensor, pos_B: Tensor, bank_KD: Tensor, tile: int
+    ) -> Tensor:
+        lse_B = torch.empty_like(pos_B)
+        dq_BD = torch.empty_like(q_BD) if ctx.needs_input_grad[0] else None
+        for i in range(0, q_BD.shape[0], tile):
+            rows = slice(i, i + tile)
+            neg_TK = q_BD[rows] @ bank_KD.T
+            lse_T = torch.logaddexp(pos_B[rows], torch.logsumexp(neg_TK, 1))
+            lse_B[rows] = lse_T
+            if dq_BD is not None:
+                dq_BD[rows] = neg_TK.sub_(lse_T[:, None]).exp_() @ bank_KD  # softmax @ bank
+        ctx.save_for_backward(pos_B, lse_B, dq_BD)
+        return lse_B
+
+    @staticmethod
+    def backward(ctx: Any, grad_B: Tensor) -> tuple[Tensor | None, ...]:
+        pos_B, lse_B, dq_BD = ctx.saved_tensors
+        grad_q = None if dq_BD is None else dq_BD * grad_B[:, None]
+        return grad_q, grad_B * torch.exp(pos_B - lse_B), None, None
 
 
 def _is_2d(x: object) -> bool:
