@@ -193,8 +193,9 @@ def _rank_train(
     loss="model" the evaluation loss of an untrained model on EVAL_ROWS, else nan).
 
     loss: "model" (the model's own), "custom" (a compute_loss override), "func"
-    (compute_loss_func), or "mean" (the model's own, from a model whose forward
-    does not accept loss kwargs: it returns each micro-batch's mean).
+    (compute_loss_func), "mean" (the model's own, from a model whose forward
+    does not accept loss kwargs: it returns each micro-batch's mean), or
+    "eval_first" (the model's own, after `trainer.evaluate()` on the same Trainer).
     """
     base = WholeBatchTrainer if fixed else transformers.Trainer
     cls = type("T", (base,), {"compute_loss": custom_compute_loss}) if loss == "custom" else base
@@ -224,6 +225,8 @@ def _rank_train(
             model=model, args=args, train_dataset=sequences(empty), data_collator=collate,
             callbacks=[grab], compute_loss_func=loss_func if loss == "func" else None,
         )  # fmt: skip
+        if loss == "eval_first":
+            trainer.evaluate(eval_dataset=sequences()[:EVAL_ROWS])
         trainer.train()
         eval_loss = float("nan")
         if loss == "model":  # a fresh model; one eval batch per rank: the loss is the token mean
@@ -324,6 +327,19 @@ def test_mean_only_model_with_an_empty_micro_batch_same_error_on_every_rank() ->
     msgs = {getattr(o, "message", None) for o in outcomes}
     assert len(msgs) == 1, msgs
     assert "a micro-batch has no items (all labels ignored) on ranks [1]" in str(msgs.pop())
+
+
+def test_evaluate_before_train_is_refused_on_every_rank() -> None:
+    # transformers 5.23 + accelerate 1.15: evaluate() prepares the model without DDP and
+    # marks it prepared, so train() never wraps it: each rank steps on its own gradient.
+    plain = run("llama", False, "eval_first")  # MUTATION: silently unsynchronised
+    with pytest.raises(AssertionError, match="gradient off"):
+        check(plain, "llama", CAST_TOL)
+    assert rel_error(plain[0][0], plain[1][0]) > 0.1  # the ranks' gradients differ
+    outcomes = run_ranks_outcomes(W, _rank_train, "llama", True, "eval_first", timeout=120)
+    msgs = {getattr(o, "message", None) for o in outcomes}
+    assert len(msgs) == 1, msgs
+    assert "not wrapped in DistributedDataParallel (it is LlamaForCausalLM)" in str(msgs.pop())
 
 
 # ---------------------------------------------------------------------------

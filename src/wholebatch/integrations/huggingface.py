@@ -46,6 +46,9 @@ What this class changes (nothing else; the training loop is the Trainer's):
   turned back into a sum with `count_items`. `loss_is_scaled_for_ga = True`,
   so the Trainer does not divide by the accumulation steps again.
 - Evaluation's per-batch count uses `count_items` too.
+- Training data-parallel without DDP is refused (every rank would step on its
+  own gradient): transformers 5.23 does that silently when `evaluate()` runs
+  before `train()` on the same Trainer (see `_check_gradients_are_synchronised`).
 
 A custom `compute_loss` follows one rule: return the sum of its item losses
 divided by `num_items_in_batch` (and override `count_items` if it counts
@@ -133,6 +136,7 @@ class WholeBatchTrainerMixin:
         accelerator: Any
         label_smoother: Any
         compute_loss_func: Any
+        model_wrapped: Any
         model_accepts_loss_kwargs: bool
         _loss_shifts_labels: bool
 
@@ -194,6 +198,7 @@ class WholeBatchTrainerMixin:
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
     ) -> tuple[list[Any], ItemShare]:
         """The step's micro-batches and this rank's share N / W of the step's item count."""
+        self._check_gradients_are_synchronised()
         batch_samples: list[Any] = []
         for _ in range(num_batches):
             try:
@@ -228,6 +233,35 @@ class WholeBatchTrainerMixin:
                 "num_items_in_batch, or a compute_loss_func"
             )
         return batch_samples, ItemShare(int(sum(t[0] for t in table)), w)
+
+    def _check_gradients_are_synchronised(self) -> None:
+        """Refuse to train data-parallel without DDP: every rank would step on its own gradient.
+
+        transformers 5.23 + accelerate 1.15: `trainer.evaluate()` before `trainer.train()`
+        prepares the model for evaluation (no DDP) and marks it prepared; `train()` then
+        gets it back unwrapped, and each rank silently trains on its own gradient. The
+        condition is the same on every rank, so every rank raises.
+        """
+        if not is_distributed() or any(
+            bool(getattr(self, flag, False))
+            for flag in (
+                "is_fsdp_enabled",
+                "is_deepspeed_enabled",
+                "is_distributed_loading_by_transformers",
+            )
+        ):
+            return
+        model = self.model_wrapped
+        while hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise WholebatchError(
+                f"WholeBatchTrainer: training on {get_world_size()} ranks, but the model is not "
+                f"wrapped in DistributedDataParallel (it is {type(model).__name__}): every rank "
+                "would step on its own gradient. transformers 5.23 does this when "
+                "trainer.evaluate() runs before trainer.train(); call train() first, or "
+                "evaluate with another Trainer"
+            )
 
     def _loss_takes_count(self) -> bool:
         """Whether the Trainer's own compute_loss hands the count to the loss."""
