@@ -50,8 +50,7 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm import all_gather, broadcast, comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses import GradReduction, nt_xent_loss
-from wholebatch.losses.contrastive import DEFAULT_TILE
+from wholebatch.losses import GradReduction, nt_xent_loss, tile_size_for
 
 __all__ = ["NTXentLoss"]
 
@@ -94,7 +93,7 @@ class NTXentLoss(nn.Module):
         group: the process group the batch is split over (default: the world).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
         tile_size: rows and columns of one logits tile (with a bank: rows of one
-            tile_size x K tile of logits).
+            tile_size x K tile of logits); None: chosen for the device.
     """
 
     bank: Tensor
@@ -108,7 +107,7 @@ class NTXentLoss(nn.Module):
         *,
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
-        tile_size: int = DEFAULT_TILE,
+        tile_size: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -178,7 +177,12 @@ class NTXentLoss(nn.Module):
             z0_tau = z0 / self.temperature  # B x D: scale the rows, not the B x K logits
             pos_B = (z0_tau * z1).sum(1)
             # Cross-entropy against class 0 of [positive | K negatives], in row tiles.
-            lse_B: Tensor = _BankLSE.apply(z0_tau, pos_B, bank_KD, self.tile_size)  # type: ignore[no-untyped-call]
+            lse_B: Tensor = _BankLSE.apply(
+                z0_tau,
+                pos_B,
+                bank_KD,
+                self.tile_size or tile_size_for(z0.device.type, z0.shape[0], bank_KD.shape[0]),
+            )  # type: ignore[no-untyped-call]
             local = (lse_B - pos_B).sum()
             row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
         else:

@@ -47,7 +47,6 @@ from torch.distributed import ProcessGroup
 from wholebatch.errors import WholebatchError
 from wholebatch.integrations._common import check_rank_args, scalar_numel_one
 from wholebatch.losses import GradReduction, clip_loss, siglip_loss
-from wholebatch.losses.contrastive import DEFAULT_TILE
 
 __all__ = ["ClipLoss", "SigLipLoss"]
 
@@ -100,7 +99,8 @@ class ClipLoss(_RankArgs):
         use_horovod: must be False.
         group: the process group the batch is split over (default: the world).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
-        tile_size: rows and columns of one logits tile (memory tile² per buffer).
+        tile_size: rows and columns of one logits tile (memory tile² per buffer); None:
+            chosen for the device (`wholebatch.losses.tile_size_for`).
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class ClipLoss(_RankArgs):
         *,
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
-        tile_size: int = DEFAULT_TILE,
+        tile_size: int | None = None,
     ) -> None:
         _no_horovod("ClipLoss", use_horovod)
         super().__init__("ClipLoss", rank, world_size, group)
@@ -173,7 +173,7 @@ class SigLipLoss(_RankArgs):
             open_clip; every choice gives the same exact result).
         group: the process group the batch is split over (default: the world).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
-        tile_size: rows and columns of one logits tile.
+        tile_size: rows and columns of one logits tile; None: chosen for the device.
     """
 
     def __init__(
@@ -185,7 +185,7 @@ class SigLipLoss(_RankArgs):
         *,
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
-        tile_size: int = DEFAULT_TILE,
+        tile_size: int | None = None,
     ) -> None:
         impl = dist_impl or "bidir"
         if impl not in _DIST_IMPLS:
