@@ -50,6 +50,7 @@ from torch import Tensor
 from wholebatch.comm.collectives import all_gather, ring_shift
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_sizes
+from wholebatch.errors import WholebatchError
 
 __all__ = [
     "CPU_TILE",
@@ -73,22 +74,47 @@ _TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit frie
 _THREADS_ENV = "WHOLEBATCH_TILE_THREADS"
 
 
+# Default intra-op threads of a CPU tile loop. Measured (benchmarks/RESULTS.md,
+# "contention"; CLIP N = 4,096, D = 256, 2 cores): with torch's 2 threads the tile
+# loop took 1.4-15x the plain formula whenever anything else ran on the machine
+# (other processes, a second rank), against 0.59-0.77x on one thread; every tile is a
+# dozen small parallel ops, each ending at a barrier that a descheduled thread stalls.
+DEFAULT_CPU_TILE_THREADS = 1
+
+
+def _tile_threads() -> int | None:
+    """Intra-op threads for a CPU tile loop; None: torch's own setting."""
+    want = os.environ.get(_THREADS_ENV, "").strip()
+    if not want:
+        return DEFAULT_CPU_TILE_THREADS
+    try:
+        n = int(want)
+    except ValueError:
+        raise WholebatchError(
+            f"{_THREADS_ENV}={want!r}: expected a number of threads (0: torch's own setting)"
+        ) from None
+    return None if n <= 0 else n
+
+
 @contextlib.contextmanager
 def cpu_tile_threads(device: torch.device) -> Iterator[None]:
-    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads, if set.
+    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads (default 1).
 
     Every tile is a dozen small parallel ops, each ending at a barrier; when the
     machine is oversubscribed (other processes, W ranks on one host) a thread
     that is descheduled stalls every op, and the loop's time grows with the
     number of ops (benchmarks/RESULTS.md, contention: 10x the plain formula at 2
-    threads, 0.66x at 1). Unset (the default), torch's own setting applies.
+    threads, under 1x at 1). So by default the tile loop runs on one thread and
+    the rest of the process keeps torch's setting. ``WHOLEBATCH_TILE_THREADS=N``
+    uses N threads, ``0`` torch's own setting (a quiet many-core machine). Not
+    used off the CPU.
     """
-    want = os.environ.get(_THREADS_ENV, "")
-    if device.type != "cpu" or not want.strip():
+    want = _tile_threads() if device.type == "cpu" else None
+    before = torch.get_num_threads()
+    if want is None or want == before:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(want)))
+    torch.set_num_threads(want)
     try:
         yield
     finally:
