@@ -135,6 +135,38 @@ def bytes_table() -> list[dict[str, Any]]:
     return rows
 
 
+# Inf-CL (arXiv:2410.17243) Table 1: loss (peak) memory per GPU, GB, CLIP ViT-L/14
+# (D = 768), fp16 features: (GPUs, their method, batch in k, published GB).
+INF_CL_TABLE_1 = [
+    (8, "naive", 32, 16.67), (8, "naive", 64, 66.11), (8, "local", 32, 2.27), (8, "local", 64, 8.63),
+    (8, "local", 128, 33.64), (8, "ring + tiled", 32, 0.18), (8, "ring + tiled", 64, 0.36),
+    (8, "ring + tiled", 128, 0.72), (8, "ring + tiled", 256, 1.45), (8, "ring + tiled", 1024, 6.53),
+    (32, "naive", 32, 16.66), (32, "naive", 64, 66.11), (32, "local", 32, 0.71),
+    (32, "local", 64, 2.45), (32, "local", 128, 8.98), (32, "local", 256, 34.35),
+    (32, "ring + tiled", 32, 0.05), (32, "ring + tiled", 64, 0.09), (32, "ring + tiled", 128, 0.18),
+    (32, "ring + tiled", 256, 0.35), (32, "ring + tiled", 1024, 1.44),
+]  # fmt: skip
+
+
+def published_table() -> None:
+    """The planner against Inf-CL's Table 1 (tile 512 for the strategies; wholebatch's clip at its default tile)."""
+    from wholebatch.losses.sizing import tile_size_for
+    from wholebatch.planner.memory import loss_memory
+
+    for w, method, k, published in INF_CL_TABLE_1:
+        n = k * 1024
+        b = n // w
+        kw: dict[str, Any] = dict(n=n, b=b, dim=768, elem=2, acc=4, w=w)
+        mine = loss_memory("clip", strategy=method, tile=512, **kw) / 2**30
+        tile = tile_size_for("cuda", b, n)
+        ours = loss_memory("clip", strategy="gather + tiled", tile=tile, **kw) / 2**30
+        ours512 = loss_memory("clip", strategy="gather + tiled", tile=512, **kw) / 2**30
+        print(
+            f"| {w} | {method} | {k}k | {published:.2f} | {mine:.2f} | {100 * (mine / published - 1):+.0f}% | "
+            f"{ours512:.2f} | {ours:.2f} (T = {tile:,}) |"
+        )
+
+
 def speed_table() -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     from wholebatch.planner import PlanConfig, plan
@@ -194,9 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["memory", "bytes", "speed"], action="append")
+    parser.add_argument(
+        "--only", choices=["memory", "bytes", "speed", "published"], action="append"
+    )
     args = parser.parse_args(argv)
-    only = set(args.only or ["memory", "bytes", "speed"])
+    only = set(args.only or ["memory", "bytes", "speed", "published"])
     print(f"load: {os.getloadavg()}")
     if "memory" in only:
         print(
@@ -211,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     if "speed" in only:
         print("\n| W | loss | split | plan() ms (median of 5) |\n|---|---|---|---|")
         speed_table()
+    if "published" in only:
+        print(
+            "\n| GPUs | method | batch | published GB | planner GiB | gap | wholebatch clip, T = 512 | "
+            "wholebatch clip, default tile |\n|---|---|---|---|---|---|---|---|"
+        )
+        published_table()
     print(f"load: {os.getloadavg()}")
 
 

@@ -56,7 +56,8 @@ class MemoryPlan:
     activations: int
     """The model's activations of one micro-batch (act_mib x its rows)."""
     cache: int
-    """Gradient caching's extra: the cached embeddings' gradients kept through pass 2 (0 at K = 1)."""
+    """Gradient caching's extra: the cached embeddings during the loss, their gradients through
+    pass 2 (0 at K = 1)."""
     loss: int
     """The whole-batch loss's forward + backward (0 for tokens)."""
     peak: int
@@ -72,7 +73,7 @@ class Times:
     """Seconds per step on one rank (estimates: bandwidth and FLOP rates as given, no overlap)."""
 
     model: float
-    """The model's forward + backward over the rank's rows (+ one forward more with caching)."""
+    """The model's forward + backward over the rank's rows (+ K - 1 micro-batches' forwards with caching)."""
     loss: float
     """The tiled loss: matmul FLOPs or its elementwise passes through device memory, the larger."""
     loss_comm: float
