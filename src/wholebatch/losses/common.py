@@ -43,6 +43,7 @@ from wholebatch.comm.checks import exchange_text, per_rank
 from wholebatch.comm.collectives import all_gather, all_reduce
 from wholebatch.comm.groups import checks_enabled, comm_device, get_rank, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.losses.sizing import EXCHANGE_HEADER, exchange_row_elements
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
 __all__ = ["GradReduction", "Prepared", "prepare", "resolve_tile", "whole"]
@@ -51,9 +52,10 @@ GradReduction = Literal["mean", "sum"]
 _REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MSG_BYTES = 480
-# Header of an exchanged row: error flag, rows, dim, dtype, device, reduction.
-_ERR, _ROWS, _DIM, _DTYPE, _DEVICE, _RED = range(6)
-_HEADER = 6
+# Header of an exchanged row: error flag, rows, dim, dtype, device, reduction
+# (its length and the row's are in `sizing`, which the planner reads too).
+_ERR, _ROWS, _DIM, _DTYPE, _DEVICE, _RED = range(EXCHANGE_HEADER)
+_HEADER = EXCHANGE_HEADER
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -273,6 +275,7 @@ def _exchange(
             parts.append(torch.full((1,), num, dtype=torch.float64, device=dev))
     mine = torch.cat(parts)
     n = mine.numel()
+    assert n == exchange_row_elements(w, len(options), len(scalars)), "exchange row layout"
     table: list[list[float]] = (
         all_gather(mine, sizes=[n] * w, group=group, check=False).view(w, n).tolist()
     )
