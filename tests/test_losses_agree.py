@@ -206,7 +206,10 @@ def _rank_disagree(case: str, check: bool) -> Tensor:
         ("tensor_scale", "logit_scale differs across ranks {0: 2.0, 1: 3.0}"),
         ("reduction", "grad_reduction differs across ranks {0: mean, 1: sum}"),
         ("temperature", "temperature differs across ranks {0: 0.6, 1: 0.5}"),
-        ("sizes", "sizes=[2, 4] passed on rank 0 but the ranks pass {0: 2, 1: 3} rows"),
+        (
+            "sizes",
+            "the sizes= passed on ranks [0] differ from the rows the ranks pass {0: 2, 1: 3}",
+        ),
     ],
 )
 def test_disagreement_is_the_same_error_on_every_rank(case: str, text: str) -> None:
@@ -311,3 +314,14 @@ def test_tile_threads_bad_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", "many")
     with pytest.raises(WholebatchError, match="WHOLEBATCH_TILE_THREADS='many'"):
         clip_loss(xs[0], ys[0], 2.0)
+
+
+def test_sizes_fingerprint_tells_lists_apart() -> None:
+    # The exchange carries one fingerprint of `sizes=` instead of W numbers.
+    from wholebatch.losses.sizing import sizes_fingerprint
+
+    seen = {sizes_fingerprint([a, b, c]) for a in range(12) for b in range(12) for c in range(12)}
+    assert len(seen) == 12**3  # no collision among these 1,728 lists
+    assert sizes_fingerprint([3, 0]) != sizes_fingerprint([0, 3])  # order matters
+    assert sizes_fingerprint([0]) != sizes_fingerprint([0, 0])  # so does the length
+    assert all(float(int(f)) == f and f < 2**52 for f in seen)  # exact in float64

@@ -150,12 +150,13 @@ def test_info_nce_hard_negatives_and_directions_cost_bytes_and_memory() -> None:
         PlanConfig(loss="info_nce", directions="doc_to_query")
 
 
-def test_the_exchange_row_grows_with_w_and_known_sizes_skip_it() -> None:
-    """The losses' metadata exchange all-gathers W + 7 float64 per rank (clip): O(W^2) received."""
-    w = 4096
-    c = PlanConfig(loss="clip", batch=w * 16, world=w)
-    row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
-    assert row.received == (w - 1) * exchange_row_elements(w, 0, 1) * 8
+def test_the_exchange_row_is_fixed_and_known_sizes_skip_it() -> None:
+    """The losses' metadata exchange all-gathers 9 float64 per rank (clip) at any W: O(W) received."""
+    for w in (8, 4096, 65_536):
+        c = PlanConfig(loss="clip", batch=w * 16, world=w)
+        row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
+        assert exchange_row_elements(0, 1) == 9
+        assert row.received == (w - 1) * 9 * 8
     skipped = plan(dataclasses.replace(c, known_sizes=True))
     assert not any(x.name.startswith("agree shapes") for x in skipped.collectives)
 

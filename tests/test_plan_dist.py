@@ -126,7 +126,7 @@ def test_mutations_are_rejected(counted: dict[Case, list[dict[str, Any]]]) -> No
     wrong = planned(siglip, 1)
     wrong["backward"] = ({"all_reduce": wrong["backward"][0]["all_reduce"]}, wrong["backward"][1])
     assert wrong["backward"] != counted[siglip][1]["backward"]
-    # the exchange modelled without its W size columns (the old row of 7 float64)
+    # the exchange forgotten (as if every caller passed sizes= with check=False)
     clip = CASES[0]
     old = planned(dataclasses.replace(clip, known_sizes=True), 0)
     assert old["forward"] != counted[clip][0]["forward"]

@@ -18,6 +18,7 @@ __all__ = [
     "EXCHANGE_HEADER",
     "TILE_BUFFERS",
     "exchange_row_elements",
+    "sizes_fingerprint",
     "tile_size_for",
 ]
 
@@ -67,13 +68,33 @@ def tile_size_for(
     return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
 
 
-def exchange_row_elements(world_size: int, options: int, scalars: int) -> int:
+def exchange_row_elements(options: int, scalars: int) -> int:
     """Elements (float64) of the row each rank all-gathers in a loss's cross-rank exchange.
 
     The header, one column per option that must agree (InfoNCE: k, directions,
-    partition mode), every rank's row count as the caller passed it (`sizes=`,
-    or W placeholders), one column per replicated scalar (`logit_scale`, ...).
-    The row grows with W: the all-gather moves (W - 1)·(W + ...)·8 bytes per
-    rank, which `sizes=` with `check=False` skips (docs/plan.md).
+    partition mode), two for the caller's `sizes=` (given or not, and its
+    `sizes_fingerprint`), one column per replicated scalar (`logit_scale`, ...).
+    The row does not grow with W: the all-gather moves (W - 1)·row·8 bytes per
+    rank, the least that learning every rank's row count takes; `sizes=` with
+    `check=False` skips it (docs/plan.md).
     """
-    return EXCHANGE_HEADER + options + world_size + scalars
+    return EXCHANGE_HEADER + options + 2 + scalars
+
+
+# A prime below 2^52: every fingerprint is an integer a float64 holds exactly.
+_FINGERPRINT_PRIME = 4503599627370449
+_FINGERPRINT_BASE = 1_000_003
+
+
+def sizes_fingerprint(sizes: list[int] | tuple[int, ...]) -> float:
+    """A per-rank row-count list folded into one exact float64 (a polynomial hash mod a prime).
+
+    The exchange carries this instead of the list, so its row stays the same
+    length at any W; every rank compares each rank's fingerprint with that of
+    the row counts the ranks actually pass. Two different lists of the same
+    length collide with probability about W / 2^52.
+    """
+    h = len(sizes) % _FINGERPRINT_PRIME
+    for v in sizes:
+        h = (h * _FINGERPRINT_BASE + int(v) + 1) % _FINGERPRINT_PRIME
+    return float(h)

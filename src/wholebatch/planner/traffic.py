@@ -12,7 +12,7 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
 
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
   all-gather of one float64 row per rank, `exchange_row_elements` long
-  (header, options, W sizes, scalars): it grows with W;
+  (header, options, the sizes= fingerprint, scalars): the same length at any W;
 - the agreement: an all-reduce (max) of the scalars and the reduction code;
   backward (when a scalar is learnable): one all-reduce of twice that (the
   gradient and the tie count);
@@ -207,7 +207,7 @@ def loss_traffic(
         ]
     out = []
     if exchange:
-        row = exchange_row_elements(w, _OPTIONS[loss], scalars)
+        row = exchange_row_elements(_OPTIONS[loss], scalars)
         out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
     out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
