@@ -288,11 +288,12 @@ def _child_loss_times(
     embs, sc = _loss_inputs(loss, n, d)
     impls: dict[str, Callable[[], Tensor]] = {"naive": lambda: LOSSES[loss]["naive"](*embs, *sc)}
     for spec in tiles:
-        # "T": tile size T; "T/1": and WHOLEBATCH_TILE_THREADS=1 (the tile loop on one thread)
+        # "T": tile size T (the tile loop on its default one thread); "T/t": and
+        # WHOLEBATCH_TILE_THREADS=0 (the tile loop on torch's threads, the old default)
         t = None if spec is None else int(spec.split("/")[0])
         name = "tiled" if spec is None else f"tiled T={t}"
-        if spec is not None and spec.endswith("/1"):
-            name += ", 1 tile thread"  # run with WHOLEBATCH_TILE_THREADS=1 (set below)
+        if spec is not None and spec.endswith("/t"):
+            name += ", torch's threads"  # run with WHOLEBATCH_TILE_THREADS=0 (set below)
         if loss in HARD_NEGATIVES:
             impls[name] = lambda t=t: info_nce_loss(
                 embs[0], embs[1], sc[0], negatives_BKD=embs[2] if embs[2].shape[1] else None,
@@ -308,8 +309,8 @@ def _child_loss_times(
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             os.environ.pop("WHOLEBATCH_TILE_THREADS", None)
-            if name.endswith("1 tile thread"):
-                os.environ["WHOLEBATCH_TILE_THREADS"] = "1"
+            if name.endswith("torch's threads"):
+                os.environ["WHOLEBATCH_TILE_THREADS"] = "0"
             t0 = time.perf_counter()
             impls[name]().backward()
             times[name].append(time.perf_counter() - t0)
@@ -440,7 +441,7 @@ COMPETITOR = (
     "while True:\n"
     "    a = torch.tanh(a @ a / 32)\n"
 )
-CONTENTION_TILES = ("512", "1024", "2048", "512/1")
+CONTENTION_TILES = ("512", "1024", "2048", "512/t")
 
 
 def _contention_table(n: int, d: int, rounds: int) -> None:
@@ -455,7 +456,7 @@ def _contention_table(n: int, d: int, rounds: int) -> None:
         mem = {"naive": _spawn(["loss", "clip", "naive", str(n), str(d), "1"])}
         for tile in CONTENTION_TILES[:3]:
             mem[f"tiled T={tile}"] = _spawn(["loss", "clip", f"tiled@{tile}", str(n), str(d), "1"])
-        mem["tiled T=512, 1 tile thread"] = mem["tiled T=512"]  # threads change no memory
+        mem["tiled T=512, torch's threads"] = mem["tiled T=512"]  # threads change no memory
     finally:
         competitor.kill()
         competitor.wait()

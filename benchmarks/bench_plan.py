@@ -1,17 +1,22 @@
 """`wholebatch plan` against measurement: loss memory vs peak RSS, bytes vs counted and socket bytes, speed.
 
-    .venv/bin/python -m benchmarks.bench_plan            # N = 4,096 .. 32,768 (W = 1), W = 2 and 4; ~10 min
-    .venv/bin/python -m benchmarks.bench_plan --quick    # N = 4,096 and 8,192, W = 2; ~2 min
+    .venv/bin/python -m benchmarks.bench_plan                  # everything; ~30 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_plan --only memory    # the memory sweep below
+    .venv/bin/python -m benchmarks.bench_plan --quick          # N = 4,096 (W = 1, 2) only; ~2 min
 
-1. Memory: each loss's forward + backward in FRESH processes (tests/plan_memprobe.py:
-   peak-RSS growth, glibc's mmap threshold fixed so RSS follows live memory), against
-   `wholebatch.planner.memory.loss_memory`; D = 256, tile 512; float32 at W = 1 for
-   N = 4,096 .. 32,768, and float32/bfloat16 at W = 2 and 4 (N = 16,384).
+1. Memory: each loss's forward + backward (the real public losses; InfoNCE also
+   with k = 3 hard negatives) in FRESH processes (tests/plan_memprobe.py:
+   peak-RSS growth, glibc's mmap threshold fixed so RSS follows live memory),
+   against `wholebatch.planner.memory.loss_memory`; D = 256. Calibration points
+   (where the coefficients were read): W = 1 at N = 8,192 (tiles 512 and
+   2,048), W = 2 and 4 at N = 16,384, InfoNCE's directions at W = 2, N = 8,192.
+   Checks: every other row (N = 4,096 and 32,768, W = 1 at 16,384 in bfloat16,
+   k = 1), and W = 3 in tests/test_plan_dist.py.
 2. Bytes: every rank of W = 2, 3, 4 gloo ranks counts what the library hands to c10d
    (tests/plan_counting.py) and what it writes to its sockets (/proc/self/io wchar),
    against `wholebatch.planner.traffic.loss_traffic`, uneven sizes with an empty rank.
 3. Speed: `plan()` wall time (median of 5, after one warm call) for W = 8 .. 65,536,
-   even and uneven splits; `import wholebatch.planner` and the CLI's wall time apart.
+   even and uneven splits; the CLI's wall time apart.
 """
 
 from __future__ import annotations
@@ -29,40 +34,69 @@ __all__ = ["main"]
 
 LOSSES = ("clip", "siglip", "nt_xent", "info_nce")
 ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# (W, N, dtype, tile, extra specs); "cal" marks the calibration points.
+SWEEP: list[tuple[int, int, str, int, str]] = [
+    (1, 4096, "fp32", 512, ""), (1, 4096, "bf16", 512, ""),
+    (1, 8192, "fp32", 512, "cal"), (1, 8192, "bf16", 512, "cal"), (1, 8192, "fp32", 2048, "cal"),
+    (1, 16384, "bf16", 512, ""), (1, 32768, "fp32", 512, ""),
+    (2, 4096, "fp32", 512, ""), (2, 4096, "bf16", 512, ""),
+    (2, 16384, "fp32", 512, "cal"), (2, 16384, "bf16", 512, "cal"),
+    (4, 16384, "fp32", 512, "cal"), (4, 16384, "bf16", 512, "cal"), (4, 32768, "bf16", 512, ""),
+]  # fmt: skip
+DIRECTIONS = [
+    (2, "info_nce:8192:256:512:fp32:1:q2d+d2q+q2q+d2d", "cal"),
+    (2, "info_nce:8192:256:512:bf16:1:q2d+d2q+q2q+d2d", "cal"),
+    (2, "info_nce:8192:256:512:fp32:0:q2d+d2q", ""),
+    (2, "info_nce:8192:256:512:fp32:1", ""),
+]
 
 
 def _memprobe(world: int, specs: list[str]) -> dict[str, list[int]]:
     out = subprocess.run(
         [sys.executable, "-m", "tests.plan_memprobe", str(world), *specs],
-        capture_output=True, text=True, env=ENV, check=True,
+        capture_output=True, text=True, env=ENV,
     )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(out.stderr)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {r["spec"]: r["peaks"] for r in rows}
 
 
-def memory_table(
-    worlds_ns: list[tuple[int, int, str]], dim: int = 256, tile: int = 512
-) -> list[dict[str, Any]]:
+def _planned(spec: str, world: int) -> int:
+    from tests.plan_cases import DTYPES
+    from tests.plan_memprobe import case_of
     from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
 
+    c = case_of(spec, world)
+    elem = DTYPES[c.dtype].itemsize
+    return loss_memory(
+        c.loss, strategy=LOSS_STRATEGY[c.loss], n=sum(c.sizes), b=c.sizes[0], dim=c.dim,
+        elem=elem, acc=max(4, elem), tile=c.tile or 512, w=world, negatives=c.k,
+        directions=c.directions,
+    )  # fmt: skip
+
+
+def memory_table(quick: bool = False) -> list[dict[str, Any]]:
+    groups: list[tuple[int, list[str], str]] = []
+    for w, n, dt, tile, role in SWEEP:
+        if quick and n != 4096:
+            continue
+        specs = [f"{loss}:{n}:256:{tile}:{dt}" for loss in LOSSES] + [
+            f"info_nce:{n}:256:{tile}:{dt}:3"
+        ]
+        groups.append((w, specs, role))
+    if not quick:
+        for w, spec, role in DIRECTIONS:
+            groups.append((w, [spec], role))
     rows = []
-    for world, n, dtype in worlds_ns:
-        specs = [f"{loss}:{n}:{dim}:{tile}:{dtype}" for loss in LOSSES]
+    for world, specs, role in groups:
         got = _memprobe(world, specs)
-        elem = {"fp32": 4, "bf16": 2}[dtype]
         for spec in specs:
-            loss = spec.split(":")[0]
-            planned = loss_memory(
-                loss, strategy=LOSS_STRATEGY[loss], n=n, b=n // world, dim=dim, elem=elem,
-                acc=max(4, elem), tile=tile, w=world,
-            )  # fmt: skip
-            peak = max(got[spec])
-            rows.append(dict(loss=loss, world=world, n=n, dtype=dtype, measured=peak, planned=planned,
-                             error=planned / peak - 1))  # fmt: skip
-            r = rows[-1]
+            peak, planned = max(got[spec]), _planned(spec, world)
+            rows.append(dict(spec=spec, world=world, measured=peak, planned=planned, role=role))
             print(
-                f"| {loss} | {world} | {n:,} | {dtype} | {peak / 2**20:.1f} | {planned / 2**20:.1f} | "
-                f"{100 * r['error']:+.1f}% |",
+                f"| {spec} | {world} | {peak / 2**20:.1f} | {planned / 2**20:.1f} | "
+                f"{100 * (planned / peak - 1):+.1f}% | {'calibration' if role else 'check'} |",
                 flush=True,
             )
     return rows
@@ -70,28 +104,29 @@ def memory_table(
 
 def bytes_table() -> list[dict[str, Any]]:
     from tests.harness import run_ranks, shutdown_worlds
-    from tests.test_plan_dist import _nonzero, _planned, _rank_count
+    from tests.plan_cases import Case, planned
+    from tests.test_plan_dist import _count_all
 
     rows = []
-    cases = [("clip", [600, 0, 424]), ("siglip", [256, 100, 0, 300]), ("nt_xent", [512, 512]),
-             ("info_nce", [700, 300, 24])]  # fmt: skip
+    cases = [
+        Case(loss="clip", sizes=(600, 0, 424), dim=256),
+        Case(loss="siglip", sizes=(256, 100, 0, 300), dim=256),
+        Case(loss="nt_xent", sizes=(512, 512), dim=256),
+        Case(loss="info_nce", sizes=(700, 300, 24), dim=256, k=3),
+    ]
     try:
-        for loss, sizes in cases:
-            got = run_ranks(len(sizes), _rank_count, loss, sizes, 256, "fp32")
-            for rank, counted in enumerate(got):
-                planned = _planned(loss, sizes, rank, 256, "fp32")
-                p_sent = sum(sum(planned[ph][0].values()) for ph in ("forward", "backward"))
-                c_sent = sum(
-                    sum(_nonzero(counted[ph][0]).values()) for ph in ("forward", "backward")
-                )
-                equal = all(
-                    planned[ph] == tuple(_nonzero(d) for d in counted[ph])
-                    for ph in ("forward", "backward")
-                )
-                rows.append(dict(loss=loss, sizes=sizes, rank=rank, planned=p_sent, counted=c_sent,
+        for case in cases:
+            got = run_ranks(case.world, _count_all, [case], timeout=300)
+            for rank, per in enumerate(got):
+                counted = per[0]
+                want = planned(case, rank)
+                p_sent = sum(sum(want[ph][0].values()) for ph in ("forward", "backward"))
+                c_sent = sum(sum(counted[ph][0].values()) for ph in ("forward", "backward"))
+                equal = all(want[ph] == counted[ph] for ph in ("forward", "backward"))
+                rows.append(dict(case=case.label(), rank=rank, planned=p_sent, counted=c_sent,
                                  equal=equal, wchar=counted["wchar"]))  # fmt: skip
                 print(
-                    f"| {loss} | {sizes} | {rank} | {p_sent:,} | {c_sent:,} | {'yes' if equal else 'NO'} | "
+                    f"| {case.label()} | {rank} | {p_sent:,} | {c_sent:,} | {'yes' if equal else 'NO'} | "
                     f"{counted['wchar']:,} | {counted['wchar'] - p_sent:,} |",
                     flush=True,
                 )
@@ -100,12 +135,44 @@ def bytes_table() -> list[dict[str, Any]]:
     return rows
 
 
+# Inf-CL (arXiv:2410.17243) Table 1: loss (peak) memory per GPU, GB, CLIP ViT-L/14
+# (D = 768), fp16 features: (GPUs, their method, batch in k, published GB).
+INF_CL_TABLE_1 = [
+    (8, "naive", 32, 16.67), (8, "naive", 64, 66.11), (8, "local", 32, 2.27), (8, "local", 64, 8.63),
+    (8, "local", 128, 33.64), (8, "ring + tiled", 32, 0.18), (8, "ring + tiled", 64, 0.36),
+    (8, "ring + tiled", 128, 0.72), (8, "ring + tiled", 256, 1.45), (8, "ring + tiled", 1024, 6.53),
+    (32, "naive", 32, 16.66), (32, "naive", 64, 66.11), (32, "local", 32, 0.71),
+    (32, "local", 64, 2.45), (32, "local", 128, 8.98), (32, "local", 256, 34.35),
+    (32, "ring + tiled", 32, 0.05), (32, "ring + tiled", 64, 0.09), (32, "ring + tiled", 128, 0.18),
+    (32, "ring + tiled", 256, 0.35), (32, "ring + tiled", 1024, 1.44),
+]  # fmt: skip
+
+
+def published_table() -> None:
+    """The planner against Inf-CL's Table 1 (tile 512 for the strategies; wholebatch's clip at its default tile)."""
+    from wholebatch.losses.sizing import tile_size_for
+    from wholebatch.planner.memory import loss_memory
+
+    for w, method, k, published in INF_CL_TABLE_1:
+        n = k * 1024
+        b = n // w
+        kw: dict[str, Any] = dict(n=n, b=b, dim=768, elem=2, acc=4, w=w)
+        mine = loss_memory("clip", strategy=method, tile=512, **kw) / 2**30
+        tile = tile_size_for("cuda", b, n)
+        ours = loss_memory("clip", strategy="gather + tiled", tile=tile, **kw) / 2**30
+        ours512 = loss_memory("clip", strategy="gather + tiled", tile=512, **kw) / 2**30
+        print(
+            f"| {w} | {method} | {k}k | {published:.2f} | {mine:.2f} | {100 * (mine / published - 1):+.0f}% | "
+            f"{ours512:.2f} | {ours:.2f} (T = {tile:,}) |"
+        )
+
+
 def speed_table() -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     from wholebatch.planner import PlanConfig, plan
 
     imported = time.perf_counter() - t0
-    print(f"import wholebatch.planner (torch included): {imported:.2f} s")
+    print(f"import wholebatch.planner (no torch): {imported:.2f} s")
     rows = []
     for world in (8, 1024, 65536):
         for loss in (*LOSSES, "tokens"):
@@ -159,28 +226,31 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["memory", "bytes", "speed"], action="append")
+    parser.add_argument(
+        "--only", choices=["memory", "bytes", "speed", "published"], action="append"
+    )
     args = parser.parse_args(argv)
-    only = set(args.only or ["memory", "bytes", "speed"])
+    only = set(args.only or ["memory", "bytes", "speed", "published"])
     print(f"load: {os.getloadavg()}")
     if "memory" in only:
         print(
-            "\n| loss | W | N | dtype | measured MiB | planned MiB | planned vs measured |\n|---|---|---|---|---|---|---|"
+            "\n| loss:N:D:tile:dtype[:k[:directions]] | W | measured MiB | planned MiB | planned vs measured | role |\n|---|---|---|---|---|---|"
         )
-        if args.quick:
-            plan_ = [(1, 4096, "fp32"), (2, 8192, "fp32")]
-        else:
-            plan_ = [(1, n, "fp32") for n in (4096, 8192, 16384, 32768)]
-            plan_ += [(w, 16384, dt) for w in (2, 4) for dt in ("fp32", "bf16")]
-        memory_table(plan_)
+        memory_table(args.quick)
     if "bytes" in only:
         print(
-            "\n| loss | rows per rank | rank | planned bytes sent | counted | per-primitive equal | socket bytes | socket - planned |\n|---|---|---|---|---|---|---|---|"
+            "\n| case | rank | planned bytes sent | counted | per-primitive equal | socket bytes | socket - planned |\n|---|---|---|---|---|---|---|"
         )
         bytes_table()
     if "speed" in only:
         print("\n| W | loss | split | plan() ms (median of 5) |\n|---|---|---|---|")
         speed_table()
+    if "published" in only:
+        print(
+            "\n| GPUs | method | batch | published GB | planner GiB | gap | wholebatch clip, T = 512 | "
+            "wholebatch clip, default tile |\n|---|---|---|---|---|---|---|---|"
+        )
+        published_table()
     print(f"load: {os.getloadavg()}")
 
 

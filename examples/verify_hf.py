@@ -1,6 +1,7 @@
 """`wholebatch verify` targets for Hugging Face models, the HF `Trainer` and Accelerate loops.
 
     wholebatch verify examples/verify_hf.py:gpt2_trainer            # FAIL: wrong-count (transformers 5.23)
+    wholebatch verify examples/verify_hf.py:gpt2_wholebatch_trainer # PASS: the same with WholeBatchTrainer
     wholebatch verify examples/verify_hf.py:gpt2_accelerate         # PASS
     wholebatch verify examples/verify_hf.py:gpt2_accelerate_mean    # FAIL: mean-of-means
     wholebatch verify examples/verify_hf.py:llama_accumulator       # PASS (float64 Llama, float32 norms)
@@ -104,6 +105,20 @@ def gpt2_trainer() -> TrainerSpec:
 
     def train(run: TrainerRun) -> None:
         trainer = Trainer(
+            model=run.model, args=trainer_args(run), train_dataset=run.dataset,
+            optimizers=(run.optimizer, None),
+        )  # fmt: skip
+        trainer.train()
+
+    return TrainerSpec(build_model=gpt2, batch=lm_batch(), train=train, reference_loss=lm_reference)
+
+
+def gpt2_wholebatch_trainer() -> TrainerSpec:
+    """`gpt2_trainer` with one line changed: wholebatch's `WholeBatchTrainer` for `Trainer`."""
+    from wholebatch.integrations.huggingface import WholeBatchTrainer
+
+    def train(run: TrainerRun) -> None:
+        trainer = WholeBatchTrainer(
             model=run.model, args=trainer_args(run), train_dataset=run.dataset,
             optimizers=(run.optimizer, None),
         )  # fmt: skip

@@ -120,12 +120,10 @@ def test_verify_json_and_flags_come_from_the_config(capsys: pytest.CaptureFixtur
 
 def test_bench_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list"]) == 0
-    assert capsys.readouterr().out.split() == [
-        "bench_comm",
-        "bench_accumulate",
-        "bench_losses",
-        "bench_lint",
-    ]
+    listed = capsys.readouterr().out.split()
+    on_disk = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert sorted(listed) == on_disk  # every benchmark file is reachable from the command
+    assert listed[:3] == ["bench_comm", "bench_accumulate", "bench_losses"]
 
 
 def test_lint_still_dispatches_to_the_linter(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from tests.harness import run_ranks, run_ranks_outcomes
 from tests.test_losses import F64, REFS, SCALARS, _inputs
 from wholebatch import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
 from wholebatch.comm.groups import get_rank
+from wholebatch.errors import WholebatchError
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss, tile_size_for
 from wholebatch.losses.tiles import ACCEL_TILE_BUDGET, CPU_TILE, TILE_BUFFERS
 
@@ -205,7 +206,10 @@ def _rank_disagree(case: str, check: bool) -> Tensor:
         ("tensor_scale", "logit_scale differs across ranks {0: 2.0, 1: 3.0}"),
         ("reduction", "grad_reduction differs across ranks {0: mean, 1: sum}"),
         ("temperature", "temperature differs across ranks {0: 0.6, 1: 0.5}"),
-        ("sizes", "sizes=[2, 4] passed on rank 0 but the ranks pass {0: 2, 1: 3} rows"),
+        (
+            "sizes",
+            "the sizes= passed on ranks [0] differ from the rows the ranks pass {0: 2, 1: 3}",
+        ),
     ],
 )
 def test_disagreement_is_the_same_error_on_every_rank(case: str, text: str) -> None:
@@ -275,23 +279,49 @@ class _ThreadsAtMM(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_tile_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    # WHOLEBATCH_TILE_THREADS=1 runs the CPU tile loops (forward and backward) on one
-    # intra-op thread and restores torch's setting after; the answer is unchanged.
+@pytest.mark.parametrize(("env", "expected"), [(None, 1), ("1", 1), ("2", 2), ("0", 2)])
+def test_tile_threads_default_and_knob(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, expected: int
+) -> None:
+    # The CPU tile loops (forward and backward) run on one intra-op thread by default,
+    # WHOLEBATCH_TILE_THREADS=N on N, =0 on torch's own setting; torch's setting is
+    # restored after, and the answer is the same.
     xs, ys = _inputs([9])
     x, y = xs[0].requires_grad_(), ys[0].requires_grad_()
+    monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", "0")
     want = clip_loss(x, y, 2.0, tile_size=4)
     (gx,) = torch.autograd.grad(want, [x])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", "1")
+        if env is None:
+            monkeypatch.delenv("WHOLEBATCH_TILE_THREADS")
+        else:
+            monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", env)
         with _ThreadsAtMM() as mode:
             got = clip_loss(x, y, 2.0, tile_size=4)
             (g,) = torch.autograd.grad(got, [x])
-        assert mode.seen == {1}, mode.seen
+        assert mode.seen == {expected}, mode.seen
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, want, **F64)
     torch.testing.assert_close(g, gx, **F64)
+
+
+def test_tile_threads_bad_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    xs, ys = _inputs([5])
+    monkeypatch.setenv("WHOLEBATCH_TILE_THREADS", "many")
+    with pytest.raises(WholebatchError, match="WHOLEBATCH_TILE_THREADS='many'"):
+        clip_loss(xs[0], ys[0], 2.0)
+
+
+def test_sizes_fingerprint_tells_lists_apart() -> None:
+    # The exchange carries one fingerprint of `sizes=` instead of W numbers.
+    from wholebatch.losses.sizing import sizes_fingerprint
+
+    seen = {sizes_fingerprint([a, b, c]) for a in range(12) for b in range(12) for c in range(12)}
+    assert len(seen) == 12**3  # no collision among these 1,728 lists
+    assert sizes_fingerprint([3, 0]) != sizes_fingerprint([0, 3])  # order matters
+    assert sizes_fingerprint([0]) != sizes_fingerprint([0, 0])  # so does the length
+    assert all(float(int(f)) == f and f < 2**52 for f in seen)  # exact in float64

@@ -18,6 +18,7 @@ import wholebatch
 from wholebatch.cli.main import main
 from wholebatch.comm.sizes import ring_block, ring_sizes, shift_splits
 from wholebatch.errors import WholebatchError
+from wholebatch.losses.sizing import exchange_row_elements, tile_size_for
 from wholebatch.planner import PlanConfig, plan, split_rows
 from wholebatch.planner.measure import measure_model
 from wholebatch.planner.traffic import loss_traffic, representative_ranks
@@ -62,7 +63,7 @@ def test_walked_bytes_match_closed_forms_at_virtual_65536() -> None:
         clip = {c.name: c for c in loss_traffic("clip", sizes, rank, d, 2, 4)}
         gather = clip["all_gather text embeddings"]
         assert (gather.sent, gather.received) == ((w - 1) * b * d * 2, (sum(sizes) - b) * d * 2)
-        back = clip["reduce-scatter text gradient"]
+        back = clip["reduce-scatter text embeddings gradient"]
         assert (back.sent, back.received) == ((sum(sizes) - b) * d * 2, (w - 1) * b * d * 2)
         ring = {c.name: c for c in loss_traffic("siglip", sizes, rank, d, 2, 4)}
         fwd = ring["ring_shift text blocks"]
@@ -110,6 +111,54 @@ def test_ring_beats_gather_on_memory_and_loses_on_bytes_for_clip() -> None:
     assert by["ring + tiled"].loss_memory < by["gather + tiled"].loss_memory
     assert by["ring + tiled"].sent > by["gather + tiled"].sent  # float32 [block | grad] backward
     assert by["naive"].loss_memory > by["local"].loss_memory > by["gather + tiled"].loss_memory
+
+
+def test_tile_is_the_losses_own_choice_on_an_accelerator() -> None:
+    """The recommended tile comes from `tile_size_for` (pure: the planner loads no torch)."""
+    for loss, n, cols in (("clip", 1 << 20, 1 << 20), ("info_nce", 4096, 4096 * 4)):
+        p = plan(PlanConfig(loss=loss, batch=n, world=8, negatives=3 if loss == "info_nce" else 0))
+        assert p.tile == tile_size_for("cuda", n // 8, cols)
+    assert plan(PlanConfig(loss="clip", batch=1 << 20, world=8)).tile == 9216
+    assert plan(PlanConfig(loss="clip", batch=4096, world=8, tile=512)).tile == 512
+
+
+def test_gradient_caching_reruns_k_minus_1_forwards_and_keeps_one_graph() -> None:
+    """GradCache keeps the last micro-batch's pass-1 graph: K - 1 extra forwards, not K."""
+    c = PlanConfig(loss="clip", batch=65536, dim=512, world=8, act_mib=1.0, params=1e8,
+                   flops_per_sample=3e12, micro_batches=4)  # fmt: skip
+    p, one = plan(c), plan(dataclasses.replace(c, micro_batches=1))
+    # forward = 1/3 of forward + backward: 3 of the 4 micro-batches forward again
+    assert p.times.model == pytest.approx(one.times.model * (1 + 3 / (3 * 4)))
+    # the loss runs with the cached embeddings AND the kept graph's activations
+    m = p.memory
+    assert m.peak == m.static + m.activations + m.cache + m.loss and m.peak_phase == "loss"
+
+
+def test_info_nce_hard_negatives_and_directions_cost_bytes_and_memory() -> None:
+    base = PlanConfig(loss="info_nce", batch=65536, dim=768, world=16)
+    p0, p3 = plan(base), plan(dataclasses.replace(base, negatives=3))
+    g0 = next(x for x in p0.collectives if x.name.startswith("all_gather ["))
+    g3 = next(x for x in p3.collectives if x.name.startswith("all_gather ["))
+    assert g3.sent == 4 * g0.sent
+    assert p3.memory.loss > p0.memory.loss + 3 * 65536 * 768 * 2  # at least the gathered negatives
+    both = plan(dataclasses.replace(base, directions="query_to_doc,doc_to_query"))
+    assert any("column" in x.name for x in both.collectives)
+    assert not any("column" in x.name for x in p0.collectives)
+    with pytest.raises(WholebatchError, match=r"^negatives="):
+        PlanConfig(loss="clip", negatives=2)
+    with pytest.raises(WholebatchError, match=r"^directions="):
+        PlanConfig(loss="info_nce", directions="doc_to_query")
+
+
+def test_the_exchange_row_is_fixed_and_known_sizes_skip_it() -> None:
+    """The losses' metadata exchange all-gathers 9 float64 per rank (clip) at any W: O(W) received."""
+    for w in (8, 4096, 65_536):
+        c = PlanConfig(loss="clip", batch=w * 16, world=w)
+        row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
+        assert exchange_row_elements(0, 1) == 9
+        assert row.received == (w - 1) * 9 * 8
+    skipped = plan(dataclasses.replace(c, known_sizes=True))
+    assert not any(x.name.startswith("agree shapes") for x in skipped.collectives)
 
 
 def test_one_rank_moves_nothing() -> None:

@@ -7,7 +7,9 @@ configs in float64:
 - the stock Trainer on GPT2LMHeadModel (loss_type None) counts labels before the
   causal shift: every gradient is (predicted tokens)/(labels) = 107/131 of the
   whole-batch gradient on this ragged batch of 24 rows; verify names the counts;
-- the same Trainer with the count fixed (`fixed_trainer_class`) passes: the
+- the same Trainer fixed by wholebatch's integration (`WholeBatchTrainer`, the
+  model's own loss) passes at the floor of the model's float32 loss, and a
+  float64 `compute_loss_func` through it passes at float64 round-off: the
   mechanism accepts a right trainer, it does not just reject trainers;
 - an Accelerate loop done right passes, the usual one (`model(**batch).loss` per
   micro-batch) is a mean of means, found from the rows the trainer fed the model;
@@ -48,23 +50,10 @@ hf = _load_examples()
 
 
 def fixed_trainer_class() -> type[Trainer]:
-    """The HF Trainer with its item count fixed: the one thing to swap for wholebatch's integration.
+    """The HF Trainer fixed by wholebatch's integration (`wholebatch.integrations.huggingface`)."""
+    from wholebatch.integrations.huggingface import WholeBatchTrainer
 
-    (When `wholebatch.integrations` ships its HF Trainer, return that class here.)
-    It counts `num_items_in_batch` over labels[..., 1:] (what a causal LM predicts),
-    across the K micro-batches and all ranks, and computes the loss as the sum of
-    shifted token losses over that count; the Trainer itself multiplies a loss from
-    `compute_loss_func` by W (DDP averages) and does not divide it by K.
-    """
-
-    class ShiftCountingTrainer(Trainer):
-        def get_batch_samples(self, epoch_iterator, num_batches, device):  # type: ignore[no-untyped-def]
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-            local = sum((b["labels"][..., 1:] != -100).sum() for b in batches)
-            count = self.accelerator.gather(torch.as_tensor(local, device=device)[None]).sum()
-            return batches, count
-
-    return ShiftCountingTrainer
+    return WholeBatchTrainer
 
 
 def _shifted_loss(
@@ -95,6 +84,7 @@ def fixed_gpt2_trainer() -> TrainerSpec:
 # The examples' targets, named through this module so that one process imports
 # transformers once for all of them (each TARGET module is imported in its own process).
 gpt2_trainer = hf.gpt2_trainer
+gpt2_wholebatch_trainer = hf.gpt2_wholebatch_trainer
 gpt2_accelerate = hf.gpt2_accelerate
 gpt2_accelerate_mean = hf.gpt2_accelerate_mean
 llama_accumulator = hf.llama_accumulator
@@ -104,6 +94,7 @@ EX = str(Path(__file__).relative_to(ROOT))
 HERE = f"{EX}:fixed_gpt2_trainer"
 EXPECTED: dict[str, str | None] = {
     f"{EX}:gpt2_trainer": "wrong-count",
+    f"{EX}:gpt2_wholebatch_trainer": None,
     HERE: None,
     f"{EX}:gpt2_accelerate": None,
     f"{EX}:gpt2_accelerate_mean": "mean-of-means",

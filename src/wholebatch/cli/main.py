@@ -35,7 +35,15 @@ from wholebatch.errors import WholebatchError
 __all__ = ["main"]
 
 # benchmarks/ modules `wholebatch bench` knows, in the order it runs them.
-BENCHMARKS = ("bench_comm", "bench_accumulate", "bench_losses", "bench_lint")
+BENCHMARKS = (
+    "bench_comm",
+    "bench_accumulate",
+    "bench_losses",
+    "bench_cache",
+    "bench_integrations",
+    "bench_plan",
+    "bench_lint",
+)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

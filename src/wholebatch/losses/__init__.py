@@ -3,16 +3,38 @@
 `contrastive` and `info_nce` hold the loss functions, `modules` their
 `nn.Module` forms, `common` the validation agreed across ranks and the
 gradient convention of DESIGN.md, `tiles` the tiled autograd kernels that keep
-memory linear in the batch. Losses use `wholebatch.comm` and nothing above it.
+memory linear in the batch, `sizing` their pure bookkeeping (tile size, the
+exchange's row). Losses use `wholebatch.comm` and nothing above it.
 """
 
 from __future__ import annotations
 
-from wholebatch.losses.common import GradReduction
-from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
-from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
-from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
-from wholebatch.losses.tiles import tile_size_for
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use (PEP 562), like the top level and `comm`: `losses.sizing`
+# is pure Python and the planner reads it without loading torch.
+_LAZY: dict[str, str] = {
+    "ClipLoss": "wholebatch.losses.modules",
+    "Direction": "wholebatch.losses.info_nce",
+    "GradReduction": "wholebatch.losses.common",
+    "InfoNCELoss": "wholebatch.losses.modules",
+    "NTXentLoss": "wholebatch.losses.modules",
+    "PartitionMode": "wholebatch.losses.info_nce",
+    "SigLipLoss": "wholebatch.losses.modules",
+    "clip_loss": "wholebatch.losses.contrastive",
+    "info_nce_loss": "wholebatch.losses.info_nce",
+    "nt_xent_loss": "wholebatch.losses.contrastive",
+    "siglip_loss": "wholebatch.losses.contrastive",
+    "tile_size_for": "wholebatch.losses.sizing",
+}
+
+if TYPE_CHECKING:
+    from wholebatch.losses.common import GradReduction
+    from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+    from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
+    from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
+    from wholebatch.losses.sizing import tile_size_for
 
 __all__ = [
     "ClipLoss",
@@ -28,3 +50,16 @@ __all__ = [
     "siglip_loss",
     "tile_size_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wholebatch.losses' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -43,6 +43,7 @@ from wholebatch.comm.checks import exchange_text, per_rank
 from wholebatch.comm.collectives import all_gather, all_reduce
 from wholebatch.comm.groups import checks_enabled, comm_device, get_rank, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.losses.sizing import EXCHANGE_HEADER, exchange_row_elements, sizes_fingerprint
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
 __all__ = ["GradReduction", "Prepared", "prepare", "resolve_tile", "whole"]
@@ -51,9 +52,10 @@ GradReduction = Literal["mean", "sum"]
 _REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MSG_BYTES = 480
-# Header of an exchanged row: error flag, rows, dim, dtype, device, reduction.
-_ERR, _ROWS, _DIM, _DTYPE, _DEVICE, _RED = range(6)
-_HEADER = 6
+# Header of an exchanged row: error flag, rows, dim, dtype, device, reduction
+# (its length and the row's are in `sizing`, which the planner reads too).
+_ERR, _ROWS, _DIM, _DTYPE, _DEVICE, _RED = range(EXCHANGE_HEADER)
+_HEADER = EXCHANGE_HEADER
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,7 +265,8 @@ def _exchange(
         float(_REDUCTIONS.index(str(grad_reduction))) if err is None else -1.0,
     ]
     head += [float(v) if err is None else 0.0 for v, _ in options.values()]
-    head += [float(v) for v in sizes] if err is None and sizes is not None else [-1.0] * w  # type: ignore[attr-defined]
+    given = err is None and sizes is not None
+    head += [1.0, sizes_fingerprint(list(sizes))] if given else [-1.0, 0.0]  # type: ignore[call-overload]
     parts = [torch.tensor(head, dtype=torch.float64, device=dev)]
     for value in scalars.values():
         if err is None and isinstance(value, Tensor):
@@ -273,6 +276,7 @@ def _exchange(
             parts.append(torch.full((1,), num, dtype=torch.float64, device=dev))
     mine = torch.cat(parts)
     n = mine.numel()
+    assert n == exchange_row_elements(len(options), len(scalars)), "exchange row layout"
     table: list[list[float]] = (
         all_gather(mine, sizes=[n] * w, group=group, check=False).view(w, n).tolist()
     )
@@ -305,7 +309,7 @@ def _check_table(
     ]
     for i, (name, (_, fix)) in enumerate(options.items()):
         columns.append((_HEADER + i, name, fix))
-    base = _HEADER + n_opt + w
+    base = _HEADER + n_opt + 2
     for i, name in enumerate(scalar_names):
         columns.append(
             (
@@ -331,13 +335,15 @@ def _check_table(
             exc = WholebatchTypeError if col in (_DTYPE, _DEVICE) else WholebatchError
             raise exc(f"{op}: {what} differs across ranks {per_rank(shown)}; {fix}")
     rows = [int(t[_ROWS]) for t in table]
-    given = [t[_HEADER + n_opt : _HEADER + n_opt + w] for t in table]
-    for q, g in enumerate(given):
-        if g[0] >= 0 and [int(v) for v in g] != rows:
-            raise WholebatchError(
-                f"{op}: sizes={[int(v) for v in g]} passed on rank {q} but the ranks pass "
-                f"{per_rank(rows)} rows; pass every rank's row count, the same list on every rank"
-            )
+    want = sizes_fingerprint(rows)
+    wrong = [
+        q for q, t in enumerate(table) if t[_HEADER + n_opt] >= 0 and t[_HEADER + n_opt + 1] != want
+    ]
+    if wrong:
+        raise WholebatchError(
+            f"{op}: the sizes= passed on ranks {wrong} differ from the rows the ranks pass "
+            f"{per_rank(rows)}; pass every rank's row count, the same list on every rank"
+        )
     return rows
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,9 +49,13 @@ from torch import Tensor
 from wholebatch.comm.collectives import all_gather, ring_shift
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_sizes
+from wholebatch.errors import WholebatchError
+from wholebatch.losses.sizing import ACCEL_TILE_BUDGET, CPU_TILE, TILE_BUFFERS, tile_size_for
 
 __all__ = [
+    "ACCEL_TILE_BUDGET",
     "CPU_TILE",
+    "TILE_BUFFERS",
     "PositiveLSE",
     "SigmoidRing",
     "SymmetricLSE",
@@ -62,33 +65,50 @@ __all__ = [
     "tile_size_for",
 ]
 
-CPU_TILE = 512
-# Accelerators: the tile buffers of one step (the logits tile, its exponentials,
-# the gradient tile) live at once; float32 each.
-TILE_BUFFERS = 3
-ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
-_TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
-
-
 _THREADS_ENV = "WHOLEBATCH_TILE_THREADS"
+
+
+# Default intra-op threads of a CPU tile loop. Measured (benchmarks/RESULTS.md,
+# "contention"; CLIP N = 4,096, D = 256, 2 cores): with torch's 2 threads the tile
+# loop took 1.4-15x the plain formula whenever anything else ran on the machine
+# (other processes, a second rank), against 0.59-0.77x on one thread; every tile is a
+# dozen small parallel ops, each ending at a barrier that a descheduled thread stalls.
+DEFAULT_CPU_TILE_THREADS = 1
+
+
+def _tile_threads() -> int | None:
+    """Intra-op threads for a CPU tile loop; None: torch's own setting."""
+    want = os.environ.get(_THREADS_ENV, "").strip()
+    if not want:
+        return DEFAULT_CPU_TILE_THREADS
+    try:
+        n = int(want)
+    except ValueError:
+        raise WholebatchError(
+            f"{_THREADS_ENV}={want!r}: expected a number of threads (0: torch's own setting)"
+        ) from None
+    return None if n <= 0 else n
 
 
 @contextlib.contextmanager
 def cpu_tile_threads(device: torch.device) -> Iterator[None]:
-    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads, if set.
+    """Run a CPU tile loop on ``WHOLEBATCH_TILE_THREADS`` intra-op threads (default 1).
 
     Every tile is a dozen small parallel ops, each ending at a barrier; when the
     machine is oversubscribed (other processes, W ranks on one host) a thread
     that is descheduled stalls every op, and the loop's time grows with the
     number of ops (benchmarks/RESULTS.md, contention: 10x the plain formula at 2
-    threads, 0.66x at 1). Unset (the default), torch's own setting applies.
+    threads, under 1x at 1). So by default the tile loop runs on one thread and
+    the rest of the process keeps torch's setting. ``WHOLEBATCH_TILE_THREADS=N``
+    uses N threads, ``0`` torch's own setting (a quiet many-core machine). Not
+    used off the CPU.
     """
-    want = os.environ.get(_THREADS_ENV, "")
-    if device.type != "cpu" or not want.strip():
+    want = _tile_threads() if device.type == "cpu" else None
+    before = torch.get_num_threads()
+    if want is None or want == before:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(want)))
+    torch.set_num_threads(want)
     try:
         yield
     finally:
@@ -114,40 +134,6 @@ def softplus(x: Tensor) -> Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype tiles are computed in: float32 for 16-bit inputs (exp of bf16 logits is too coarse)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def tile_size_for(
-    device_type: str, rows: int, cols: int, *, budget_bytes: int | None = None
-) -> int:
-    """The tile side T for a `rows` x `cols` logits sweep on `device_type` (a pure function).
-
-    CPU: `CPU_TILE` (512): on CPU a tile's elementwise passes cost as much as
-    its product, larger tiles measured no faster (benchmarks/RESULTS.md), and
-    512 keeps the tile buffers at 1 MiB each. With `budget_bytes`, no larger
-    than the budget allows.
-
-    Accelerators (cuda, xpu, ...): as large as the memory budget allows
-    (`TILE_BUFFERS` float32 T x T buffers within `budget_bytes`, default
-    `ACCEL_TILE_BUDGET` = 1 GiB: T = 9,216), a multiple of 256, and no larger
-    than the sweep itself: each tile is a handful of kernel launches, so
-    fewer, larger tiles keep the launches negligible next to the work (at
-    N = 65,536 a sweep is 64 tiles; at 262,144, 841).
-
-    Args:
-        device_type: "cpu", "cuda", ... (`tensor.device.type`).
-        rows: rows of the logits swept (this rank's queries).
-        cols: columns swept (the candidates).
-        budget_bytes: bytes the tile buffers may use.
-    """
-    if device_type == "cpu":
-        if budget_bytes is None:
-            return CPU_TILE
-        return max(1, min(CPU_TILE, math.isqrt(budget_bytes // (4 * TILE_BUFFERS))))
-    budget = ACCEL_TILE_BUDGET if budget_bytes is None else budget_bytes
-    t = math.isqrt(max(budget, 0) // (4 * TILE_BUFFERS))
-    t = max(_TILE_QUANTUM, t // _TILE_QUANTUM * _TILE_QUANTUM)
-    longest = max(rows, cols, 1)
-    return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
 
 
 _MM_OUT_DTYPE = True  # False once `torch.mm(..., out_dtype=)` proved unavailable

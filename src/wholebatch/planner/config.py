@@ -11,9 +11,10 @@ import dataclasses
 
 from wholebatch.errors import WholebatchError
 
-__all__ = ["DTYPE_BYTES", "LOSSES", "PlanConfig"]
+__all__ = ["DIRECTIONS", "DTYPE_BYTES", "LOSSES", "PlanConfig"]
 
 LOSSES = ("clip", "siglip", "nt_xent", "info_nce", "tokens")
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
@@ -31,6 +32,18 @@ class PlanConfig:
 
     dim: int = 512
     """D, the embedding dim the contrastive loss receives."""
+
+    negatives: int = 0
+    """k, hard negatives per query (info_nce: each query is scored against all N
+    positives and all N x k hard negatives of the whole batch)."""
+
+    directions: str = "query_to_doc"
+    """info_nce's directions, comma-separated: query_to_doc (always), doc_to_query,
+    query_to_query, doc_to_doc."""
+
+    known_sizes: bool = False
+    """The loss is called with sizes= and check=False: no cross-rank metadata exchange
+    (default: the exchange runs, an all-gather of W + 7 to 10 float64 per rank)."""
 
     dtype: str = "bf16"
     """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64
@@ -72,7 +85,8 @@ class PlanConfig:
     """K, micro-batches per rank per step; 0: the smallest K that fits."""
 
     tile: int = 0
-    """T, rows and columns of one logits tile; 0: chosen from the batch and the device memory."""
+    """T, rows and columns of one logits tile; 0: what the losses choose on an accelerator
+    (wholebatch.losses.tile_size_for: 3 float32 T x T buffers within 1 GiB, at most the sweep)."""
 
     intra_gbs: float = 300.0
     """Achieved bandwidth per GPU per direction inside a node, GB/s (NVLink: 300-450)."""
@@ -107,10 +121,26 @@ class PlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, value, "must be a positive int")
-        for name in ("micro_batches", "tile"):
+        for name in ("micro_batches", "tile", "negatives"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad(name, value, "must be an int >= 0 (0: chosen by the planner)")
+                raise bad(
+                    name,
+                    value,
+                    "must be an int >= 0"
+                    + ("" if name == "negatives" else " (0: chosen by the planner)"),
+                )
+        dirs = self.direction_list
+        if not set(dirs) <= set(DIRECTIONS) or "query_to_doc" not in dirs:
+            raise bad(
+                "directions", self.directions,
+                f"must be comma-separated names of {', '.join(DIRECTIONS)}, holding query_to_doc",
+            )  # fmt: skip
+        if (self.negatives or dirs != ("query_to_doc",)) and self.loss != "info_nce":
+            raise bad(
+                "negatives" if self.negatives else "directions",
+                self.negatives or self.directions, "applies to loss='info_nce' only",
+            )  # fmt: skip
         if self.world > 65536:
             raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
         if self.batch < self.world and self.loss != "tokens":
@@ -130,6 +160,11 @@ class PlanConfig:
             raise bad(
                 "reserve_gib", self.reserve_gib, f"must be below memory_gib={self.memory_gib}"
             )
+
+    @property
+    def direction_list(self) -> tuple[str, ...]:
+        """`directions` as a tuple, in the order given, without repeats."""
+        return tuple(dict.fromkeys(d.strip() for d in self.directions.split(",") if d.strip()))
 
     @property
     def elem(self) -> int:

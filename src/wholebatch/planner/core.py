@@ -19,23 +19,27 @@ import time
 from collections.abc import Sequence
 
 from wholebatch.errors import WholebatchError
+from wholebatch.losses.sizing import tile_size_for
 from wholebatch.planner.config import PlanConfig
 from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
 from wholebatch.planner.traffic import (
     Collective,
     ddp_grad_traffic,
+    gather_traffic,
     loss_traffic,
     representative_ranks,
+    ring_traffic,
 )
 
 __all__ = ["MemoryPlan", "Plan", "Strategy", "Times", "plan", "split_rows"]
 
 MIB = 2**20
-_TILES = (512, 1024, 2048, 4096, 8192, 16384)
 # Reads + writes of one logits element per forward + backward, counted from the
 # kernels' tile loops (losses/tiles.py): the elementwise passes a GPU pays in
-# memory bandwidth, since the kernels are not fused.
-_PASSES = {"clip": 27, "info_nce": 14, "nt_xent": 27, "siglip": 22}
+# memory bandwidth, since the kernels are not fused. A sweep with column
+# statistics (CLIP, InfoNCE's doc_to_query) pays about 14 more than one without.
+_PASSES = {"clip": 30, "info_nce": 16, "nt_xent": 29, "siglip": 22}
+_COLUMN_PASSES = 14
 
 
 def split_rows(n: int, w: int) -> list[int]:
@@ -52,7 +56,8 @@ class MemoryPlan:
     activations: int
     """The model's activations of one micro-batch (act_mib x its rows)."""
     cache: int
-    """Gradient caching's extra: the cached embeddings' gradients kept through pass 2 (0 at K = 1)."""
+    """Gradient caching's extra: the cached embeddings during the loss, their gradients through
+    pass 2 (0 at K = 1)."""
     loss: int
     """The whole-batch loss's forward + backward (0 for tokens)."""
     peak: int
@@ -68,7 +73,7 @@ class Times:
     """Seconds per step on one rank (estimates: bandwidth and FLOP rates as given, no overlap)."""
 
     model: float
-    """The model's forward + backward over the rank's rows (+ one forward more with caching)."""
+    """The model's forward + backward over the rank's rows (+ K - 1 micro-batches' forwards with caching)."""
     loss: float
     """The tiled loss: matmul FLOPs or its elementwise passes through device memory, the larger."""
     loss_comm: float
@@ -154,6 +159,19 @@ def _act(c: PlanConfig, rows: int) -> int:
     return int(c.act_mib * MIB * rows)
 
 
+def _embeddings(c: PlanConfig, b: int) -> int:
+    """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k negatives)."""
+    per_row = 2 + (c.negatives if c.loss == "info_nce" else 0)
+    return per_row * b * c.dim * c.elem
+
+
+def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
+    return loss_memory(
+        c.loss, strategy=strategy or LOSS_STRATEGY[c.loss], n=n, b=b, dim=c.dim, elem=c.elem,
+        acc=c.acc, tile=tile, w=c.world, negatives=c.negatives, directions=c.direction_list,
+    )  # fmt: skip
+
+
 def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
     static = _static(c)
     rows = math.ceil(b / k) if b else 0
@@ -164,19 +182,20 @@ def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
             static=static, activations=act, cache=0, loss=0, peak=peak, budget=c.budget,
             peak_phase="micro-batch",
         )  # fmt: skip
-    lmem = loss_memory(
-        c.loss, strategy=LOSS_STRATEGY[c.loss], n=n, b=b, dim=c.dim, elem=c.elem, acc=c.acc,
-        tile=tile, w=c.world,
-    )  # fmt: skip
-    emb = 2 * b * c.dim * c.elem  # two embeddings per row (two towers, or nt_xent's two views)
+    lmem = _loss_memory(c, n, b, tile)
     if k == 1:  # no caching: the loss runs while the batch's activations are alive
         peak = static + act + lmem
         return MemoryPlan(
             static=static, activations=act, cache=0, loss=lmem, peak=peak, budget=c.budget,
             peak_phase="loss",
         )  # fmt: skip
-    loss_phase = static + emb + lmem
-    mb_phase = static + emb + act  # pass 2 keeps the embeddings' gradients (emb bytes)
+    # Gradient caching (wholebatch.GradCache, CachedStep): the loss runs on the cached
+    # embeddings of all K micro-batches while the LAST micro-batch's graph is kept
+    # (its second forward is never run); pass 2 then holds the embeddings'
+    # gradients and one micro-batch's activations at a time.
+    emb = _embeddings(c, b)
+    loss_phase = static + act + emb + lmem
+    mb_phase = static + emb + act
     return MemoryPlan(
         static=static, activations=act, cache=emb, loss=lmem, peak=max(loss_phase, mb_phase),
         budget=c.budget, peak_phase="loss" if loss_phase >= mb_phase else "micro-batch",
@@ -203,25 +222,22 @@ def _choose_k(c: PlanConfig, n: int, b: int, tile: int) -> int:
     return k
 
 
-def _choose_tile(c: PlanConfig, n: int, b: int) -> int:
-    """The smallest tile (>= 512) giving at most 1,024 tiles per sweep, within 1/16 of the budget.
+def _sweep(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) -> tuple[int, int]:
+    """(rows, cols) of the logits sweep the loss hands `tile_size_for` on a rank of `b` rows."""
+    if c.loss == "nt_xent":
+        return 2 * n, 2 * n
+    if c.loss == "siglip":
+        return b, max(sizes) if sizes else b
+    if c.loss == "info_nce":
+        return b, n * (1 + c.negatives)
+    return b, n
 
-    One Python-level iteration per tile: on a GPU, a sweep of a few hundred
-    large tiles keeps the device busy where 512-row tiles at N = 1M would
-    launch millions of small kernels. Unmeasured on a GPU here: a heuristic.
-    """
+
+def _choose_tile(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) -> int:
+    """`c.tile`, or the tile the losses choose on an accelerator (`tile_size_for`, the same function)."""
     if c.tile:
         return c.tile
-    rows = 2 * b if c.loss == "nt_xent" else b
-    cols = 2 * n if c.loss == "nt_xent" else (b if c.loss == "siglip" else n)
-    best = _TILES[0]
-    for t in _TILES:
-        if 2 * t * t * c.acc > c.budget // 16:
-            break
-        best = t
-        if math.ceil(rows / t) * math.ceil(cols / t) <= 1024:
-            break
-    return best
+    return tile_size_for("cuda", *_sweep(c, n, b, sizes))
 
 
 def _fits_any_k(c: PlanConfig, n: int) -> bool:
@@ -262,17 +278,28 @@ def _comm_seconds(c: PlanConfig, rows: Sequence[Collective]) -> float:
 
 def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -> Times:
     flops = c.flops_per_sample or 6.0 * c.params * c.tokens
-    cached = c.loss != "tokens" and k > 1
-    model = flops * b * (4 / 3 if cached else 1.0) / (c.tflops * 1e12)
+    # Gradient caching re-runs the forward of K - 1 micro-batches (GradCache keeps
+    # the last one's graph from pass 1): (K - 1)/K of the rows, a forward being a
+    # third of forward + backward.
+    extra = (k - 1) / (3 * k) if c.loss != "tokens" and k > 1 else 0.0
+    model = flops * b * (1 + extra) / (c.tflops * 1e12)
     loss_s = 0.0
     if c.loss != "tokens":
+        passes: float = _PASSES[c.loss]
         if c.loss == "nt_xent":
             elements = (2 * n) ** 2 / 2 / c.world  # the upper triangle, dealt over the ranks
             mm = 16.0 * n * n * c.dim / c.world
+        elif c.loss == "info_nce":
+            dirs = c.direction_list
+            cands = n * (1 + c.negatives)
+            cols = cands * (1 + ("doc_to_doc" in dirs)) + n * ("query_to_query" in dirs)
+            elements = float(b) * cols
+            mm = 8.0 * b * cols * c.dim
+            passes += _COLUMN_PASSES * n / cols if "doc_to_query" in dirs else 0
         else:
             elements = float(b) * n
             mm = 8.0 * b * n * c.dim
-        loss_s = max(mm / (c.tflops * 1e12), elements * _PASSES[c.loss] * c.acc / (c.hbm_gbs * 1e9))
+        loss_s = max(mm / (c.tflops * 1e12), elements * passes * c.acc / (c.hbm_gbs * 1e9))
     ddp = ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     return Times(
         model=model,
@@ -287,36 +314,44 @@ def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -
 # ---------------------------------------------------------------------------
 
 
+# Elements per row of the blocks each loss moves: the keys (texts; InfoNCE's
+# [document | negatives]; NT-Xent's [z1 | z2]).
+def _key_width(c: PlanConfig) -> int:
+    if c.loss == "nt_xent":
+        return 2 * c.dim
+    return (1 + (c.negatives if c.loss == "info_nce" else 0)) * c.dim
+
+
 class _Traffic:
-    """`loss_traffic` for one run, memoised per (loss, rank): a ring at W = 65,536 is walked once."""
+    """A strategy's collectives on one rank, memoised: a ring at W = 65,536 is walked once per rank."""
 
     def __init__(self, c: PlanConfig, sizes: Sequence[int]) -> None:
         self.c, self.sizes = c, sizes
         self._memo: dict[tuple[str, int], list[Collective]] = {}
 
-    def __call__(self, loss: str, rank: int) -> list[Collective]:
-        key = (loss, rank)
+    def __call__(self, strategy: str, rank: int) -> list[Collective]:
+        key = (strategy, rank)
         if key not in self._memo:
-            c = self.c
-            self._memo[key] = loss_traffic(loss, self.sizes, rank, c.dim, c.elem, c.acc)
+            self._memo[key] = self._walk(strategy, rank)
         return self._memo[key]
 
-
-def _strategy_traffic(name: str, loss: str, rank: int, traffic: _Traffic) -> list[Collective]:
-    if name == "ring + tiled":
-        return traffic("siglip", rank)
-    if loss == "nt_xent":  # every strategy gathers [z1 | z2]
-        return traffic("nt_xent", rank)
-    gather = traffic("info_nce", rank)
-    if name == "gather + tiled":
-        return traffic(loss if loss != "siglip" else "info_nce", rank)
-    # naive and local (open_clip, DisCo-CLIP) gather the images too, and return their gradients
-    images = [
-        dataclasses.replace(x, name=x.name.replace("text", "image"))
-        for x in gather
-        if "text" in x.name
-    ]
-    return gather + images
+    def _walk(self, strategy: str, rank: int) -> list[Collective]:
+        c, sizes = self.c, self.sizes
+        if strategy == LOSS_STRATEGY[c.loss]:  # the library's own loss, every call counted
+            return loss_traffic(
+                c.loss, sizes, rank, c.dim, c.elem, c.acc, negatives=c.negatives,
+                directions=c.direction_list, exchange=not c.known_sizes,
+            )  # fmt: skip
+        width = _key_width(c)
+        if strategy == "ring + tiled":
+            return ring_traffic("key blocks", sizes, rank, width, c.elem, c.acc)
+        keys = gather_traffic("keys", sizes, rank, width * c.elem)
+        if (
+            strategy == "gather + tiled" or c.loss == "nt_xent"
+        ):  # nt_xent gathers both views at once
+            return keys
+        # naive and local (open_clip, DisCo-CLIP) gather the queries (images) too
+        return keys + gather_traffic("queries", sizes, rank, c.dim * c.elem)
 
 
 def _strategies(
@@ -324,19 +359,14 @@ def _strategies(
 ) -> list[Strategy]:
     if c.loss == "tokens":
         return []
-    b = sizes[rank]
-    names = ["gather + tiled", "ring + tiled", "local", "naive"]
     out = []
-    for name in names:
-        mem = loss_memory(
-            c.loss, strategy=name, n=n, b=b, dim=c.dim, elem=c.elem, acc=c.acc, tile=tile, w=c.world
-        )
-        rows = _strategy_traffic(name, c.loss, rank, traffic)
+    for name in ("gather + tiled", "ring + tiled", "local", "naive"):
+        rows = traffic(name, rank)
         out.append(
             Strategy(
                 name=name,
                 in_wholebatch=name == LOSS_STRATEGY[c.loss],
-                loss_memory=mem,
+                loss_memory=_loss_memory(c, n, sizes[rank], tile, name),
                 sent=sum(r.sent for r in rows),
                 received=sum(r.received for r in rows),
                 comm_seconds=_comm_seconds(c, rows),
@@ -373,14 +403,14 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
                 f"got {len(rows)} entries summing to {sum(rows)}"
             )
     n, b = c.batch, max(rows)
-    tile = _choose_tile(c, n, b)
+    tile = _choose_tile(c, n, b, rows)
     k = _choose_k(c, n, b, tile)
     mem = _memory(c, n, b, k, tile)
     ranks = representative_ranks(rows)
     traffic = _Traffic(c, rows)
     per_rank = {}
     for r in ranks:
-        coll = [] if c.loss == "tokens" else traffic(c.loss, r)
+        coll = [] if c.loss == "tokens" else traffic(LOSS_STRATEGY[c.loss], r)
         per_rank[r] = coll + ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     busiest = max(ranks, key=lambda r: (sum(x.sent + x.received for x in per_rank[r]), rows[r]))
     collectives = per_rank[busiest]
@@ -405,16 +435,25 @@ def _assumptions(c: PlanConfig) -> list[str]:
         f"per GPU per direction, {c.latency_us:g} us per message round; no overlap of communication and compute",
         "all-reduce: ring model 2(W-1)/W of the tensor (NCCL trees/NVLS move less at scale)",
         "DDP replicas (no FSDP sharding); the model's activations scale with micro-batch rows",
-        f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute for 16-bit)",
+        f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute for 16-bit; "
+        "CUDA's 16-bit path skips some float32 copies), an even split",
+        "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
+        "replicated scalars (logit_scale, ...) are learnable: their gradients are agreed in the backward",
     ]
     if c.loss != "tokens":
-        out.append("K > 1 uses gradient caching (CachedStep): one extra forward per micro-batch")
+        out.append(
+            "K > 1 uses gradient caching (wholebatch.GradCache / CachedStep): K - 1 extra forwards, "
+            "the last micro-batch's graph kept through the loss"
+        )
+    if c.loss != "tokens" and not c.known_sizes and c.world > 1:
+        row = 8 * (c.world - 1) * 13
+        if row > 2**20:
+            out.append(
+                f"the losses' metadata exchange all-gathers ~{row / 2**20:.0f} MiB per rank per call "
+                "(a row of 9..12 float64 per rank): pass sizes= with check=False (--known-sizes) to skip it"
+            )
     if c.act_mib == 0:
         out.append(
             "act_mib = 0: model activations not counted (measure them: wholebatch.planner.measure_model)"
-        )
-    if c.loss == "info_nce":
-        out.append(
-            "info_nce: modelled as the one-directional TiledLSE over all-gathered keys (issue 12)"
         )
     return out

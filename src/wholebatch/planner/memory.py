@@ -1,32 +1,47 @@
 """Peak memory of one rank: the whole-batch loss, the model's activations at K, gradient caching's extra.
 
-Loss memory (forward + backward of the loss with respect to both embeddings,
-gradients included, beyond the embeddings the caller already holds) is
+Loss memory (forward + backward of the loss with respect to every embedding,
+gradients included, beyond the embeddings the caller already holds) is a sum
+of buffers, each a multiple of one of
 
-    bytes = alpha * N * D + beta * B * D + 2 * T^2 * a + 4 * N * a
+    G·D  the gathered key rows (G = N for clip, N·(1 + k) for info_nce's
+         [documents; hard negatives]; at W = 1 nothing is gathered),
+    B·D  this rank's query rows, Bk·D its key rows (Bk = B·(1 + k)),
+    T²   one logits tile (float32; T the tile),
 
-with N the global rows, B this rank's rows, D the dim, T the tile, a the
-compute element size (4, or 8 for float64 inputs). alpha and beta count the
-(N x D) and (B x D) buffers alive at the peak, per element, by kernel and by
-whether the inputs are narrower than the compute dtype (bf16/fp16: their
-float32 copies). They were read off peak-RSS measurements of the kernels on CPU
-(glibc's mmap threshold fixed, so RSS follows live memory; benchmarks/bench_plan.py)
-and explained by the buffers below; the tests check the formula at other N, D,
-W and tiles. The 2·T² term is one tile and its gradient; 4·N·a the log-sum-exp
-vectors.
+with e the embeddings' element size and a the kernels' compute element size
+(4, or 8 for float64 inputs). The coefficients were read off peak-RSS
+measurements of the kernels on CPU (glibc's mmap threshold fixed, so RSS
+follows live memory; benchmarks/bench_plan.py, tests/plan_memprobe.py) at
+N = 8,192 (W = 1) and 16,384 (W = 2, 4), D = 256, tiles 512 and 2,048, and are
+explained by the buffers below; the tests and the benchmark check them at
+other N, W (3), k and dtypes (docs/plan.md).
 
-- clip / info_nce, gather + tiled (`TiledLSE` over the all-gathered texts): at
-  W > 1 the gathered texts (N·D·e), their float32 gradient and the
-  reduce-scatter's receive buffer (alpha: 2 float32 buffers, +2 bytes for
-  16-bit inputs' cast copy); the queries scaled once, their gradient, the
-  positives' gradients and the .grad accumulations (beta: 5). At W = 1 nothing
-  is gathered: 6 buffers of N·D.
-- siglip, ring + tiled (`SigmoidRing`): only B x D blocks: the image gradient,
-  the [block | gradient] pair being sent and the one arriving (8 at W = 2; 9
-  from W = 3, when the previous pair is still alive during the shift); 4 at W = 1.
-- nt_xent, gather + tiled (`SymmetricLSE` over the 2N x D views): 8 float32
-  buffers of N·D (two views each: the gathered pair, its float32 copy,
-  the gradient accumulator and the reduce-scatter buffer) and 2 of B·D.
+- clip, info_nce without hard negatives (`PositiveLSE` over the all-gathered
+  keys), W > 1: float32 inputs 2a·G (the gathered keys, their gradient, then
+  the reduce-scatter's receive buffer) + 3a·B (the scaled queries, their
+  gradient, one product for d scale); 16-bit inputs 11·G + 26·B bytes per
+  element (the float32 copies of keys and queries the CPU kernels make, and
+  the gradients cast back). At W = 1 the same less the gathered copy (e·B).
+- info_nce with k > 0 hard negatives: the candidates are a copy of the
+  gathered [document | negatives] rows, so the larger of the forward (float32:
+  2e·G + e·Bk + 2a·B: gathered rows, their candidate-ordered copy, the local
+  [document | negatives] row) and the backward (float32 (e + a)·G + 3a·B;
+  16-bit (2e + 2a)·G + 5a·B); at W = 1 no Bk term (the local row is the gathered one).
+  Extra directions (measured together at W = 2, k = 1): query_to_query keeps
+  the gathered queries (e·N·D); doc_to_doc sweeps the candidates once more,
+  its key gradient accumulating beside the first (a·G).
+- nt_xent (`SymmetricLSE` over the 2N x D views): 10a per N·D (the gathered
+  [z1 | z2], the stacked views, the scaled copy, the gradient, one product),
+  + 6e for 16-bit inputs; independent of B.
+- siglip (`SigmoidRing`): only B x D blocks: float32 4a at W = 1, 8a at
+  W = 2 (the image gradient, the [block | gradient] pair sent and the one
+  arriving), 9a from W = 3 (the previous pair still alive during the shift);
+  16-bit 4a + 4e at W = 1, 9a from W = 2.
+- Tiles: 3.5 T²·a for clip (the tile, its exponentials, the gradient tile,
+  the column statistics' exponentials), 2.5 for info_nce (3.5 with
+  doc_to_query), 2 for nt_xent and siglip; plus 4 vectors of the columns'
+  statistics (N floats) where the kernel keeps them.
 
 Strategies the library does not use, for comparison (their published
 measurements are in docs/plan.md): the full N x N logits on every rank ("naive",
@@ -38,6 +53,8 @@ features of both towers and their gradients (4·N·D·e).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["LOSS_STRATEGY", "loss_memory"]
 
 # The strategy each wholebatch loss uses.
@@ -47,22 +64,41 @@ LOSS_STRATEGY = {
     "nt_xent": "gather + tiled",
     "siglip": "ring + tiled",
 }
+# float32 T x T buffers alive at the tile loop's peak (measured at T = 512 and 2,048).
+_TILE_BUFFERS = {"clip": 3.5, "info_nce": 2.5, "nt_xent": 2.0, "siglip": 2.0}
 
 
-def _coefficients(loss: str, strategy: str, w: int, elem: int, acc: int) -> tuple[float, float]:
-    """(alpha, beta): bytes per element of N x D and of B x D alive at the loss's peak."""
-    narrow = elem < acc
-    if strategy == "ring + tiled":
-        if w == 1:
-            return 0.0, 4 * acc + (2 * elem if narrow else 0)
-        return 0.0, (8 + (1 if w >= 3 else 0)) * acc
-    if loss == "nt_xent":
-        # measured: float32 alpha 32, beta 8; bfloat16 alpha 36, beta 4 (any W)
-        return (8 * acc + 4, 4.0) if narrow else (8 * acc, 2 * acc)
-    if w == 1:  # clip / info_nce: the keys are the caller's own tensor
-        return 0.0, 6 * acc + (2 * elem if narrow else 0)
-    # measured: float32 alpha 8, beta 20; bfloat16 alpha 12, beta 18
-    return (2 * acc + 2 * elem, 4 * acc + elem) if narrow else (2 * acc, 5 * acc)
+def _ring_per_bd(w: int, elem: int, acc: int) -> float:
+    """`SigmoidRing`'s bytes per B·D element."""
+    if elem < acc:
+        return 4 * acc + 4 * elem if w == 1 else 9 * acc
+    return 4 * acc if w == 1 else (8 if w == 2 else 9) * acc
+
+
+def _gather_keys(
+    n: int, b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str]
+) -> float:
+    """`PositiveLSE` over gathered keys (clip; info_nce with k hard negatives and its directions)."""
+    e, a, narrow = elem, acc, elem < acc
+    g, bk = n * (1 + k) * dim, b * (1 + k) * dim
+    bd = b * dim
+    if k == 0:
+        alpha, beta = (11.0, 26.0) if narrow else (2.0 * a, 3.0 * a)
+        out = alpha * g + beta * bd if w > 1 else (alpha + beta - e) * bd
+    else:
+        local = e * bk if w > 1 else 0.0
+        if narrow:
+            fwd = (2 * e + a) * g + local + 3 * a * bd
+            bwd = (2 * e + 2 * a) * g + 5 * a * bd
+        else:
+            fwd = 2 * e * g + local + 2 * a * bd
+            bwd = (e + a) * g + 3 * a * bd
+        out = max(fwd, bwd)
+    if "query_to_query" in directions:
+        out += e * n * dim
+    if "doc_to_doc" in directions:
+        out += a * g
+    return out
 
 
 def loss_memory(
@@ -76,6 +112,8 @@ def loss_memory(
     acc: int,
     tile: int,
     w: int,
+    negatives: int = 0,
+    directions: Sequence[str] = ("query_to_doc",),
 ) -> int:
     """Peak bytes of the loss's forward + backward on a rank with `b` of the `n` rows.
 
@@ -83,21 +121,38 @@ def loss_memory(
         loss: "clip", "siglip", "nt_xent" or "info_nce".
         strategy: "gather + tiled" or "ring + tiled" (wholebatch's kernels), or
             "naive" (N x N logits on every rank) or "local" (B x N logits), for comparison.
-        n: N, global rows (pairs; nt_xent has 2N views).
+        n: N, global rows (pairs; nt_xent has 2N views; info_nce's queries).
         b: B, this rank's rows.
         dim: D.
         elem: bytes per embedding element.
         acc: bytes per compute element.
         tile: T.
         w: W.
+        negatives: info_nce's k hard negatives per query.
+        directions: info_nce's directions.
     """
     views = 2 if loss == "nt_xent" else 1
+    k = negatives if loss == "info_nce" else 0
     # both towers' gathered features and their gradients (gather_with_grad)
-    gathered = 4 * n * dim * elem if w > 1 else 0
+    gathered = (2 + 2 * (1 + k)) * n * dim * elem if w > 1 else 0
     if strategy == "naive":  # every rank holds the whole (views·N)^2 logits
-        return 4 * (views * n) ** 2 * acc + gathered
+        return 4 * (views * n) * (views * n * (1 + k)) * acc + gathered
     if strategy == "local":  # B x N logits per direction (open_clip's local_loss, DisCo-CLIP)
-        return 4 * (views * b) * (views * n) * acc + gathered
-    alpha, beta = _coefficients(loss, strategy, w, elem, acc)
-    lse = 4 * views * n * acc if strategy == "gather + tiled" else 0
-    return int(alpha * n * dim + beta * b * dim + 2 * tile * tile * acc + lse)
+        return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
+    tiles = tile * tile * acc
+    if strategy == "ring + tiled":
+        width = views * (1 + k)  # key blocks of `width` x D per row
+        buffers = 2.0 if loss != "siglip" else _TILE_BUFFERS["siglip"]
+        return int(_ring_per_bd(w, elem, acc) * width * b * dim + buffers * tiles)
+    if loss == "nt_xent":
+        per_nd = 10 * acc + (6 * elem if elem < acc else 0)
+        return int(per_nd * n * dim + _TILE_BUFFERS[loss] * tiles + 4 * 2 * n * acc)
+    if loss == "siglip":  # siglip with a gather (for comparison): clip's kernel, no columns
+        return int(_gather_keys(n, b, dim, elem, acc, w, 0, ()) + 2.5 * tiles)
+    columns = loss == "clip" or "doc_to_query" in directions
+    buffers = _TILE_BUFFERS[loss] + (1.0 if loss == "info_nce" and columns else 0.0)
+    return int(
+        _gather_keys(n, b, dim, elem, acc, w, k, directions)
+        + buffers * tiles
+        + (4 * n * acc if columns else 0)
+    )

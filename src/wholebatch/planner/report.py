@@ -75,7 +75,12 @@ def format_plan(p: Plan) -> str:
         ],
     ]
     if c.loss != "tokens":
-        rows.append(["gradient caching's extra (cached embedding gradients)", human_bytes(m.cache)])
+        rows.append(
+            [
+                "gradient caching's extra (cached embeddings, then their gradients)",
+                human_bytes(m.cache),
+            ]
+        )
         rows.append(["whole-batch loss, forward + backward", human_bytes(m.loss)])
     rows.append([f"peak (set by the {m.peak_phase} phase)", human_bytes(m.peak)])
     out += ["  " + r for r in _table(["part", "bytes"], rows)]

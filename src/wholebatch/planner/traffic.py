@@ -1,15 +1,26 @@
 """Bytes each rank sends and receives per step, collective by collective, from the library's own size bookkeeping.
 
 Every count here walks the sequence of collectives a loss issues (read off
-`wholebatch.losses.contrastive` and `wholebatch.losses.tiles`; the tests count
-the real calls on gloo and compare) and takes each call's split sizes from
-`wholebatch.comm.sizes`, the functions the collectives themselves call. So a
-count at W = 65,536 runs the same bookkeeping as a real run, for one virtual
-rank, without a process.
+`wholebatch.losses.common`, `.contrastive`, `.info_nce` and `.tiles`; the tests
+count the real calls on gloo and compare, every rank, every primitive) and
+takes each call's split sizes from `wholebatch.comm.sizes` and the exchange's
+row from `wholebatch.losses.sizing`, the functions the collectives and the
+losses themselves call. So a count at W = 65,536 runs the same bookkeeping as
+a real run, for one virtual rank, without a process.
 
-Legend: W ranks, N global rows, B a rank's rows, D embedding dim; e the
-embeddings' element size, a the kernels' compute element size (float32 for
-16-bit inputs), `sizes` every rank's B.
+Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
+
+- the exchange (unless the caller passes `sizes=` with `check=False`): an
+  all-gather of one float64 row per rank, `exchange_row_elements` long
+  (header, options, the sizes= fingerprint, scalars): the same length at any W;
+- the agreement: an all-reduce (max) of the scalars and the reduction code;
+  backward (when a scalar is learnable): one all-reduce of twice that (the
+  gradient and the tie count);
+- the whole-batch sum: an all-reduce of one element; backward the same.
+
+Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
+negatives per query; e the embeddings' element size, a the kernels' compute
+element size (float32 for 16-bit inputs), `sizes` every rank's B.
 """
 
 from __future__ import annotations
@@ -25,13 +36,23 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
+from wholebatch.losses.sizing import exchange_row_elements
 
-__all__ = ["Collective", "ddp_grad_traffic", "loss_traffic", "representative_ranks"]
+__all__ = [
+    "SCALARS",
+    "Collective",
+    "ddp_grad_traffic",
+    "gather_traffic",
+    "loss_traffic",
+    "representative_ranks",
+    "ring_traffic",
+]
 
-# Elements of the float64 row `_prepare` (losses/contrastive.py) all-gathers to
-# agree on shapes, dtypes and options: 6 fixed columns + one per replicated scalar.
-_PREPARE_COLUMNS = 6
-_SCALARS = {"clip": 1, "siglip": 2, "nt_xent": 1, "info_nce": 1}
+# Replicated scalars each loss agrees on (clip: logit_scale, without a
+# logit_bias; siglip: scale and bias; nt_xent: temperature; info_nce: scale),
+# and the options InfoNCE checks across ranks (k, directions, partition mode).
+SCALARS = {"clip": 1, "siglip": 2, "nt_xent": 1, "info_nce": 1}
+_OPTIONS = {"clip": 0, "siglip": 0, "nt_xent": 0, "info_nce": 3}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,55 +122,100 @@ def _ring(
     )  # fmt: skip
 
 
+def gather_traffic(what: str, sizes: Sequence[int], rank: int, row_bytes: int) -> list[Collective]:
+    """`what` all-gathered in the forward and its gradient reduce-scattered in the backward."""
+    return [
+        _gather(f"all_gather {what}", "forward", sizes, rank, row_bytes),
+        _reduce_scatter(f"reduce-scatter {what} gradient", "backward", sizes, rank, row_bytes),
+    ]
+
+
+def ring_traffic(
+    what: str, sizes: Sequence[int], rank: int, width: int, elem: int, acc: int
+) -> list[Collective]:
+    """`SigmoidRing`'s schedule for blocks of `width` elements per row.
+
+    Forward: W - 1 shifts of the blocks (the embeddings' dtype). Backward: W - 1
+    shifts of [block | gradient] (the compute dtype), then one more that returns
+    each gradient to its owner.
+    """
+    w = len(sizes)
+    return [
+        _ring(f"ring_shift {what}", "forward", sizes, rank, range(w - 1), width * elem),
+        _ring(
+            "ring_shift [block | gradient]", "backward", sizes, rank, range(w - 1), 2 * width * acc
+        ),
+        _ring("ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), width * acc),
+    ]
+
+
 def loss_traffic(
-    loss: str, sizes: Sequence[int], rank: int, dim: int, elem: int, acc: int
+    loss: str,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    *,
+    negatives: int = 0,
+    directions: Sequence[str] = ("query_to_doc",),
+    exchange: bool = True,
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
+    Zero-element all-reduces (InfoNCE's kernels combine empty column
+    statistics when a direction has none) move no bytes and are not listed.
+
     Args:
-        loss: "clip", "siglip", "nt_xent" or "info_nce" (the one-directional
-            form: a gather of the keys and row log-sum-exps only).
-        sizes: every rank's rows B.
+        loss: "clip", "siglip", "nt_xent" or "info_nce".
+        sizes: every rank's rows B (queries, for info_nce).
         rank: the rank to count for.
         dim: D.
         elem: bytes per element of the embeddings.
         acc: bytes per element of the kernels' compute dtype.
+        negatives: info_nce's k hard negatives per query.
+        directions: info_nce's directions (holding "query_to_doc").
+        exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
     """
     w = len(sizes)
     if w <= 1:
         return []
     n = sum(sizes)
     fwd, bwd = "forward", "backward"
-    out = [
-        _gather(
-            "agree shapes, dtypes, options (float64 row)", fwd, [_PREPARE_COLUMNS + _SCALARS[loss]] * w,
-            rank, 8,
-        )
-    ]  # fmt: skip
-    if loss in ("clip", "info_nce"):
-        out.append(_gather("all_gather text embeddings", fwd, sizes, rank, dim * elem))
-        if loss == "clip":
-            out.append(_all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2))
+    scalars, dirs = SCALARS[loss], set(directions)
+    moves: list[Collective] = []  # the embeddings' own traffic, forward and backward
+    stats: list[Collective] = []  # the kernels' log-sum-exp statistics and their gradients
+    if loss == "clip":
+        moves = gather_traffic("text embeddings", sizes, rank, dim * elem)
+    elif loss == "info_nce":
+        moves = gather_traffic("[document | negatives]", sizes, rank, (1 + negatives) * dim * elem)
+        if "query_to_query" in dirs:
+            moves += gather_traffic("queries", sizes, rank, dim * elem)
     elif loss == "nt_xent":
-        out.append(_gather("all_gather [z1 | z2]", fwd, sizes, rank, 2 * dim * elem))
-        out.append(_all_reduce("combine row log-sum-exps (max, sum)", fwd, 2 * n, acc, w, 2))
+        moves = gather_traffic("[z1 | z2]", sizes, rank, 2 * dim * elem)
+        stats = [
+            _all_reduce("combine row log-sum-exps (max, sum)", fwd, 2 * n, acc, w, 2),
+            _all_reduce("row log-sum-exp gradient", bwd, 2 * n, acc, w, 1),
+        ]
     elif loss == "siglip":
-        out.append(_ring("ring_shift text blocks", fwd, sizes, rank, range(w - 1), dim * elem))
+        moves = ring_traffic("text blocks", sizes, rank, dim, elem, acc)
+    if loss == "clip" or (loss == "info_nce" and "doc_to_query" in dirs):
+        # column statistics combined over ranks; their gradients all-gathered (B floats each)
+        stats = [
+            _all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2),
+            _gather("all_gather column gradients", bwd, sizes, rank, acc),
+        ]
+    out = []
+    if exchange:
+        row = exchange_row_elements(_OPTIONS[loss], scalars)
+        out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
+    out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
+    out += [x for x in moves + stats if x.phase == fwd]
     out.append(_all_reduce("whole-batch loss (sum of shares)", fwd, 1, acc, w, 1))
     out.append(_all_reduce("its gradient", bwd, 1, acc, w, 1))
-    if loss == "clip":
-        out.append(_all_reduce("column log-sum-exp gradient", bwd, n, acc, w, 1))
-        out.append(_reduce_scatter("reduce-scatter text gradient", bwd, sizes, rank, dim * elem))
-    elif loss == "info_nce":
-        out.append(_reduce_scatter("reduce-scatter text gradient", bwd, sizes, rank, dim * elem))
-    elif loss == "nt_xent":
-        out.append(_all_reduce("row log-sum-exp gradient", bwd, 2 * n, acc, w, 1))
-        out.append(_reduce_scatter("reduce-scatter [z1 | z2] gradient", bwd, sizes, rank, 2 * dim * elem))  # fmt: skip
-    elif loss == "siglip":
-        # The backward re-sends each block with its gradient ([block | grad], the
-        # compute dtype) W - 1 times, then one last shift returns each gradient home.
-        out.append(_ring("ring_shift [block | gradient]", bwd, sizes, rank, range(w - 1), 2 * dim * acc))  # fmt: skip
-        out.append(_ring("ring_shift gradient home", bwd, sizes, rank, range(w - 1, w), dim * acc))  # fmt: skip
+    out += [x for x in stats + moves if x.phase == bwd]
+    # the agreement's backward: the scalars' gradients and their tie counts, summed
+    out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
     return out
 
 

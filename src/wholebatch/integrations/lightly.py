@@ -1,0 +1,291 @@
+"""lightly's `NTXentLoss`, exact over the whole batch, with its memory bank.
+
+Change two lines of a lightly SimCLR / MoCo script (docs/integrations/lightly.md):
+
+    # from lightly.loss import NTXentLoss
+    from wholebatch.integrations.lightly import NTXentLoss
+
+    loss_fn = NTXentLoss(temperature=0.5, memory_bank_size=0, gather_distributed=True)
+    loss = loss_fn(out0, out1)        # (B x D) each; normalised inside, as lightly does
+
+Without a memory bank this is `wholebatch.nt_xent_loss` on the L2-normalised
+views: SimCLR's loss over all 2N views of the whole batch, memory-linear, exact
+after DDP's mean for any split of rows over ranks (0 rows included). This
+module does not import lightly.
+
+`gather_distributed` is accepted and has no effect: the loss is always that of
+the whole batch over `group` (default: the world), which is what lightly
+computes with `gather_distributed=True` when every rank holds the same number
+of rows. (With `False` lightly trains each rank on its own negatives; to do
+that on purpose, pass a one-rank `group`.)
+
+The memory bank (MoCo style), `memory_bank_size=(K, D)`, has these whole-batch
+semantics, which are lightly's with `gather_distributed=True`, made exact for
+uneven rows:
+
+- ONE bank of K rows shared by every rank: rank 0's freshly drawn bank is
+  broadcast on the first call, and every update is the same on every rank;
+- the loss of row i (of every rank) is cross-entropy of [z0ᵢ·z1ᵢ, z0ᵢ·bank] / τ
+  against class 0, the bank read BEFORE this call's update; the loss returned
+  is the mean over all N rows of the whole batch (not over this rank's rows);
+- when training (out0 requires grad, agreed on every rank), the N rows of
+  z1 (every rank's, in rank order, detached) are written at the bank pointer
+  as lightly does (rows that do not fit before the end are dropped and the
+  pointer returns to 0);
+- the bank carries no gradient, so only the rows' own terms differentiate:
+  one process holding the whole batch and one bank computes exactly this.
+
+Legend: W ranks, B this rank's rows, N global rows, D embedding dim, K bank rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from wholebatch.comm import all_gather, broadcast, comm_device, get_world_size, is_distributed
+from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.losses import GradReduction, nt_xent_loss, tile_size_for
+
+__all__ = ["NTXentLoss"]
+
+_EPS = 1e-8  # lightly refuses |temperature| below this
+
+
+def _bank_shape(size: int | Sequence[int]) -> tuple[int, ...]:
+    """lightly's accepted sizes: 0 (no bank) or (K, D) with K, D >= 0."""
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape):
+        raise WholebatchError(
+            f"NTXentLoss: memory_bank_size={size!r}; every entry must be a non-negative int"
+        )
+    if isinstance(size, int) and size > 0:
+        raise WholebatchError(
+            f"NTXentLoss: memory_bank_size={size} does not give the feature dimension; "
+            f"pass memory_bank_size=({size}, dim), or 0 for no memory bank"
+        )
+    if shape != (0,) and len(shape) != 2:
+        raise WholebatchError(
+            f"NTXentLoss: memory_bank_size={size!r}; expected (num_features, dim) or 0"
+        )
+    return shape
+
+
+class NTXentLoss(nn.Module):
+    """lightly's `NTXentLoss` over the whole batch: SimCLR, or MoCo with a shared memory bank.
+
+    Gradient contract: every rank of `group` calls it with its own rows and
+    back-propagates the value it gets (the same on every rank); with DDP
+    averaging gradients (``grad_reduction="mean"``), the encoder's gradient
+    equals one process's on the concatenated batch; with ``"sum"``, after a
+    sum over ranks. Without a bank, gradients to other ranks' rows return
+    through the all-gather's reduce-scatter; with a bank there are none.
+
+    Args:
+        temperature: τ; logits are divided by it. |τ| >= 1e-8.
+        memory_bank_size: 0 for SimCLR, or (K, D) for a bank of K negatives of dim D.
+        gather_distributed: accepted, no effect (the loss is always the whole batch's).
+        group: the process group the batch is split over (default: the world).
+        grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
+        tile_size: rows and columns of one logits tile (with a bank: rows of one
+            tile_size x K tile of logits); None: chosen for the device.
+    """
+
+    bank: Tensor
+    bank_ptr: Tensor
+
+    def __init__(
+        self,
+        temperature: float = 0.5,
+        memory_bank_size: int | Sequence[int] = 0,
+        gather_distributed: bool = False,
+        *,
+        group: ProcessGroup | None = None,
+        grad_reduction: GradReduction = "mean",
+        tile_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise WholebatchTypeError(
+                f"NTXentLoss: temperature must be a number, got {type(temperature).__name__}"
+            )
+        if abs(temperature) < _EPS:
+            raise WholebatchError(
+                f"NTXentLoss: temperature={temperature}; |temperature| must be >= {_EPS} "
+                "(logits are divided by it)"
+            )
+        if grad_reduction not in ("mean", "sum"):
+            raise WholebatchError(
+                f"NTXentLoss: grad_reduction={grad_reduction!r} must be 'mean' (DDP) or 'sum'"
+            )
+        self.temperature = float(temperature)
+        self.gather_distributed = gather_distributed
+        self.group = group
+        self.grad_reduction: GradReduction = grad_reduction
+        self.tile_size = tile_size
+        self.size = _bank_shape(memory_bank_size)
+        # lightly's layout: float32 buffers, not saved in the state dict, a random unit bank.
+        self.register_buffer("bank", torch.empty(self.size, dtype=torch.float), persistent=False)
+        self.register_buffer("bank_ptr", torch.zeros(1, dtype=torch.long), persistent=False)
+        if len(self.size) == 2:
+            with torch.no_grad():
+                self.bank = F.normalize(torch.randn(self.size).type_as(self.bank), dim=-1)
+        self._bank_synced = False
+
+    def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
+        """The whole batch's loss (the same on every rank).
+
+        Args:
+            out0: this rank's first-view projections (B x D), any norm: normalised here.
+            out1: this rank's second-view projections (B x D); row i is the same sample.
+        """
+        if self.size[0] == 0:
+            z0, z1 = (F.normalize(x, dim=1) if _is_2d(x) else x for x in (out0, out1))
+            return nt_xent_loss(
+                z0, z1, self.temperature, group=self.group,
+                grad_reduction=self.grad_reduction, tile_size=self.tile_size,
+            )  # fmt: skip
+        return self._bank_loss(out0, out1)
+
+    # -- the memory bank --------------------------------------------------------
+
+    def _local_error(self, out0: Tensor, out1: Tensor) -> str | None:
+        for name, x in (("out0", out0), ("out1", out1)):
+            if not isinstance(x, Tensor) or not _is_2d(x) or not x.is_floating_point():
+                shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                return f"{name} must be a 2-D float tensor (rows, dim), got {shape}"
+        if out0.shape != out1.shape:
+            return f"out0 has shape {tuple(out0.shape)} but out1 has {tuple(out1.shape)}"
+        if out0.shape[1] != self.size[1]:
+            return f"the embeddings have dim {out0.shape[1]} but the memory bank has {self.size[1]}"
+        return None
+
+    def _bank_loss(self, out0: Tensor, out1: Tensor) -> Tensor:
+        err = self._local_error(out0, out1)
+        w = get_world_size(self.group)
+        if err is not None and not is_distributed(self.group):
+            raise WholebatchError(f"NTXentLoss: {err}")
+        update = bool(err is None and out0.requires_grad)
+        if err is None:
+            z0, z1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
+            bank_KD = self._shared_bank().to(z0.dtype)  # read before this call's update
+            z0_tau = z0 / self.temperature  # B x D: scale the rows, not the B x K logits
+            pos_B = (z0_tau * z1).sum(1)
+            # Cross-entropy against class 0 of [positive | K negatives], in row tiles.
+            lse_B: Tensor = _BankLSE.apply(
+                z0_tau,
+                pos_B,
+                bank_KD,
+                self.tile_size or tile_size_for(z0.device.type, z0.shape[0], bank_KD.shape[0]),
+            )  # type: ignore[no-untyped-call]
+            local = (lse_B - pos_B).sum()
+            row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
+        else:
+            self._shared_bank()  # the broadcast every rank joins on the first call
+            row = [1.0, 0.0, 0.0, 0.0]
+        # One all-gather of 4 numbers per rank: errors, loss sums, row counts, update flags.
+        table = self._exchange(row, w)
+        if any(t[0] for t in table):
+            bad = sorted(r for r, t in enumerate(table) if t[0])
+            raise WholebatchError(
+                f"NTXentLoss: bad embeddings on ranks {bad}"
+                + (f" (here: {err})" if err else "")
+                + "; pass out0 and out1 of shape (rows, bank dim) on every rank"
+            )
+        flags = {bool(t[3]) for t in table}
+        if len(flags) > 1:
+            raise WholebatchError(
+                "NTXentLoss: out0 requires grad on some ranks and not on others "
+                f"({ {r: bool(t[3]) for r, t in enumerate(table)} }); the shared memory bank "
+                "is updated only when training, so every rank must be in the same mode"
+            )
+        sizes = [int(t[2]) for t in table]
+        n = sum(sizes)
+        if n == 0:
+            raise WholebatchError("NTXentLoss: the whole batch has 0 rows; pass at least one row")
+        total = sum(t[1] for t in table)
+        factor = w if self.grad_reduction == "mean" else 1
+        # The value is the whole batch's mean; the gradient is this rank's rows' own
+        # (the bank is constant), times W so that DDP's mean leaves exactly dL.
+        loss = (local.new_tensor(total) + factor * (local - local.detach())) / n
+        if update:
+            with torch.no_grad():
+                z1_ND = all_gather(z1.detach(), sizes=sizes, group=self.group, check=False)
+                self._enqueue(z1_ND)
+        return loss
+
+    def _exchange(self, row: list[float], w: int) -> list[list[float]]:
+        if not is_distributed(self.group):
+            return [row]
+        mine = torch.tensor(row, dtype=torch.float64, device=comm_device(self.group))
+        out = all_gather(mine, sizes=[len(row)] * w, group=self.group, check=False)
+        return [list(map(float, r)) for r in out.view(w, len(row)).tolist()]
+
+    @torch.no_grad()
+    def _shared_bank(self) -> Tensor:
+        """The bank, made the same on every rank (rank 0's) on the first call."""
+        if not self._bank_synced:
+            if is_distributed(self.group):
+                device = comm_device(self.group)
+                synced = broadcast(self.bank.to(device), src=0, group=self.group)
+                self.bank.copy_(synced.to(self.bank.device))
+            self._bank_synced = True
+        return self.bank.clone()
+
+    @torch.no_grad()
+    def _enqueue(self, z1_ND: Tensor) -> None:
+        """Write the whole batch's second views at the pointer, as lightly does."""
+        k, ptr, n = self.size[0], int(self.bank_ptr), z1_ND.shape[0]
+        if ptr + n >= k:
+            self.bank[ptr:] = z1_ND[: k - ptr].to(self.bank.dtype)
+            self.bank_ptr.zero_()
+        else:
+            self.bank[ptr : ptr + n] = z1_ND.to(self.bank.dtype)
+            self.bank_ptr[0] = ptr + n
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, memory_bank_size={self.size}"
+
+
+class _BankLSE(torch.autograd.Function):
+    """lse_i = log(exp(pos_i) + Σ_k exp(q_i·bank_k)) for every row i, T rows at a time.
+
+    The bank is a constant and each lse_i depends on row i alone, so the
+    forward computes each T x K tile of logits once and, when q needs a
+    gradient, also d lse_i / d q_i = Σ_k softmax_ik · bank_k (one more T x K
+    by K x D product) and keeps that B x D result instead of any logits.
+    Backward is then elementwise: grad_q = grad · that, grad_pos = grad ·
+    exp(pos - lse). The same two products per tile as the plain formula's
+    forward and backward; peak memory O(B·D + T·K) instead of several B x K.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q_BD: Tensor, pos_B: Tensor, bank_KD: Tensor, tile: int
+    ) -> Tensor:
+        lse_B = torch.empty_like(pos_B)
+        dq_BD = torch.empty_like(q_BD) if ctx.needs_input_grad[0] else None
+        for i in range(0, q_BD.shape[0], tile):
+            rows = slice(i, i + tile)
+            neg_TK = q_BD[rows] @ bank_KD.T
+            lse_T = torch.logaddexp(pos_B[rows], torch.logsumexp(neg_TK, 1))
+            lse_B[rows] = lse_T
+            if dq_BD is not None:
+                dq_BD[rows] = neg_TK.sub_(lse_T[:, None]).exp_() @ bank_KD  # softmax @ bank
+        ctx.save_for_backward(pos_B, lse_B, dq_BD)
+        return lse_B
+
+    @staticmethod
+    def backward(ctx: Any, grad_B: Tensor) -> tuple[Tensor | None, ...]:
+        pos_B, lse_B, dq_BD = ctx.saved_tensors
+        grad_q = None if dq_BD is None else dq_BD * grad_B[:, None]
+        return grad_q, grad_B * torch.exp(pos_B - lse_B), None, None
+
+
+def _is_2d(x: object) -> bool:
+    return isinstance(x, Tensor) and x.dim() == 2

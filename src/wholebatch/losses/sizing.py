@@ -1,0 +1,100 @@
+"""Pure bookkeeping of the losses (no torch): the tile size, and the row of the cross-rank exchange.
+
+The losses (`wholebatch.losses.tiles`, `wholebatch.losses.common`) take these
+from here, and `wholebatch plan` reads them without loading torch, so the
+planner's tile and its count of the exchange's bytes come from the code the
+losses run, not from a second copy.
+
+Legend: W ranks, T the tile size (rows and columns of one logits tile).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "ACCEL_TILE_BUDGET",
+    "CPU_TILE",
+    "EXCHANGE_HEADER",
+    "TILE_BUFFERS",
+    "exchange_row_elements",
+    "sizes_fingerprint",
+    "tile_size_for",
+]
+
+CPU_TILE = 512
+# Accelerators: the tile buffers of one step (the logits tile, its exponentials,
+# the gradient tile) live at once; float32 each.
+TILE_BUFFERS = 3
+ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
+_TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
+
+# The exchange row's fixed columns (losses/common.py): error flag, rows, dim,
+# dtype, device, reduction.
+EXCHANGE_HEADER = 6
+
+
+def tile_size_for(
+    device_type: str, rows: int, cols: int, *, budget_bytes: int | None = None
+) -> int:
+    """The tile side T for a `rows` x `cols` logits sweep on `device_type` (a pure function).
+
+    CPU: `CPU_TILE` (512): on CPU a tile's elementwise passes cost as much as
+    its product, larger tiles measured no faster (benchmarks/RESULTS.md), and
+    512 keeps the tile buffers at 1 MiB each. With `budget_bytes`, no larger
+    than the budget allows.
+
+    Accelerators (cuda, xpu, ...): as large as the memory budget allows
+    (`TILE_BUFFERS` float32 T x T buffers within `budget_bytes`, default
+    `ACCEL_TILE_BUDGET` = 1 GiB: T = 9,216), a multiple of 256, and no larger
+    than the sweep itself: each tile is a handful of kernel launches, so
+    fewer, larger tiles keep the launches negligible next to the work (at
+    N = 65,536 a sweep is 64 tiles; at 262,144, 841).
+
+    Args:
+        device_type: "cpu", "cuda", ... (`tensor.device.type`).
+        rows: rows of the logits swept (this rank's queries).
+        cols: columns swept (the candidates).
+        budget_bytes: bytes the tile buffers may use.
+    """
+    if device_type == "cpu":
+        if budget_bytes is None:
+            return CPU_TILE
+        return max(1, min(CPU_TILE, math.isqrt(budget_bytes // (4 * TILE_BUFFERS))))
+    budget = ACCEL_TILE_BUDGET if budget_bytes is None else budget_bytes
+    t = math.isqrt(max(budget, 0) // (4 * TILE_BUFFERS))
+    t = max(_TILE_QUANTUM, t // _TILE_QUANTUM * _TILE_QUANTUM)
+    longest = max(rows, cols, 1)
+    return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
+
+
+def exchange_row_elements(options: int, scalars: int) -> int:
+    """Elements (float64) of the row each rank all-gathers in a loss's cross-rank exchange.
+
+    The header, one column per option that must agree (InfoNCE: k, directions,
+    partition mode), two for the caller's `sizes=` (given or not, and its
+    `sizes_fingerprint`), one column per replicated scalar (`logit_scale`, ...).
+    The row does not grow with W: the all-gather moves (W - 1)·row·8 bytes per
+    rank, the least that learning every rank's row count takes; `sizes=` with
+    `check=False` skips it (docs/plan.md).
+    """
+    return EXCHANGE_HEADER + options + 2 + scalars
+
+
+# A prime below 2^52: every fingerprint is an integer a float64 holds exactly.
+_FINGERPRINT_PRIME = 4503599627370449
+_FINGERPRINT_BASE = 1_000_003
+
+
+def sizes_fingerprint(sizes: list[int] | tuple[int, ...]) -> float:
+    """A per-rank row-count list folded into one exact float64 (a polynomial hash mod a prime).
+
+    The exchange carries this instead of the list, so its row stays the same
+    length at any W; every rank compares each rank's fingerprint with that of
+    the row counts the ranks actually pass. Two different lists of the same
+    length collide with probability about W / 2^52.
+    """
+    h = len(sizes) % _FINGERPRINT_PRIME
+    for v in sizes:
+        h = (h * _FINGERPRINT_BASE + int(v) + 1) % _FINGERPRINT_PRIME
+    return float(h)
