@@ -1,7 +1,7 @@
 """sentence-transformers 6.2.0's (Cached)MultipleNegativesRankingLoss against wholebatch's drop-ins.
 
     python -m benchmarks.bench_st                  # N = 8,192: the loss, the cached step, exactness
-    python -m benchmarks.bench_st --quick          # 2 rounds instead of 5
+    python -m benchmarks.bench_st --quick          # N = 2,048 and 2 rounds instead of 5
     python -m benchmarks.bench_st --only loss      # or: cached, exact
 
 Three parts, each peer and wholebatch side by side in one run:
@@ -328,12 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
+    parser.add_argument("--quick", action="store_true", help="N = 2,048 and 2 rounds instead of 5")
     parser.add_argument("--only", choices=["loss", "cached", "exact"], action="append")
-    parser.add_argument("--n", type=int, default=8192, help="rows (pairs), default 8,192")
+    parser.add_argument("--n", type=int, default=None, help="rows (pairs), default 8,192")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, default 1")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.n is None:
+        args.n = 2048 if args.quick else 8192
     torch.set_num_threads(args.threads)
     if args.child:
         kind, part, *rest = args.child

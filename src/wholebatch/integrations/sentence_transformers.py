@@ -5,11 +5,12 @@ Change two lines of a `SentenceTransformerTrainer` script (docs/integrations/sen
     from wholebatch.integrations.sentence_transformers import CachedMultipleNegativesRankingLoss
     loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=32)   # no gather_across_devices
 
-sentence-transformers 6.2.0's losses see only their own rank's negatives under
-DDP unless `gather_across_devices=True` (then every rank's gradient is 1/W of a
-loss of 1/W of the batch; the default is ~30% off the whole batch's gradient),
-and with `gather_across_devices=True` they abort in the all-gather when ranks
-hold different numbers of rows. These drop-ins take the same constructor and
+sentence-transformers 6.2.0's losses score each rank's anchors against that
+rank's own rows only under DDP, unless `gather_across_devices=True`: by default
+the step's gradient is off the whole batch's by an amount that depends on the
+data (5-7% on random embeddings, 30% on a BERT encoder), and with
+`gather_across_devices=True` they abort in the all-gather when ranks hold
+different numbers of rows. These drop-ins take the same constructor and
 call, and always compute the loss of the whole batch of every rank:
 
 - `MultipleNegativesRankingLoss`: the model's forward as the peer runs it, then
