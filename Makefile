@@ -36,7 +36,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.peers
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.peers
 	$(VENV)/bin/wholebatch bench
 
 # On a machine with CUDA: the CUDA tests and the GPU loss benchmark (benchmarks/gpu.sh).

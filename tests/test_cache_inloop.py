@@ -194,8 +194,8 @@ def test_one_process_without_distributed_equals_whole_batch() -> None:
         torch.testing.assert_close(value, ref[name], **F64, msg=name)
 
 
-def test_reusing_the_last_graph_changes_nothing_but_the_forward_count() -> None:
-    # Without reuse every micro-batch runs twice; with it the last runs once. Same gradient.
+def test_keep_last_changes_nothing_but_the_forward_count() -> None:
+    # keep_last=False runs every micro-batch twice; the default runs the last once. Same gradient.
     batches = make_batches([[2, 1, 3]])[0]
     counts: dict[bool, int] = {}
     grads: dict[bool, dict[str, Tensor]] = {}
@@ -207,8 +207,7 @@ def test_reusing_the_last_graph_changes_nothing_but_the_forward_count() -> None:
             calls[0] += 1
             return embed3(m, mb)
 
-        cache = GradCache(model, counting)
-        cache._reuse_last = reuse
+        cache = GradCache(model, counting, keep_last=reuse)
         torch.manual_seed(3)
         cache(batches, lambda q, p, n, s=scale: info_nce(q, p, n, s)).backward()
         counts[reuse], grads[reuse] = calls[0], _grads(model, scale)

@@ -41,6 +41,7 @@ BENCHMARKS = (
     "bench_losses",
     "bench_cache",
     "bench_integrations",
+    "bench_st",
     "bench_plan",
     "bench_lint",
 )

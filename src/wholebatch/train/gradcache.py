@@ -254,6 +254,9 @@ class GradCache:
         rank_local: allow a plain module on W > 1 ranks: each rank trains on its
             own gradient (nothing is reduced). Without it that is an error.
         group: the data-parallel group; None: DDP's own, else the world.
+        keep_last: keep micro-batch K-1's pass-1 graph for pass 2 (one forward fewer;
+            its activations live while the loss runs: peak = one micro-batch PLUS the
+            loss). False re-runs it (peak = the larger of the two): for a large loss.
     """
 
     _replay_rng: bool = True  # tests turn these off to show what each is for
@@ -267,6 +270,7 @@ class GradCache:
         grad_reduction: GradReduction = "mean",
         rank_local: bool = False,
         group: ProcessGroup | None = None,
+        keep_last: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -286,6 +290,7 @@ class GradCache:
         self.grad_reduction = grad_reduction
         self.rank_local = bool(rank_local)
         self.group = group
+        self._reuse_last = bool(keep_last)
 
     # -- the call (pass 1 and the loss) ---------------------------------------------
 
