@@ -57,7 +57,7 @@ class Run:
     lengths: tuple[tuple[int, ...], ...]
     """lengths[s]: the lengths of step s's sequences (1 = no target token)."""
 
-    wrap: str = "ddp"  # "ddp" | "fsdp2" | "plain"
+    wrap: str = "ddp"  # "ddp" | "ddp_compiled" (torch.compile'd DDP) | "fsdp2" | "plain"
     optimizer: str = "sgd"  # "sgd" (with momentum) | "adamw"
     loop: str = "accumulator"  # or "mean_of_means", "no_no_sync", "forward_outside_no_sync"
     max_grad_norm: float | None = None
@@ -118,6 +118,8 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 def _wrap(run: Run, model: nn.Module) -> nn.Module:
     if run.wrap == "ddp" and dist.is_initialized():
         return DDP(model, bucket_cap_mb=100)  # one bucket: hook calls = all-reduces
+    if run.wrap == "ddp_compiled" and dist.is_initialized():
+        return torch.compile(DDP(model, bucket_cap_mb=100), backend="eager", dynamic=True)  # type: ignore[return-value]
     if run.wrap == "fsdp2" and dist.is_initialized():
         from torch.distributed.fsdp import fully_shard
 
@@ -138,8 +140,9 @@ def train_split(run: Run) -> Result:
         lambda o, a, k: seen.append([_full(p.grad) for p in model.parameters()])  # type: ignore[arg-type]
     )
     counter = [0]
-    if run.count_allreduces and isinstance(net, DDP):
-        net.register_comm_hook(counter, _counting_allreduce)
+    ddp = getattr(net, "_orig_mod", net)  # a torch.compile'd DDP
+    if run.count_allreduces and isinstance(ddp, DDP):
+        ddp.register_comm_hook(counter, _counting_allreduce)
     scaler = (
         None if run.init_scale is None else torch.amp.GradScaler("cpu", init_scale=run.init_scale)
     )

@@ -42,6 +42,15 @@ def test_one_allreduce_per_step_with_ddp() -> None:
         assert got.allreduces == [1, 1, 1]
 
 
+def test_compiled_ddp_reduces_once_per_step_and_matches_whole_batch() -> None:
+    # torch.compile(ddp) hides DDP behind `_orig_mod`: no_sync must still be found.
+    run = dataclasses.replace(ragged_run(2, 4, count_allreduces=True), wrap="ddp_compiled")
+    ref = train_reference(run)
+    for got in run_split(2, run):
+        assert got.allreduces == [1, 1, 1]
+        assert_matches(got, ref)
+
+
 @pytest.mark.parametrize("loop", ["no_no_sync", "forward_outside_no_sync"])
 def test_loops_without_proper_no_sync_reduce_k_times(loop: str) -> None:
     # Without no_sync every backward all-reduces; with no_sync around the backward

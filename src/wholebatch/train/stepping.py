@@ -230,15 +230,17 @@ def sync_context(
     step costs exactly one: DDP `no_sync()`; FSDP2 `set_requires_gradient_sync(False)`
     (restored to True on exit); a plain module: nothing. The forward must be inside
     too: DDP decides in its forward whether the coming backward reduces.
-    Every rank must use the same `count` (see `StepFinisher.begin`).
+    Every rank must use the same `count` (see `StepFinisher.begin`). A
+    `torch.compile`'d DDP module is looked through (its `_orig_mod`).
     """
     last = index == count - 1
-    mode = grad_sync_mode(model)
+    inner = getattr(model, "_orig_mod", model)
+    mode = grad_sync_mode(inner)
     if mode == "ddp" and not last:
-        assert isinstance(model, DistributedDataParallel)
-        return model.no_sync()
+        assert isinstance(inner, DistributedDataParallel)
+        return inner.no_sync()
     if mode == "fsdp2":
-        return _fsdp_sync(_fsdp_modules(model), last)
+        return _fsdp_sync(_fsdp_modules(inner), last)
     return contextlib.nullcontext()
 
 
