@@ -650,6 +650,21 @@ def broadcast(
     return out
 
 
+def ring_pass(x: Tensor, recv_rows: int, *, group: ProcessGroup | None = None) -> Tensor:
+    """One step of a ring algorithm whose sizes are already agreed: send `x` to rank + 1, receive `recv_rows` rows from rank - 1.
+
+    For kernels that shift W - 1 times per call after one agreement (SigLIP's
+    ring): no autograd, no cross-rank checks and O(1) host work per step, where
+    `ring_shift` validates a W-long `sizes` list each call (O(W²) host work per
+    ring at W ranks). The caller guarantees what `ring_shift` would check:
+    every rank calls it, and `recv_rows` is the sender's row count. Debug mode's
+    check-in still runs.
+    """
+    arrive("ring_pass", x, group)
+    out = _shift_rows(_front(x, 0), 1, recv_rows, get_rank(group), get_world_size(group), group)
+    return out
+
+
 def ring_shift(
     x: Tensor,
     shift: int = 1,

@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from wholebatch.comm.collectives import all_gather, ring_shift
+from wholebatch.comm.collectives import all_gather, ring_pass
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
-from wholebatch.comm.sizes import ring_sizes
+from wholebatch.comm.sizes import ring_block
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.sizing import ACCEL_TILE_BUDGET, CPU_TILE, TILE_BUFFERS, tile_size_for
 
@@ -288,8 +288,10 @@ class PositiveLSE(torch.autograd.Function):
             if j0 < n_cols:
                 jc = min(j1, n_cols)
                 sc = s_TT[:, : jc - j0]
-                m_col[j0:jc], l_col[j0:jc] = _running(m_col[j0:jc], l_col[j0:jc], sc, 0)
-        m_col, l_col = _combine(m_col, l_col, group)
+                e = buf[: sc.numel()].view(sc.shape)  # the rows' exponentials are summed: reuse
+                m_col[j0:jc], l_col[j0:jc] = _running(m_col[j0:jc], l_col[j0:jc], sc, 0, e)
+        if n_cols:  # the same on every rank (N and the directions are agreed): no empty calls
+            m_col, l_col = _combine(m_col, l_col, group)
         pos = pos_B.detach().to(acc)
         row_B = _finish(m_row, l_row, pos)
         col_B = (
@@ -328,11 +330,13 @@ class PositiveLSE(torch.autograd.Function):
         # Unscaled: dq = s·uq, dk = s·uk, d scale = sum_ij g_ij q_i·k_j = (q · uq).sum().
         uq_BD = torch.zeros(q_BD.shape, dtype=acc, device=q_BD.device)
         uk_CD = torch.zeros(k_CD.shape, dtype=acc, device=k_CD.device)
+        buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
         for i0, i1, j0, j1 in _tiles(b, c, tile):
             s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
             _mask_rows(s_TT, masks, offset + i0 - j0)
             # d a_i / d s_ij = softmax over row i's negatives; likewise along the columns.
-            g_TT = torch.sub(s_TT, sh_row[i0:i1, None]).exp_().mul_(cf_row[i0:i1, None])
+            g_TT = buf[: s_TT.numel()].view(s_TT.shape)
+            torch.sub(s_TT, sh_row[i0:i1, None], out=g_TT).exp_().mul_(cf_row[i0:i1, None])
             if n_cols and j0 < n_cols:
                 jc = min(j1, n_cols)
                 sc = s_TT[:, : jc - j0]
@@ -512,9 +516,9 @@ class SymmetricLSE(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-def _ring_sizes(sizes: tuple[int, ...], step: int) -> list[int]:
-    """Rows each rank holds at ring step `step`: rank q holds the block of rank q - step."""
-    return list(ring_sizes(sizes, step))
+def _ring_next(sizes: tuple[int, ...], step: int, group: Any) -> int:
+    """Rows this rank receives at ring step `step` -> step + 1: the block of rank (rank - step - 1)."""
+    return ring_block(sizes, get_rank(group), step + 1)
 
 
 def _softplus_sum(
@@ -542,7 +546,7 @@ class SigmoidRing(torch.autograd.Function):
     The positive pairs (this rank's own (i, i)) are left out: the caller adds
     softplus(−z_ii), so no term is formed as a difference (issue 14).
 
-    Text blocks travel around the ring with `ring_shift` (receive from rank - 1),
+    Text blocks travel around the ring with `ring_pass` (receive from rank - 1),
     one block in memory at a time: W - 1 shifts in the forward. Nothing exchanged
     is saved: the backward re-exchanges the blocks and sends each block's
     gradient along with it, W - 1 shifts of [block | gradient] and one last
@@ -574,9 +578,7 @@ class SigmoidRing(torch.autograd.Function):
         for step in range(w):
             total += _softplus_sum(img_BD, blk_MD, s, b, tile, acc, own=step == 0)
             if step < w - 1:
-                blk_MD = ring_shift(
-                    blk_MD, 1, sizes=_ring_sizes(sizes, step), group=group, check=False
-                )
+                blk_MD = ring_pass(blk_MD, _ring_next(sizes, step, group), group=group)
         ctx.save_for_backward(img_BD, txt_BD, scale, bias)
         ctx.sizes, ctx.tile, ctx.group = sizes, tile, group
         return total
@@ -610,14 +612,14 @@ class SigmoidRing(torch.autograd.Function):
                     db += g_TT.sum()
                     di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
                     dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
-            ring = _ring_sizes(sizes, step)
+            rows = _ring_next(sizes, step, group) if w > 1 else 0
             if step < w - 1:
-                both = torch.cat([blk_MD.to(acc), dblk_MD], 1)
-                both = ring_shift(both, 1, sizes=ring, group=group, check=False)
+                both = ring_pass(torch.cat([blk_MD.to(acc), dblk_MD], 1), rows, group=group)
                 blk_MD, dblk_MD = both[:, :d].to(img.dtype), both[:, d:]
             elif w > 1:
-                # The gradient of the block held now belongs to the next rank on the ring.
-                dblk_MD = ring_shift(dblk_MD, 1, sizes=ring, group=group, check=False)
+                # The gradient of the block held now belongs to the next rank on the ring
+                # (it receives the gradient of its own block: `rows` = its own size).
+                dblk_MD = ring_pass(dblk_MD, rows, group=group)
         need = ctx.needs_input_grad
         return (
             di_BD.to(img_BD.dtype) if need[0] else None,

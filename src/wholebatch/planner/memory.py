@@ -38,10 +38,10 @@ other N, W (3), k and dtypes (docs/plan.md).
   W = 2 (the image gradient, the [block | gradient] pair sent and the one
   arriving), 9a from W = 3 (the previous pair still alive during the shift);
   16-bit 4a + 4e at W = 1, 9a from W = 2.
-- Tiles: 3.5 T²·a for clip (the tile, its exponentials, the gradient tile,
-  the column statistics' exponentials), 2.5 for info_nce (3.5 with
-  doc_to_query), 2 for nt_xent and siglip; plus 4 vectors of the columns'
-  statistics (N floats) where the kernel keeps them.
+- Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
+  the rows' exponentials, then the columns', then the gradient tile), 2 for
+  nt_xent and siglip; plus 4 vectors of the columns' statistics (N floats)
+  where the kernel keeps them.
 
 Strategies the library does not use, for comparison (their published
 measurements are in docs/plan.md): the full N x N logits on every rank ("naive",
@@ -65,7 +65,7 @@ LOSS_STRATEGY = {
     "siglip": "ring + tiled",
 }
 # float32 T x T buffers alive at the tile loop's peak (measured at T = 512 and 2,048).
-_TILE_BUFFERS = {"clip": 3.5, "info_nce": 2.5, "nt_xent": 2.0, "siglip": 2.0}
+_TILE_BUFFERS = {"clip": 2.5, "info_nce": 2.5, "nt_xent": 2.0, "siglip": 2.0}
 
 
 def _ring_per_bd(w: int, elem: int, acc: int) -> float:
@@ -150,9 +150,8 @@ def loss_memory(
     if loss == "siglip":  # siglip with a gather (for comparison): clip's kernel, no columns
         return int(_gather_keys(n, b, dim, elem, acc, w, 0, ()) + 2.5 * tiles)
     columns = loss == "clip" or "doc_to_query" in directions
-    buffers = _TILE_BUFFERS[loss] + (1.0 if loss == "info_nce" and columns else 0.0)
     return int(
         _gather_keys(n, b, dim, elem, acc, w, k, directions)
-        + buffers * tiles
+        + _TILE_BUFFERS[loss] * tiles
         + (4 * n * acc if columns else 0)
     )

@@ -163,9 +163,6 @@ def loss_traffic(
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
-    Zero-element all-reduces (InfoNCE's kernels combine empty column
-    statistics when a direction has none) move no bytes and are not listed.
-
     Args:
         loss: "clip", "siglip", "nt_xent" or "info_nce".
         sizes: every rank's rows B (queries, for info_nce).
