@@ -51,6 +51,7 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm import all_gather, broadcast, comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.losses import GradReduction, nt_xent_loss, tile_size_for
+from wholebatch.losses.tiles import cpu_tile_threads
 
 __all__ = ["NTXentLoss"]
 
@@ -92,8 +93,9 @@ class NTXentLoss(nn.Module):
         gather_distributed: accepted, no effect (the loss is always the whole batch's).
         group: the process group the batch is split over (default: the world).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP), "sum" if summed.
-        tile_size: rows and columns of one logits tile (with a bank: rows of one
-            tile_size x K tile of logits); None: chosen for the device.
+        tile_size: rows and columns of one logits tile (with a bank: tiles of
+            tile_size² logits, tile_size² / K rows of the K columns); None: chosen
+            for the device.
     """
 
     bank: Tensor
@@ -174,15 +176,12 @@ class NTXentLoss(nn.Module):
         if err is None:
             z0, z1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
             bank_KD = self._shared_bank().to(z0.dtype)  # read before this call's update
-            z0_tau = z0 / self.temperature  # B x D: scale the rows, not the B x K logits
-            pos_B = (z0_tau * z1).sum(1)
-            # Cross-entropy against class 0 of [positive | K negatives], in row tiles.
-            lse_B: Tensor = _BankLSE.apply(
-                z0_tau,
-                pos_B,
-                bank_KD,
-                self.tile_size or tile_size_for(z0.device.type, z0.shape[0], bank_KD.shape[0]),
-            )  # type: ignore[no-untyped-call]
+            pos_B = (z0 * z1).sum(1) / self.temperature
+            # Cross-entropy against class 0 of [positive | K negatives], in row tiles of
+            # as many logits as one square tile (T x T): T²/K rows.
+            tile = self.tile_size or tile_size_for(z0.device.type, z0.shape[0], bank_KD.shape[0])
+            rows = max(1, min(tile, tile * tile // max(1, bank_KD.shape[0])))
+            lse_B: Tensor = _BankLSE.apply(z0, pos_B, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]
             local = (lse_B - pos_B).sum()
             row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
         else:
@@ -253,38 +252,40 @@ class NTXentLoss(nn.Module):
 
 
 class _BankLSE(torch.autograd.Function):
-    """lse_i = log(exp(pos_i) + Σ_k exp(q_i·bank_k)) for every row i, T rows at a time.
+    """lse_i = log(exp(pos_i) + Σ_k exp(c·q_i·bank_k)) for every row i, `rows` rows at a time.
 
     The bank is a constant and each lse_i depends on row i alone, so the
-    forward computes each T x K tile of logits once and, when q needs a
-    gradient, also d lse_i / d q_i = Σ_k softmax_ik · bank_k (one more T x K
-    by K x D product) and keeps that B x D result instead of any logits.
-    Backward is then elementwise: grad_q = grad · that, grad_pos = grad ·
-    exp(pos - lse). The same two products per tile as the plain formula's
-    forward and backward; peak memory O(B·D + T·K) instead of several B x K.
+    forward computes each rows x K tile of logits once and, when q needs a
+    gradient, also d lse_i / d q_i = c·Σ_k softmax_ik · bank_k (one more
+    rows x K by K x D product) and keeps that B x D result instead of any
+    logits. Backward is then elementwise: grad_q = grad · that, grad_pos =
+    grad · exp(pos - lse). The same two products per tile as the plain
+    formula's forward and backward; the scale c = 1/τ is applied to each tile,
+    so no scaled B x D copy of q exists. Peak memory O(B·D + rows·K).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q_BD: Tensor, pos_B: Tensor, bank_KD: Tensor, tile: int
+        ctx: Any, q_BD: Tensor, pos_B: Tensor, bank_KD: Tensor, c: float, rows: int
     ) -> Tensor:
         lse_B = torch.empty_like(pos_B)
         dq_BD = torch.empty_like(q_BD) if ctx.needs_input_grad[0] else None
-        for i in range(0, q_BD.shape[0], tile):
-            rows = slice(i, i + tile)
-            neg_TK = q_BD[rows] @ bank_KD.T
-            lse_T = torch.logaddexp(pos_B[rows], torch.logsumexp(neg_TK, 1))
-            lse_B[rows] = lse_T
-            if dq_BD is not None:
-                dq_BD[rows] = neg_TK.sub_(lse_T[:, None]).exp_() @ bank_KD  # softmax @ bank
+        with cpu_tile_threads(q_BD.device):  # the losses' tile-loop thread policy
+            for i in range(0, q_BD.shape[0], rows):
+                at = slice(i, i + rows)
+                neg_TK = (q_BD[at] @ bank_KD.T).mul_(c)
+                lse_T = torch.logaddexp(pos_B[at], torch.logsumexp(neg_TK, 1))
+                lse_B[at] = lse_T
+                if dq_BD is not None:  # c · softmax @ bank
+                    dq_BD[at] = (neg_TK.sub_(lse_T[:, None]).exp_() @ bank_KD).mul_(c)
         ctx.save_for_backward(pos_B, lse_B, dq_BD)
         return lse_B
 
     @staticmethod
     def backward(ctx: Any, grad_B: Tensor) -> tuple[Tensor | None, ...]:
         pos_B, lse_B, dq_BD = ctx.saved_tensors
-        grad_q = None if dq_BD is None else dq_BD * grad_B[:, None]
-        return grad_q, grad_B * torch.exp(pos_B - lse_B), None, None
+        grad_q = None if dq_BD is None else dq_BD * grad_B[:, None]  # saved: never in place
+        return grad_q, grad_B * torch.exp(pos_B - lse_B), None, None, None
 
 
 def _is_2d(x: object) -> bool:
