@@ -1,8 +1,11 @@
-"""What the multi-process benchmarks share."""
+"""What the benchmarks share: a free port, peak-RSS growth, interleaved timing."""
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def free_port() -> int:
@@ -10,3 +13,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_growth(fn: Callable[[], Any]) -> int:
+    """Peak RSS growth in bytes over one call of `fn` (VmHWM reset to VmRSS first, Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: nothing the process did before counts
+    before = status_kib("VmRSS") * 1024
+    fn()
+    return status_kib("VmHWM") * 1024 - before
+
+
+def interleaved_times(
+    modes: Sequence[str], run: Callable[[str], Any], rounds: int
+) -> dict[str, list[float]]:
+    """Seconds of `run(mode)` per round for every mode, in ONE process, order reversed every other round.
+
+    On a shared machine load comes and goes over seconds; modes timed in
+    separate processes minutes apart see different loads. Interleaved, each
+    round's ratios compare calls made seconds apart; their median is robust.
+    """
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            t0 = time.perf_counter()
+            run(m)
+            times[m].append(time.perf_counter() - t0)
+    return times

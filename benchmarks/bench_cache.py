@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks._common import interleaved_times, peak_growth
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.gradcache import GradCache
 
@@ -176,37 +177,17 @@ def _setup() -> Callable[[str], None]:
     return run
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _child_memory(mode: str) -> dict[str, Any]:
     run = _setup()
     run(mode)  # warm-up: optimizer state and allocator pools exist before measuring
-    peaks = []
-    for _ in range(2):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before = _status_kib("VmRSS")
-        run(mode)
-        peaks.append(_status_kib("VmHWM") - before)
-    return {"peak_mib": max(peaks) / 1024}
+    return {"peak_mib": max(peak_growth(lambda: run(mode)) for _ in range(2)) / 2**20}
 
 
 def _child_times(rounds: int) -> dict[str, Any]:
     run = _setup()
     for m in MODES:
         run(m)  # warm-up
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    for r in range(rounds):
-        for m in MODES if r % 2 == 0 else MODES[::-1]:
-            t0 = time.perf_counter()
-            run(m)
-            times[m].append(time.perf_counter() - t0)
+    times = interleaved_times(MODES, run, rounds)
     floor = [a + e for a, e in zip(times["accumulate"], times["extra_forwards"], strict=True)]
 
     def ratio(a: list[float], b: list[float]) -> float:

@@ -40,12 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from benchmarks._common import peak_growth
 
 __all__ = ["main"]
 
@@ -58,23 +59,6 @@ LOSS_CASES = ("clip", "siglip", "ntxent", "bank")
 # ---------------------------------------------------------------------------
 # Peak memory: the kernel's peak-RSS counter
 # ---------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _peak_growth(fn: Callable[[], Any]) -> int:
-    """Peak RSS growth in bytes over one call of `fn`."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = _status_kib("VmRSS") * 1024
-    fn()
-    return _status_kib("VmHWM") * 1024 - before
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +126,7 @@ def _child_memory(case: str, impl: str, n: int) -> dict[str, Any]:
     loss_fn = peer if impl == "peer" else ours
     _warm(loss_fn, case)
     inputs = _inputs(case, n)
-    return {"peak": _peak_growth(lambda: _run(loss_fn, inputs))}
+    return {"peak": peak_growth(lambda: _run(loss_fn, inputs))}
 
 
 def _child_times(case: str, n: int, rounds: int) -> dict[str, Any]:

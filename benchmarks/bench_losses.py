@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks._common import interleaved_times, peak_growth
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from wholebatch.train.cache import CachedStep
 
@@ -116,28 +117,11 @@ def _loss_inputs(loss: str, n: int, d: int) -> tuple[list[Tensor], list[Tensor]]
 # ---------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return the current RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
 def _peak_growth(fn: Callable[[], Any]) -> tuple[float, int]:
     """(seconds, peak RSS growth in bytes) of one call of `fn`."""
-    before = _reset_peak()
     t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    return seconds, _status_kib("VmHWM") * 1024 - before
+    peak = peak_growth(fn)
+    return time.perf_counter() - t0, peak
 
 
 # ---------------------------------------------------------------------------
@@ -265,12 +249,7 @@ def _child_cache_times(rows: int, tokens: int, k: int, rounds: int) -> dict[str,
     _, run = _cache_setup(rows, tokens, k)
     for m in CACHE_MODES:
         run(m)  # warm-up
-    times: dict[str, list[float]] = {m: [] for m in CACHE_MODES}
-    for r in range(rounds):
-        for m in CACHE_MODES if r % 2 == 0 else CACHE_MODES[::-1]:
-            t0 = time.perf_counter()
-            run(m)
-            times[m].append(time.perf_counter() - t0)
+    times = interleaved_times(CACHE_MODES, run, rounds)
     acc = times["accumulate"]
     return {
         m: {

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks._common import free_port
+from benchmarks._common import free_port, interleaved_times, peak_growth
 
 D, SCALE, MBS, WORDS = 384, 20.0, 256, 14
 LOSS_MODES = ("peer_k0", "ours_k0", "peer_k1", "ours_k1")
@@ -241,14 +241,6 @@ def _uneven_peer_outcome() -> str:
 # ---------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _setup(part: str, n: int) -> Callable[[str], None]:
     return _loss_setup(n) if part == "loss" else _cached_setup(n)
 
@@ -256,14 +248,7 @@ def _setup(part: str, n: int) -> Callable[[str], None]:
 def _child_memory(part: str, mode: str, n: int) -> dict[str, Any]:
     run = _setup(part, n)
     run(mode)  # warm-up
-    peaks = []
-    for _ in range(2):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before = _status_kib("VmRSS")
-        run(mode)
-        peaks.append(_status_kib("VmHWM") - before)
-    return {"peak_mib": max(peaks) / 1024}
+    return {"peak_mib": max(peak_growth(lambda: run(mode)) for _ in range(2)) / 2**20}
 
 
 def _child_times(part: str, n: int, rounds: int) -> dict[str, Any]:
@@ -271,12 +256,7 @@ def _child_times(part: str, n: int, rounds: int) -> dict[str, Any]:
     run = _setup(part, n)
     for m in modes:
         run(m)  # warm-up
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for r in range(rounds):
-        for m in modes if r % 2 == 0 else modes[::-1]:
-            t0 = time.perf_counter()
-            run(m)
-            times[m].append(time.perf_counter() - t0)
+    times = interleaved_times(modes, run, rounds)
     pairs = [(modes[i], modes[i + 1]) for i in range(0, len(modes), 2)]
     return {
         "median_s": {m: statistics.median(ts) for m, ts in times.items()},
