@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,3 +53,22 @@ def interleaved_times(
             run(m)
             times[m].append(time.perf_counter() - t0)
     return times
+
+
+# A fixed mmap threshold: glibc's dynamic one grows after the first large free, after
+# which freed blocks stay in RSS and the next measurement sees less growth than it
+# allocates. Fixed, every large block is mapped and unmapped: RSS follows live memory,
+# the same way for every configuration.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def run_child(module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Any:
+    """`python -m benchmarks.<module> *args` in a fresh process (FIXED_MALLOC set): its last line, as JSON."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **FIXED_MALLOC, **(env or {})},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks._common import interleaved_times, peak_growth
+from benchmarks._common import interleaved_times, peak_growth, run_child
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.gradcache import GradCache
 
@@ -207,16 +204,7 @@ def _child_times(rounds: int) -> dict[str, Any]:
 
 
 def _spawn(args: list[str]) -> dict[str, Any]:
-    # A fixed mmap threshold, so that RSS follows live memory (see bench_losses).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_cache", "--child", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_child("bench_cache", ["--child", *args])
     return result
 
 

@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -46,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks._common import peak_growth
+from benchmarks._common import peak_growth, run_child
 
 __all__ = ["main"]
 
@@ -217,18 +214,10 @@ def _child_trainer(rounds: int) -> dict[str, Any]:
 
 
 def _spawn(args: list[str], threads: int) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": "131072",
-        "MALLOC_TRIM_THRESHOLD_": "131072",
-        "OMP_NUM_THREADS": str(threads),
-    }
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_integrations", "--child", *args,
-         "--threads", str(threads)],
-        check=True, capture_output=True, text=True, env=env,
+    result: dict[str, Any] = run_child(
+        "bench_integrations", ["--child", *args, "--threads", str(threads)],
+        env={"OMP_NUM_THREADS": str(threads)},
     )  # fmt: skip
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks._common import interleaved_times, peak_growth
+from benchmarks._common import interleaved_times, peak_growth, run_child
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from wholebatch.train.cache import CachedStep
 
@@ -308,19 +308,7 @@ def _child_loss_times(
 
 
 def _spawn(args: list[str]) -> dict[str, Any]:
-    # A fixed mmap threshold: glibc's dynamic one grows after the first large free,
-    # after which freed blocks stay in RSS and the next measurement sees less growth
-    # than it allocates. Fixed, every large block is mapped and unmapped: RSS follows
-    # live memory, the same way for every configuration.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_losses", "--child", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_child("bench_losses", ["--child", *args])
     return result
 
 

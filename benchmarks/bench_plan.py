@@ -30,10 +30,12 @@ import sys
 import time
 from typing import Any
 
+from benchmarks._common import FIXED_MALLOC
+
 __all__ = ["main"]
 
 LOSSES = ("clip", "siglip", "nt_xent", "info_nce")
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+ENV = {**os.environ, **FIXED_MALLOC}
 # (W, N, dtype, tile, extra specs); "cal" marks the calibration points.
 SWEEP: list[tuple[int, int, str, int, str]] = [
     (1, 4096, "fp32", 512, ""), (1, 4096, "bf16", 512, ""),

@@ -37,8 +37,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks._common import free_port, interleaved_times, peak_growth
+from benchmarks._common import free_port, interleaved_times, peak_growth, run_child
 
 D, SCALE, MBS, WORDS = 384, 20.0, 256, 14
 LOSS_MODES = ("peer_k0", "ours_k0", "peer_k1", "ours_k1")
@@ -268,16 +266,7 @@ def _child_times(part: str, n: int, rounds: int) -> dict[str, Any]:
 
 
 def _spawn(args: list[str], threads: int) -> dict[str, Any]:
-    # A fixed mmap threshold, so that RSS follows live memory (see bench_losses).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_st", "--threads", str(threads), "--child", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_child("bench_st", ["--threads", str(threads), "--child", *args])
     return result
 
 
