@@ -244,11 +244,12 @@ def test_ring_shift_dim1_with_known_sizes(world: int) -> None:
     check_case(ring_shift_case(sizes, 1, dim=1, sizes=sizes, check=False), noncontig=True)
 
 
-def _ring_pass_rank(xs: list[Tensor], sizes: list[int]) -> Tensor:
+def _ring_pass_rank(xs: list[Tensor], sizes: list[int]) -> list[Tensor]:
     from wholebatch.comm.collectives import ring_pass
 
     r, w = dist.get_rank(), len(sizes)
-    return ring_pass(_noncontig(xs[r]), sizes[(r - 1) % w])
+    # two tensors in one step, each in its own dtype (SigLIP: the block and its gradient)
+    return ring_pass([_noncontig(xs[r]), xs[r].to(torch.bfloat16)], sizes[(r - 1) % w])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -257,8 +258,9 @@ def test_ring_pass_is_a_ring_shift_by_one(world: int) -> None:
     sizes = uneven_sizes(world)
     xs = _inputs(sizes, 0, 3, torch.float64)
     got = run_ranks(world, _ring_pass_rank, xs, sizes)
-    for r, (out, want) in enumerate(zip(got, reference.ring_shift(xs, 1), strict=True)):
-        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=f"rank {r}")
+    for r, ((a, b), want) in enumerate(zip(got, reference.ring_shift(xs, 1), strict=True)):
+        torch.testing.assert_close(a, want, rtol=0, atol=0, msg=f"rank {r}")
+        torch.testing.assert_close(b, want.to(torch.bfloat16), rtol=0, atol=0, msg=f"rank {r}")
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -650,19 +650,33 @@ def broadcast(
     return out
 
 
-def ring_pass(x: Tensor, recv_rows: int, *, group: ProcessGroup | None = None) -> Tensor:
-    """One step of a ring algorithm whose sizes are already agreed: send `x` to rank + 1, receive `recv_rows` rows from rank - 1.
+def ring_pass(
+    xs: Sequence[Tensor], recv_rows: int, *, group: ProcessGroup | None = None
+) -> list[Tensor]:
+    """One step of a ring algorithm whose sizes are already agreed: send each of `xs` to rank + 1, receive `recv_rows` rows of each from rank - 1.
 
     For kernels that shift W - 1 times per call after one agreement (SigLIP's
     ring): no autograd, no cross-rank checks and O(1) host work per step, where
     `ring_shift` validates a W-long `sizes` list each call (O(W²) host work per
-    ring at W ranks). The caller guarantees what `ring_shift` would check:
-    every rank calls it, and `recv_rows` is the sender's row count. Debug mode's
-    check-in still runs.
+    ring at W ranks). The tensors travel in one batch of point-to-point ops,
+    each in its own dtype (a 16-bit block beside its float32 gradient). The
+    caller guarantees what `ring_shift` would check: every rank calls it with
+    tensors of the same trailing shapes and dtypes, and `recv_rows` is the
+    sender's row count. Debug mode's check-in still runs.
     """
-    arrive("ring_pass", x, group)
-    out = _shift_rows(_front(x, 0), 1, recv_rows, get_rank(group), get_world_size(group), group)
-    return out
+    arrive("ring_pass", xs[0], group)
+    rank, world_size = get_rank(group), get_world_size(group)
+    dst = global_rank(group, (rank + 1) % world_size)
+    src = global_rank(group, (rank - 1) % world_size)
+    sends = [_front(x, 0) for x in xs]
+    outs = [x.new_empty((recv_rows, *x.shape[1:])) for x in sends]
+    # Sizes are agreed: a side that moves nothing skips its half, and so does its peer.
+    ops = [dist.P2POp(dist.isend, x, dst, group=group) for x in sends if x.numel() > 0]
+    ops += [dist.P2POp(dist.irecv, o, src, group=group) for o in outs if o.numel() > 0]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return outs
 
 
 def ring_shift(

@@ -549,8 +549,9 @@ class SigmoidRing(torch.autograd.Function):
     Text blocks travel around the ring with `ring_pass` (receive from rank - 1),
     one block in memory at a time: W - 1 shifts in the forward. Nothing exchanged
     is saved: the backward re-exchanges the blocks and sends each block's
-    gradient along with it, W - 1 shifts of [block | gradient] and one last
-    shift that returns each gradient to its owner. Peak memory O(B·D + T²),
+    gradient along with it, W - 1 shifts of the block (its own dtype) and its
+    gradient (the compute dtype), and one last shift that returns each
+    gradient to its owner. Peak memory O(B·D + T²),
     independent of W.
 
     Backward: exact adjoint of the distributed sum; each rank's text gradient
@@ -578,7 +579,7 @@ class SigmoidRing(torch.autograd.Function):
         for step in range(w):
             total += _softplus_sum(img_BD, blk_MD, s, b, tile, acc, own=step == 0)
             if step < w - 1:
-                blk_MD = ring_pass(blk_MD, _ring_next(sizes, step, group), group=group)
+                (blk_MD,) = ring_pass([blk_MD], _ring_next(sizes, step, group), group=group)
         ctx.save_for_backward(img_BD, txt_BD, scale, bias)
         ctx.sizes, ctx.tile, ctx.group = sizes, tile, group
         return total
@@ -589,15 +590,18 @@ class SigmoidRing(torch.autograd.Function):
         img_BD, txt_BD, scale, bias = ctx.saved_tensors
         acc, tile, sizes, group = compute_dtype(img_BD.dtype), ctx.tile, ctx.sizes, ctx.group
         s, b, g = scale.detach().to(acc), bias.detach().to(acc), g.to(acc)
-        w, d = get_world_size(group), img_BD.shape[1]
+        w = get_world_size(group)
         low = img_BD.is_cuda and img_BD.dtype != acc
         img = img_BD if low else img_BD.to(acc)
         di_BD = torch.zeros(img_BD.shape, dtype=acc, device=img_BD.device)
         ds = torch.zeros((), dtype=acc, device=img_BD.device)
         db = torch.zeros((), dtype=acc, device=img_BD.device)
-        blk_MD = txt_BD.detach().to(img.dtype)
-        dblk_MD = torch.zeros(blk_MD.shape, dtype=acc, device=blk_MD.device)
+        # The block travels in the embeddings' dtype (as in the forward), its gradient in
+        # the compute dtype; each rank widens the block it holds for its tiles.
+        wire_MD = txt_BD.detach()
+        dblk_MD = torch.zeros(wire_MD.shape, dtype=acc, device=wire_MD.device)
         for step in range(w):
+            blk_MD = wire_MD.to(img.dtype)
             for i0 in range(0, img_BD.shape[0], tile):
                 q_TD = img[i0 : i0 + tile]
                 for j0 in range(0, blk_MD.shape[0], tile):
@@ -612,14 +616,14 @@ class SigmoidRing(torch.autograd.Function):
                     db += g_TT.sum()
                     di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
                     dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
+            del blk_MD
             rows = _ring_next(sizes, step, group) if w > 1 else 0
             if step < w - 1:
-                both = ring_pass(torch.cat([blk_MD.to(acc), dblk_MD], 1), rows, group=group)
-                blk_MD, dblk_MD = both[:, :d].to(img.dtype), both[:, d:]
+                wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group)
             elif w > 1:
                 # The gradient of the block held now belongs to the next rank on the ring
                 # (it receives the gradient of its own block: `rows` = its own size).
-                dblk_MD = ring_pass(dblk_MD, rows, group=group)
+                (dblk_MD,) = ring_pass([dblk_MD], rows, group=group)
         need = ctx.needs_input_grad
         return (
             di_BD.to(img_BD.dtype) if need[0] else None,

@@ -34,10 +34,11 @@ other N, W (3), k and dtypes (docs/plan.md).
 - nt_xent (`SymmetricLSE` over the 2N x D views): 10a per N·D (the gathered
   [z1 | z2], the stacked views, the scaled copy, the gradient, one product),
   + 6e for 16-bit inputs; independent of B.
-- siglip (`SigmoidRing`): only B x D blocks: float32 4a at W = 1, 8a at
-  W = 2 (the image gradient, the [block | gradient] pair sent and the one
-  arriving), 9a from W = 3 (the previous pair still alive during the shift);
-  16-bit 4a + 4e at W = 1, 9a from W = 2.
+- siglip (`SigmoidRing`): only B x D blocks: float32 4a at W = 1, 6a at
+  W = 2 (the image gradient, the block and its gradient sent and the pair
+  arriving), 7a from W = 3 (the previous block still alive during the shift);
+  16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
+  travel in their own dtype, their gradients in float32).
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
   nt_xent and siglip; plus 4 vectors of the columns' statistics (N floats)
@@ -71,8 +72,8 @@ _TILE_BUFFERS = {"clip": 2.5, "info_nce": 2.5, "nt_xent": 2.0, "siglip": 2.0}
 def _ring_per_bd(w: int, elem: int, acc: int) -> float:
     """`SigmoidRing`'s bytes per B·D element."""
     if elem < acc:
-        return 4 * acc + 4 * elem if w == 1 else 9 * acc
-    return 4 * acc if w == 1 else (8 if w == 2 else 9) * acc
+        return 4 * acc + 4 * elem if w == 1 else 5 * acc + (3 if w == 2 else 4) * elem
+    return 4 * acc if w == 1 else (6 if w == 2 else 7) * acc
 
 
 def _gather_keys(

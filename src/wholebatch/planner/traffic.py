@@ -136,14 +136,19 @@ def ring_traffic(
     """`SigmoidRing`'s schedule for blocks of `width` elements per row.
 
     Forward: W - 1 shifts of the blocks (the embeddings' dtype). Backward: W - 1
-    shifts of [block | gradient] (the compute dtype), then one more that returns
-    each gradient to its owner.
+    shifts of each block (its dtype) with its gradient (the compute dtype), then
+    one more that returns each gradient to its owner.
     """
     w = len(sizes)
     return [
         _ring(f"ring_shift {what}", "forward", sizes, rank, range(w - 1), width * elem),
         _ring(
-            "ring_shift [block | gradient]", "backward", sizes, rank, range(w - 1), 2 * width * acc
+            "ring_shift block and gradient",
+            "backward",
+            sizes,
+            rank,
+            range(w - 1),
+            width * (elem + acc),
         ),
         _ring("ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), width * acc),
     ]
