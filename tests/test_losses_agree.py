@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 import wholebatch.losses.common as common
+import wholebatch.losses.tiles as tiles
 from tests.harness import run_ranks, run_ranks_outcomes
 from tests.test_losses import F64, REFS, SCALARS, _inputs
 from wholebatch import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
@@ -138,6 +139,59 @@ def test_cuda_matches_cpu_cuda() -> None:
         ]
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def _values_and_grads(x: Tensor, y: Tensor) -> list[Tensor]:
+    xs, ys = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    torch.manual_seed(0)  # the same hard negatives for both paths
+    losses = _all_losses(xs, ys, tile_size=64)
+    torch.stack([v.float() for v in losses]).sum().backward()
+    assert xs.grad is not None and ys.grad is not None
+    return [*(v.detach().double() for v in losses), xs.grad.double(), ys.grad.double()]
+
+
+def test_accelerator_path_forced_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU in CI: the accelerator path's logic (16-bit rows kept, the scale applied
+    # per float32 tile, 16-bit gradient tiles, SigLIP's 16-bit ring blocks) runs here
+    # with `mm(out_dtype=)` falling back to upcasting, against the CPU path.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(300, 32, generator=gen), dim=1)
+    y = torch.nn.functional.normalize(torch.randn(300, 32, generator=gen), dim=1)
+    x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+    want = _values_and_grads(x, y)
+    monkeypatch.setattr(tiles, "_accelerated", lambda t: True)
+    monkeypatch.setattr(tiles, "_MM_OUT_DTYPE", True)
+    got = _values_and_grads(x, y)
+    assert not tiles._MM_OUT_DTYPE  # the CPU has no mm(out_dtype=): it fell back
+    assert any(not torch.equal(g, w) for g, w in zip(got, want, strict=True))  # another path ran
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)
+
+
+def _both_paths_on_a_rank(sizes: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+    r = get_rank()
+    gen = torch.Generator().manual_seed(r)
+    x = torch.nn.functional.normalize(torch.randn(sizes[r], 32, generator=gen), dim=1)
+    y = torch.nn.functional.normalize(torch.randn(sizes[r], 32, generator=gen), dim=1)
+    x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+    want = _values_and_grads(x, y)
+    saved = tiles._accelerated, tiles._MM_OUT_DTYPE
+    tiles._accelerated = lambda t: True  # type: ignore[assignment]
+    try:  # (the worker process is reused by later tests: always restored)
+        got = _values_and_grads(x, y)
+    finally:
+        tiles._accelerated, tiles._MM_OUT_DTYPE = saved
+    return got, want
+
+
+def test_accelerator_path_forced_on_cpu_across_ranks() -> None:
+    # The same on 3 uneven ranks with an empty one: SigLIP's ring sends 16-bit
+    # blocks beside float32 gradients, CLIP's column statistics cross ranks.
+    for r, (got, want) in enumerate(run_ranks(3, _both_paths_on_a_rank, [70, 0, 45])):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(
+                g, w, rtol=2e-2, atol=2e-3, msg=lambda m, r=r: f"rank {r}: {m}"
+            )
 
 
 # ---------------------------------------------------------------------------

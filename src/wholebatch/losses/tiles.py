@@ -139,6 +139,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 _MM_OUT_DTYPE = True  # False once `torch.mm(..., out_dtype=)` proved unavailable
 
 
+def _accelerated(x: Tensor) -> bool:
+    """Whether `x` takes the accelerator path: 16-bit rows kept as they are, products
+    with float32 results, the scale applied per tile, 16-bit gradient tiles. On CUDA;
+    the tests force it on CPU (where `mm(out_dtype=)` falls back to upcasting) so that
+    its logic runs on machines without a GPU."""
+    return x.is_cuda
+
+
 def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
     """`a @ b_T` with the result in `acc` (float32 or float64).
 
@@ -148,7 +156,7 @@ def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
     operands are upcast.
     """
     global _MM_OUT_DTYPE
-    if _MM_OUT_DTYPE and a.dtype != acc and a.is_cuda and a.dtype == b_T.dtype:
+    if _MM_OUT_DTYPE and a.dtype != acc and _accelerated(a) and a.dtype == b_T.dtype:
         try:
             return torch.mm(a, b_T, out_dtype=acc)
         except (RuntimeError, TypeError):  # a torch or device without mm(out_dtype=): upcast
@@ -163,7 +171,7 @@ def _scaled_rows(x: Tensor, scale: Tensor, acc: torch.dtype) -> tuple[Tensor, Te
     CUDA: the rows as they are and the scale applied to each float32 tile
     (rounding scaled rows to 16 bits would put 2**-9 relative error on every logit).
     """
-    if x.is_cuda and x.dtype != acc:
+    if _accelerated(x) and x.dtype != acc:
         return x, scale.detach().to(acc)
     return x.to(acc) * scale.detach().to(acc), None
 
@@ -591,7 +599,7 @@ class SigmoidRing(torch.autograd.Function):
         acc, tile, sizes, group = compute_dtype(img_BD.dtype), ctx.tile, ctx.sizes, ctx.group
         s, b, g = scale.detach().to(acc), bias.detach().to(acc), g.to(acc)
         w = get_world_size(group)
-        low = img_BD.is_cuda and img_BD.dtype != acc
+        low = _accelerated(img_BD) and img_BD.dtype != acc
         img = img_BD if low else img_BD.to(acc)
         di_BD = torch.zeros(img_BD.shape, dtype=acc, device=img_BD.device)
         ds = torch.zeros((), dtype=acc, device=img_BD.device)
