@@ -174,15 +174,13 @@ class NTXentLoss(nn.Module):
             raise WholebatchError(f"NTXentLoss: {err}")
         update = bool(err is None and out0.requires_grad)
         if err is None:
-            z0, z1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
-            bank_KD = self._shared_bank().to(z0.dtype)  # read before this call's update
-            pos_B = (z0 * z1).sum(1) / self.temperature
-            # Cross-entropy against class 0 of [positive | K negatives], in row tiles of
-            # as many logits as one square tile (T x T): T²/K rows.
-            tile = self.tile_size or tile_size_for(z0.device.type, z0.shape[0], bank_KD.shape[0])
-            rows = max(1, min(tile, tile * tile // max(1, bank_KD.shape[0])))
-            lse_B: Tensor = _BankLSE.apply(z0, pos_B, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]
-            local = (lse_B - pos_B).sum()
+            bank_KD = self._shared_bank().to(out0.dtype)  # read before this call's update
+            # Cross-entropy against class 0 of [positive | K negatives] of the normalised
+            # views, in row tiles of as many logits as one square tile (T x T): T²/K rows.
+            tile = self.tile_size or tile_size_for(out0.device.type, out0.shape[0], len(bank_KD))
+            rows = max(1, min(tile, tile * tile // max(1, len(bank_KD))))
+            loss_B: Tensor = _BankNTXent.apply(out0, out1, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]
+            local = loss_B.sum()
             row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
         else:
             self._shared_bank()  # the broadcast every rank joins on the first call
@@ -214,7 +212,8 @@ class NTXentLoss(nn.Module):
         loss = (local.new_tensor(total) + factor * (local - local.detach())) / n
         if update:
             with torch.no_grad():
-                z1_ND = all_gather(z1.detach(), sizes=sizes, group=self.group, check=False)
+                z1 = F.normalize(out1.detach(), dim=1)
+                z1_ND = all_gather(z1, sizes=sizes, group=self.group, check=False)
                 self._enqueue(z1_ND)
         return loss
 
@@ -251,41 +250,69 @@ class NTXentLoss(nn.Module):
         return f"temperature={self.temperature}, memory_bank_size={self.size}"
 
 
-class _BankLSE(torch.autograd.Function):
-    """lse_i = log(exp(pos_i) + Σ_k exp(c·q_i·bank_k)) for every row i, `rows` rows at a time.
+class _BankNTXent(torch.autograd.Function):
+    """l_i = log(exp(pos_i) + Σ_k exp(c·z0_i·bank_k)) − pos_i, pos_i = c·z0_i·z1_i, z = F.normalize(out).
 
-    The bank is a constant and each lse_i depends on row i alone, so the
-    forward computes each rows x K tile of logits once and, when q needs a
-    gradient, also d lse_i / d q_i = c·Σ_k softmax_ik · bank_k (one more
-    rows x K by K x D product) and keeps that B x D result instead of any
-    logits. Backward is then elementwise: grad_q = grad · that, grad_pos =
-    grad · exp(pos - lse). The same two products per tile as the plain
-    formula's forward and backward; the scale c = 1/τ is applied to each tile,
-    so no scaled B x D copy of q exists. Peak memory O(B·D + rows·K).
+    The bank is a constant and each l_i depends on row i's two views alone, so
+    the forward goes through `rows` rows at a time: it normalises them, forms
+    the rows x K tile of logits once and, when a view needs a gradient, the
+    gradient of l_i with respect to out0_i and out1_i, through the
+    normalisation (one more rows x K by K x D product, as the plain formula's
+    backward). It keeps those two B x D results and nothing else: no
+    normalised copy of the views, no logits; backward scales them by the
+    incoming per-row gradient. Peak memory O(B·D + rows·K).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q_BD: Tensor, pos_B: Tensor, bank_KD: Tensor, c: float, rows: int
+        ctx: Any, out0: Tensor, out1: Tensor, bank_KD: Tensor, c: float, rows: int
     ) -> Tensor:
-        lse_B = torch.empty_like(pos_B)
-        dq_BD = torch.empty_like(q_BD) if ctx.needs_input_grad[0] else None
-        with cpu_tile_threads(q_BD.device):  # the losses' tile-loop thread policy
-            for i in range(0, q_BD.shape[0], rows):
+        need0, need1 = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_B = out0.new_empty(out0.shape[0])
+        d0 = torch.empty_like(out0) if need0 else None
+        d1 = torch.empty_like(out1) if need1 else None
+        with cpu_tile_threads(out0.device):  # the losses' tile-loop thread policy
+            for i in range(0, out0.shape[0], rows):
                 at = slice(i, i + rows)
-                neg_TK = (q_BD[at] @ bank_KD.T).mul_(c)
-                lse_T = torch.logaddexp(pos_B[at], torch.logsumexp(neg_TK, 1))
-                lse_B[at] = lse_T
-                if dq_BD is not None:  # c · softmax @ bank
-                    dq_BD[at] = (neg_TK.sub_(lse_T[:, None]).exp_() @ bank_KD).mul_(c)
-        ctx.save_for_backward(pos_B, lse_B, dq_BD)
-        return lse_B
+                x0, x1 = out0[at], out1[at]
+                r0, r1 = x0.norm(dim=1, keepdim=True), x1.norm(dim=1, keepdim=True)
+                n0, n1 = r0.clamp_min(_NORM_EPS), r1.clamp_min(_NORM_EPS)  # as F.normalize
+                z0, z1 = x0 / n0, x1 / n1
+                pos = (z0 * z1).sum(1) * c
+                neg = (z0 @ bank_KD.T).mul_(c)
+                lse = torch.logaddexp(pos, torch.logsumexp(neg, 1))
+                loss_B[at] = lse - pos
+                if d0 is None and d1 is None:
+                    continue
+                # 1 - softmax weight of the positive, without cancellation when it is ~1
+                miss = -torch.expm1(pos - lse)[:, None] * c
+                if d0 is not None:  # dl/dz0 = c·Σ_k p_k bank_k − c·(1 − p_pos)·z1
+                    dz0 = (neg.sub_(lse[:, None]).exp_() @ bank_KD).mul_(c).sub_(miss * z1)
+                    d0[at] = _through_normalize(dz0, z0, r0, n0)
+                if d1 is not None:  # dl/dz1 = −c·(1 − p_pos)·z0
+                    d1[at] = _through_normalize(-miss * z0, z1, r1, n1)
+        ctx.save_for_backward(d0, d1)
+        return loss_B
 
     @staticmethod
     def backward(ctx: Any, grad_B: Tensor) -> tuple[Tensor | None, ...]:
-        pos_B, lse_B, dq_BD = ctx.saved_tensors
-        grad_q = None if dq_BD is None else dq_BD * grad_B[:, None]  # saved: never in place
-        return grad_q, grad_B * torch.exp(pos_B - lse_B), None, None, None
+        d0, d1 = ctx.saved_tensors  # saved: never scaled in place
+        g = grad_B[:, None]
+        return (
+            None if d0 is None else d0 * g,
+            None if d1 is None else d1 * g,
+            None,
+            None,
+            None,
+        )
+
+
+_NORM_EPS = 1e-12  # F.normalize's default
+
+
+def _through_normalize(dz: Tensor, z: Tensor, raw: Tensor, n: Tensor) -> Tensor:
+    """d/dx of z = x / max(|x|, eps) applied to dz: (dz − z·(z·dz)) / |x|, or dz / eps when clamped."""
+    return torch.where(raw > _NORM_EPS, dz - z * (z * dz).sum(1, keepdim=True), dz) / n
 
 
 def _is_2d(x: object) -> bool:
