@@ -107,6 +107,15 @@ def build_model(name: str) -> Any:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(cfg)
+    elif name == "bart":  # encoder-decoder: labels are not shifted, the loss is a plain mean
+        cfg = transformers.BartConfig(
+            vocab_size=VOCAB, d_model=8, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+            decoder_ffn_dim=16, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=2, forced_eos_token_id=None,
+        )  # fmt: skip
+        model = transformers.BartForConditionalGeneration(cfg)
     else:
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
@@ -124,12 +133,27 @@ def shifted_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )  # fmt: skip
 
 
+def _seq2seq_ce_sum(model: Any, row: dict[str, list[int]]) -> Tensor:
+    """An encoder-decoder's summed cross-entropy over one sequence's labels (unshifted)."""
+    labels = torch.tensor([row["labels"]])
+    logits = model(input_ids=torch.tensor([row["input_ids"]]), labels=labels).logits
+    return F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+
+
 def reference(
     name: str, empty: bool = True, rows: list[dict[str, list[int]]] | None = None
 ) -> tuple[float, dict[str, Tensor]]:
     """One process, every sequence on its own (no padding), float64: (mean loss, gradients)."""
     model = build_model(name)
     rows = sequences(empty) if rows is None else rows
+    if name == "bart":  # every label is a target: the decoder reads them shifted right
+        total = sum(sum(1 for t in r["labels"] if t != -100) for r in rows)
+        loss_sum = sum(_seq2seq_ce_sum(model, r) for r in rows)
+        loss = loss_sum / total
+        loss.backward()  # type: ignore[union-attr]
+        return float(loss.detach()), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
     total = sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
     loss_sum = sum(
         shifted_ce_sum(
@@ -292,6 +316,32 @@ def test_model_loss_plain_trainer_gpt2_fails_the_same_assertion() -> None:
         check(outs, "gpt2", CAST_TOL)
     eval_ref, _ = reference("gpt2", rows=sequences()[:EVAL_ROWS])
     assert outs[0][3] < eval_ref * (1 - 100 * LOGGED_TOL)  # counted too many tokens
+
+
+def test_encoder_decoder_model_loss_is_exact() -> None:
+    # BART: labels unshifted (the decoder reads them shifted right), and a loss that
+    # is each micro-batch's plain mean although its forward takes **kwargs (the
+    # Trainer then assumes it divides by num_items_in_batch): found by the probe.
+    # No empty micro-batch: a mean over no items is NaN (refused, test below).
+    outs = run("bart", True, "model", empty=False)
+    items = sum(sum(1 for t in r["labels"] if t != -100) for r in sequences(empty=False))
+    assert {o[2] for o in outs} == {items}
+    check(outs, "bart", FLOAT64_TOL, empty=False)
+
+
+def test_encoder_decoder_plain_trainer_fails_the_same_assertion() -> None:
+    # MUTATION: the plain Trainer hands BART the count, BART returns means, and the
+    # Trainer no longer divides by the accumulation steps: K x the gradient, roughly.
+    outs = run("bart", False, "model", empty=False)
+    with pytest.raises(AssertionError, match=r"scale \d"):
+        check(outs, "bart", FLOAT64_TOL, empty=False)
+
+
+def test_encoder_decoder_mean_loss_with_an_empty_micro_batch_same_error_on_every_rank() -> None:
+    outcomes = run_ranks_outcomes(W, _rank_train, "bart", True, "model", True, timeout=120)
+    msgs = {getattr(o, "message", None) for o in outcomes}
+    assert len(msgs) == 1, msgs
+    assert "returns a mean loss that would be NaN" in str(msgs.pop())
 
 
 def test_model_loss_plain_trainer_llama_is_exact_too() -> None:

@@ -27,6 +27,9 @@ What transformers 5.23 does, and where it goes wrong (trainer.py):
 - A model whose forward does not accept loss kwargs gets a mean of
   per-micro-batch means; a custom `compute_loss` gets the (possibly wrong)
   count and no factor for DDP's mean over ranks.
+- A model is taken to divide its loss by `num_items_in_batch` when its forward
+  has `**kwargs` (and no `accepts_loss_kwargs` attribute); BART and T5 have
+  one and return a plain mean: 6.05x the gradient at W = 2, K = 3.
 
 What this class changes (nothing else; the training loop is the Trainer's):
 
@@ -35,8 +38,11 @@ What this class changes (nothing else; the training loop is the Trainer's):
   `labels[..., 1:]` when the model's actual loss shifts labels (its
   `loss_function` resolves to `ForCausalLMLoss`, not encoder-decoder; or label
   smoothing on a causal LM). Override it for any other loss.
+- Where the Trainer only guessed that the model's loss divides by
+  `num_items_in_batch`, the first step probes it (two no-grad forwards in eval
+  mode with 1 and 2 items: halves, stays, or an error), agreed across ranks.
 - `get_batch_samples`: counts every micro-batch with `count_items` and agrees
-  the step's N across ranks (one all-gather of 4 numbers per rank, always,
+  the step's N across ranks (one all-gather of 5 numbers per rank, always,
   whatever `average_tokens_across_devices` says), checking that every rank
   runs the same number of micro-batches. It hands the Trainer
   `num_items_in_batch` = N / W, this rank's share of the count.
@@ -64,6 +70,7 @@ Legend: W data-parallel ranks, K micro-batches per step, N items in the step.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +135,9 @@ class WholeBatchTrainerMixin:
 
     loss_is_scaled_for_ga: bool | None = True
     ignore_index: int = IGNORE_INDEX
+    # Whether the model's own loss divides by the num_items_in_batch it is given:
+    # None until probed (see `_probe_model_loss`), agreed across ranks.
+    _model_loss_takes_count: bool | None = None
 
     # Attributes the Trainer defines; declared for type checkers.
     if TYPE_CHECKING:
@@ -206,12 +216,14 @@ class WholeBatchTrainerMixin:
             except StopIteration:
                 break
         items, has_empty, unknown = self._counts(batch_samples)
-        row = [float(items), float(len(batch_samples)), float(has_empty), float(unknown)]
+        probe = self._probe_model_loss(batch_samples) if self._must_probe() else _UNDECIDED
+        row = [float(items), float(len(batch_samples)), float(has_empty), float(unknown), probe]
         w = get_world_size()
         table = [row]
         if is_distributed():
             mine = torch.tensor(row, dtype=torch.float64, device=comm_device())
-            table = all_gather(mine, sizes=[4] * w, check=False).view(w, 4).tolist()
+            table = all_gather(mine, sizes=[5] * w, check=False).view(w, 5).tolist()
+        self._agree_probe([int(t[4]) for t in table])
         ks = [int(t[1]) for t in table]
         if len(set(ks)) > 1:
             raise WholebatchError(
@@ -264,12 +276,70 @@ class WholeBatchTrainerMixin:
             )
 
     def _loss_takes_count(self) -> bool:
-        """Whether the Trainer's own compute_loss hands the count to the loss."""
+        """Whether the loss the Trainer computes divides by the count it is handed."""
+        model_takes = self.model_accepts_loss_kwargs and self._model_loss_takes_count is not False
         return bool(
-            self.model_accepts_loss_kwargs
-            or self.compute_loss_func is not None
-            or self.label_smoother is not None
+            model_takes or self.compute_loss_func is not None or self.label_smoother is not None
         )
+
+    # -- does the model's own loss use num_items_in_batch? -----------------------
+
+    def _must_probe(self) -> bool:
+        """The model's own loss is used, the Trainer assumes it takes the count, nobody said so.
+
+        transformers 5.23 decides `model_accepts_loss_kwargs` from a `**kwargs` in
+        the model's forward when the model has no `accepts_loss_kwargs`
+        attribute; some such models (BART, T5: `CrossEntropyLoss()` inside) ignore
+        `num_items_in_batch` and return each micro-batch's mean.
+        """
+        base = self.accelerator.unwrap_model(self.model)
+        return bool(
+            self._model_loss_takes_count is None
+            and self.model_accepts_loss_kwargs
+            and self.compute_loss_func is None
+            and self.label_smoother is None
+            and not hasattr(base, "accepts_loss_kwargs")
+        )
+
+    def _probe_model_loss(self, batch_samples: list[Any]) -> float:
+        """The model's loss on this rank's first micro-batch with items, given 1 and then 2 items.
+
+        Returns _TAKES_COUNT (the loss halves), _MEAN_ONLY (unchanged), _NEITHER, or
+        _UNDECIDED (no micro-batch with items here). Two forwards without
+        gradient, in eval mode, once per Trainer.
+        """
+        batch = next((b for b in batch_samples if int(self.count_items(b) or 0) > 0), None)
+        if batch is None:
+            return _UNDECIDED
+        model = self.accelerator.unwrap_model(self.model)
+        inputs = dict(self._prepare_inputs(batch))  # type: ignore[attr-defined]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                one, two = (float(model(**inputs, num_items_in_batch=n)["loss"]) for n in (1, 2))
+        finally:
+            model.train(was_training)
+        if not (math.isfinite(one) and math.isfinite(two)) or two == 0:
+            return _UNDECIDED
+        if math.isclose(one / two, 2.0, rel_tol=1e-3):
+            return _TAKES_COUNT
+        return _MEAN_ONLY if math.isclose(one / two, 1.0, rel_tol=1e-3) else _NEITHER
+
+    def _agree_probe(self, verdicts: list[int]) -> None:
+        """Every rank's probe, one verdict on every rank (or the same error)."""
+        seen = {v for v in verdicts if v != _UNDECIDED}
+        if _NEITHER in seen or len(seen) > 1:
+            model = type(self.accelerator.unwrap_model(self.model)).__name__
+            raise WholebatchError(
+                f"WholeBatchTrainer: {model}'s loss neither divides by num_items_in_batch nor "
+                f"ignores it (probe on ranks: {dict(enumerate(verdicts))}, 0 = divides, 1 = a "
+                "mean, 2 = neither, 3 = no items); set model.accepts_loss_kwargs = True if it "
+                "returns sum / num_items_in_batch, False if it returns a mean, or pass a "
+                "compute_loss_func"
+            )
+        if seen:
+            self._model_loss_takes_count = seen.pop() == _TAKES_COUNT
 
     def compute_loss(
         self,
@@ -311,6 +381,9 @@ class WholeBatchTrainerMixin:
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return count
+
+
+_TAKES_COUNT, _MEAN_ONLY, _NEITHER, _UNDECIDED = 0, 1, 2, 3
 
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` below builds it
