@@ -43,6 +43,7 @@ from tests.peers import SKIP_REASON, accelerate_on_harness_group
 transformers = pytest.importorskip("transformers", reason=SKIP_REASON.format("transformers"))
 pytest.importorskip("accelerate", reason=SKIP_REASON.format("accelerate"))
 
+from wholebatch.errors import WholebatchError  # noqa: E402
 from wholebatch.integrations.huggingface import (  # noqa: E402
     ItemShare,
     WholeBatchTrainer,
@@ -421,3 +422,20 @@ def test_counts_shifted_for_gpt2_and_unshifted_for_masked_lm() -> None:
     )  # fmt: skip
     assert int(Probe(bert).count_items(batch)) == full  # type: ignore[arg-type]
     assert Probe(bert).count_items({"input_ids": batch["input_ids"]}) is None
+
+
+def test_probe_verdicts_are_agreed_or_refused() -> None:
+    # 0 = divides by the count, 1 = a mean, 2 = neither, 3 = no items on that rank.
+    class Probe(WholeBatchTrainerMixin):
+        def __init__(self) -> None:  # no Trainer: only what _agree_probe reads
+            self.accelerator = type("A", (), {"unwrap_model": staticmethod(lambda m: m)})()
+            self.model = build_model("bart")
+
+    for verdicts, want in (([0, 3], True), ([3, 1], False), ([1, 1], False), ([3, 3], None)):
+        p = Probe()
+        p._agree_probe(verdicts)
+        assert p._model_loss_takes_count is want, verdicts
+    for verdicts, says in (([0, 1], "on some ranks and not on others"), ([2, 0], "neither"),
+                           ([3, 2], "neither")):  # fmt: skip
+        with pytest.raises(WholebatchError, match=f"{says}.*accepts_loss_kwargs"):
+            Probe()._agree_probe(verdicts)

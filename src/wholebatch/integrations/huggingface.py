@@ -306,21 +306,28 @@ class WholeBatchTrainerMixin:
 
         Returns _TAKES_COUNT (the loss halves), _MEAN_ONLY (unchanged), _NEITHER, or
         _UNDECIDED (no micro-batch with items here). Two forwards without
-        gradient, in eval mode, once per Trainer.
+        gradient, in eval mode, once per Trainer; every rank runs them (a sharded
+        model gathers its parameters in each forward), on its first micro-batch
+        when none has items.
         """
-        batch = next((b for b in batch_samples if int(self.count_items(b) or 0) > 0), None)
-        if batch is None:
+        if not batch_samples:
             return _UNDECIDED
+        with_items = [b for b in batch_samples if int(self.count_items(b) or 0) > 0]
+        batch = with_items[0] if with_items else batch_samples[0]
         model = self.accelerator.unwrap_model(self.model)
         inputs = dict(self._prepare_inputs(batch))  # type: ignore[attr-defined]
         was_training = model.training
         model.eval()
+        losses = []
         try:
             with torch.no_grad():
-                one, two = (float(model(**inputs, num_items_in_batch=n)["loss"]) for n in (1, 2))
+                for n in (1, 2):
+                    out = model(**inputs, num_items_in_batch=n)
+                    losses.append(float(out["loss"] if isinstance(out, Mapping) else out[0]))
         finally:
             model.train(was_training)
-        if not (math.isfinite(one) and math.isfinite(two)) or two == 0:
+        one, two = losses
+        if not with_items or not (math.isfinite(one) and math.isfinite(two)) or two == 0:
             return _UNDECIDED
         if math.isclose(one / two, 2.0, rel_tol=1e-3):
             return _TAKES_COUNT
@@ -331,12 +338,16 @@ class WholeBatchTrainerMixin:
         seen = {v for v in verdicts if v != _UNDECIDED}
         if _NEITHER in seen or len(seen) > 1:
             model = type(self.accelerator.unwrap_model(self.model)).__name__
+            what = (
+                "neither divides by num_items_in_batch nor ignores it"
+                if _NEITHER in seen
+                else "divides by num_items_in_batch on some ranks and not on others"
+            )
             raise WholebatchError(
-                f"WholeBatchTrainer: {model}'s loss neither divides by num_items_in_batch nor "
-                f"ignores it (probe on ranks: {dict(enumerate(verdicts))}, 0 = divides, 1 = a "
-                "mean, 2 = neither, 3 = no items); set model.accepts_loss_kwargs = True if it "
-                "returns sum / num_items_in_batch, False if it returns a mean, or pass a "
-                "compute_loss_func"
+                f"WholeBatchTrainer: {model}'s loss {what} (probe on ranks: "
+                f"{dict(enumerate(verdicts))}; 0 = divides, 1 = a mean, 2 = neither, 3 = no "
+                "items); set model.accepts_loss_kwargs = True if it returns sum / "
+                "num_items_in_batch, False if it returns a mean, or pass a compute_loss_func"
             )
         if seen:
             self._model_loss_takes_count = seen.pop() == _TAKES_COUNT
