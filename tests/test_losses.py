@@ -184,6 +184,43 @@ def test_loss_matches_single_process(name: str, world: int) -> None:
     check_loss(name, name, SIZES[world])
 
 
+def _rank_loss_in_subgroup(
+    name: str, xs: list[Tensor], ys: list[Tensor], scalars: list[float]
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    import torch.distributed as dist
+
+    r = get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+    x, y = xs[r].clone().requires_grad_(), ys[r].clone().requires_grad_()
+    sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
+    loss = LOSSES[name](x, y, *sc, group=groups[r % 2], tile_size=TILE)
+    loss.backward()
+    assert x.grad is not None and y.grad is not None
+    return loss.detach(), x.grad, y.grad, [s.grad for s in sc]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent"])
+def test_two_subgroups_at_once(name: str) -> None:
+    # Groups {0, 2} and {1, 3} of a 4-rank world, each its own whole batch: group
+    # ranks differ from global ranks (SigLIP's ring peers, the gathers' order).
+    sizes = [3, 2, 0, 4]
+    xs, ys = _inputs(sizes)
+    got = run_ranks(4, _rank_loss_in_subgroup, name, xs, ys, SCALARS[name])
+    for members in ([0, 2], [1, 3]):
+        x_all = torch.cat([xs[m] for m in members]).requires_grad_()
+        y_all = torch.cat([ys[m] for m in members]).requires_grad_()
+        sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in SCALARS[name]]
+        ref = REFS[name](x_all, y_all, *sc)
+        grads = torch.autograd.grad(ref, [x_all, y_all, *sc])
+        rows = [sizes[m] for m in members]
+        gx, gy = grads[0].split(rows), grads[1].split(rows)
+        for i, m in enumerate(members):
+            value, grad_x, grad_y, _ = got[m]
+            torch.testing.assert_close(value, ref.detach(), **F64)
+            torch.testing.assert_close(grad_x, 2 * gx[i], **F64, msg=f"rank {m}")  # DDP: / 2
+            torch.testing.assert_close(grad_y, 2 * gy[i], **F64, msg=f"rank {m}")
+
+
 @pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent"])
 def test_grad_reduction_sum(name: str) -> None:
     check_loss(name, name, [1, 3, 2], reduction="sum")

@@ -650,8 +650,21 @@ def broadcast(
     return out
 
 
+def ring_peers(group: ProcessGroup | None = None) -> tuple[int, int]:
+    """(global rank of group rank - 1, of group rank + 1): `ring_pass`'s peers, found once per ring.
+
+    For a sub-group, torch's rank lookup scans the group's members: O(W) per call.
+    """
+    rank, world_size = get_rank(group), get_world_size(group)
+    return global_rank(group, (rank - 1) % world_size), global_rank(group, (rank + 1) % world_size)
+
+
 def ring_pass(
-    xs: Sequence[Tensor], recv_rows: int, *, group: ProcessGroup | None = None
+    xs: Sequence[Tensor],
+    recv_rows: int,
+    *,
+    group: ProcessGroup | None = None,
+    peers: tuple[int, int] | None = None,
 ) -> list[Tensor]:
     """One step of a ring algorithm whose sizes are already agreed: send each of `xs` to rank + 1, receive `recv_rows` rows of each from rank - 1.
 
@@ -662,12 +675,11 @@ def ring_pass(
     each in its own dtype (a 16-bit block beside its float32 gradient). The
     caller guarantees what `ring_shift` would check: every rank calls it with
     tensors of the same trailing shapes and dtypes, and `recv_rows` is the
-    sender's row count. Debug mode's check-in still runs.
+    sender's row count. `peers`: `ring_peers(group)`, computed once by a caller
+    that shifts W - 1 times. Debug mode's check-in still runs.
     """
     arrive("ring_pass", xs[0], group)
-    rank, world_size = get_rank(group), get_world_size(group)
-    dst = global_rank(group, (rank + 1) % world_size)
-    src = global_rank(group, (rank - 1) % world_size)
+    src, dst = peers if peers is not None else ring_peers(group)
     sends = [_front(x, 0) for x in xs]
     outs = [x.new_empty((recv_rows, *x.shape[1:])) for x in sends]
     # Sizes are agreed: a side that moves nothing skips its half, and so does its peer.

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from wholebatch.comm.collectives import all_gather, ring_pass
+from wholebatch.comm.collectives import all_gather, ring_pass, ring_peers
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_block
 from wholebatch.errors import WholebatchError
@@ -524,9 +524,9 @@ class SymmetricLSE(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-def _ring_next(sizes: tuple[int, ...], step: int, group: Any) -> int:
-    """Rows this rank receives at ring step `step` -> step + 1: the block of rank (rank - step - 1)."""
-    return ring_block(sizes, get_rank(group), step + 1)
+def _ring_next(sizes: tuple[int, ...], rank: int, step: int) -> int:
+    """Rows group rank `rank` receives at ring step `step` -> step + 1: rank (rank - step - 1)'s block."""
+    return ring_block(sizes, rank, step + 1)
 
 
 def _softplus_sum(
@@ -584,10 +584,12 @@ class SigmoidRing(torch.autograd.Function):
         w = get_world_size(group)
         blk_MD = txt_BD.detach()
         total = torch.zeros((), dtype=acc, device=img_BD.device)
+        rank, peers = get_rank(group), ring_peers(group) if w > 1 else (0, 0)
         for step in range(w):
             total += _softplus_sum(img_BD, blk_MD, s, b, tile, acc, own=step == 0)
             if step < w - 1:
-                (blk_MD,) = ring_pass([blk_MD], _ring_next(sizes, step, group), group=group)
+                rows = _ring_next(sizes, rank, step)
+                (blk_MD,) = ring_pass([blk_MD], rows, group=group, peers=peers)
         ctx.save_for_backward(img_BD, txt_BD, scale, bias)
         ctx.sizes, ctx.tile, ctx.group = sizes, tile, group
         return total
@@ -608,6 +610,7 @@ class SigmoidRing(torch.autograd.Function):
         # the compute dtype; each rank widens the block it holds for its tiles.
         wire_MD = txt_BD.detach()
         dblk_MD = torch.zeros(wire_MD.shape, dtype=acc, device=wire_MD.device)
+        rank, peers = get_rank(group), ring_peers(group) if w > 1 else (0, 0)
         for step in range(w):
             blk_MD = wire_MD.to(img.dtype)
             for i0 in range(0, img_BD.shape[0], tile):
@@ -625,13 +628,13 @@ class SigmoidRing(torch.autograd.Function):
                     di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
                     dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
             del blk_MD
-            rows = _ring_next(sizes, step, group) if w > 1 else 0
+            rows = _ring_next(sizes, rank, step) if w > 1 else 0
             if step < w - 1:
-                wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group)
+                wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group, peers=peers)
             elif w > 1:
                 # The gradient of the block held now belongs to the next rank on the ring
                 # (it receives the gradient of its own block: `rows` = its own size).
-                (dblk_MD,) = ring_pass([dblk_MD], rows, group=group)
+                (dblk_MD,) = ring_pass([dblk_MD], rows, group=group, peers=peers)
         need = ctx.needs_input_grad
         return (
             di_BD.to(img_BD.dtype) if need[0] else None,
