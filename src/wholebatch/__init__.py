@@ -17,8 +17,9 @@ owns it (DESIGN.md, "Layers"):
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from wholebatch._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -151,15 +152,4 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wholebatch' has no attribute {name!r}")
-    loaded = importlib.import_module(module)
-    value = loaded if module.rsplit(".", 1)[1] == name else getattr(loaded, name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -9,8 +9,9 @@ launch through torchrun's launcher API, and `_c10d` the shim over c10d names.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from wholebatch._lazy import lazy_attributes
 
 # Loaded on first use (PEP 562), like the top level: `comm.sizes` is pure Python
 # and the planner reads it without loading torch.
@@ -77,14 +78,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wholebatch.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
