@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from wholebatch.lint.names import (
     dotted,
+    is_on_subgroup,
     is_rank_local_test,
     is_rank_test,
     last_name,
@@ -55,7 +56,7 @@ def _collectives(
             continue
         if isinstance(node, ast.Call):
             q = ctx.imports.collective(node)
-            if q is not None and not _on_subgroup(node):
+            if q is not None and not is_on_subgroup(node):
                 out.append((q, node, ()))
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     if ctx.resolver is not None and scope.local_calls:
@@ -84,16 +85,6 @@ def _what(q: str, call: ast.Call, trace: tuple[Hop, ...]) -> str:
 
 def _path(trace: tuple[Hop, ...], path: str) -> str:
     return f"; path: {format_trace(trace, path)}" if trace else ""
-
-
-def _on_subgroup(call: ast.Call) -> bool:
-    """`group=g`: only the members of `g` call it, so a rank test around it is expected."""
-    for kw in call.keywords:
-        if kw.arg in ("group", "process_group", "pg") and not (
-            isinstance(kw.value, ast.Constant) and kw.value.value is None
-        ):
-            return "WORLD" not in ast.unparse(kw.value)
-    return False
 
 
 def check_dist(ctx: FileContext) -> Iterator[Finding]:

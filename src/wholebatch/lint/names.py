@@ -19,6 +19,7 @@ __all__ = [
     "dotted",
     "is_nograd_context",
     "is_nonfinite_test",
+    "is_on_subgroup",
     "is_optimizer_name",
     "is_rank_local_test",
     "is_rank_ref",
@@ -324,6 +325,16 @@ def is_rank_ref(node: ast.AST) -> bool:
         return node.attr in _RANK_NAMES
     if isinstance(node, ast.Call):
         return last_name(node.func) in _RANK_FUNCS
+    return False
+
+
+def is_on_subgroup(call: ast.Call) -> bool:
+    """`group=g`: only the members of `g` call it, so a rank test around it is expected."""
+    for kw in call.keywords:
+        if kw.arg in ("group", "process_group", "pg") and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value is None
+        ):
+            return "WORLD" not in ast.unparse(kw.value)
     return False
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.names import dotted, last_name
+from wholebatch.lint.names import dotted, is_on_subgroup, last_name
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -76,15 +76,6 @@ def unconditional(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from unconditional(st.finalbody)
         if isinstance(st, ast.Return | ast.Raise):
             return
-
-
-def _on_subgroup(call: ast.Call) -> bool:
-    for kw in call.keywords:
-        if kw.arg in ("group", "process_group", "pg") and not (
-            isinstance(kw.value, ast.Constant) and kw.value.value is None
-        ):
-            return "WORLD" not in ast.unparse(kw.value)
-    return False
 
 
 def _note(call: ast.AST) -> str:
@@ -316,7 +307,7 @@ class Resolver:
             reduces = True
             on_path = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
             for q, c in colls:
-                if id(c) in on_path and not _on_subgroup(c):
+                if id(c) in on_path and not is_on_subgroup(c):
                     note = f"calls {_note(c)}"
                     hop = Hop(
                         path=ctx.path,
@@ -338,7 +329,7 @@ class Resolver:
             if collective is None and f.collective is not None:
                 if on_path_calls is None:
                     on_path_calls = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
-                if id(call) in on_path_calls and not _on_subgroup(call):
+                if id(call) in on_path_calls and not is_on_subgroup(call):
                     hop = Hop(
                         path=ctx.path,
                         line=call.lineno,
@@ -421,7 +412,7 @@ class Resolver:
             node = stack.pop()
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
                 continue
-            if isinstance(node, ast.Call) and id(node) in calls and not _on_subgroup(node):
+            if isinstance(node, ast.Call) and id(node) in calls and not is_on_subgroup(node):
                 r = self.resolve(node, scope)
                 if r is not None and r[0].collective is not None:
                     q, trace = r[0].collective
