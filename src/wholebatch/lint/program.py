@@ -12,7 +12,6 @@ means some call stays unknown for one file: no finding rather than a false one.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,27 +44,12 @@ class ModuleMap:
         self.package: dict[Path, bool] = {}
         by_name: dict[str, list[Path]] = {}
         has_init: dict[Path, bool] = {}
-
-        def is_pkg(folder: Path) -> bool:
-            hit = has_init.get(folder)
-            if hit is None:
-                hit = (folder / "__init__.py").is_file()
-                has_init[folder] = hit
-            return hit
-
         for f in files:
-            parts = [] if f.stem == "__init__" else [f.stem]
-            folder = f.parent
-            while is_pkg(folder) and folder.name.isidentifier():
-                parts.insert(0, folder.name)
-                if folder.parent == folder:
-                    break
-                folder = folder.parent
-            name = ".".join(parts)
-            if not name or not all(p.isidentifier() for p in parts):
+            name, package = module_name(f, has_init)
+            if not name or not all(p.isidentifier() for p in name.split(".")):
                 continue  # `my-script.py`: not importable by name
             self.name[f] = name
-            self.package[f] = f.stem == "__init__"
+            self.package[f] = package
             by_name.setdefault(name, []).append(f)
         # Two files with one name (scripts in different folders): neither is importable
         # by that name with certainty, so neither is resolved.
@@ -86,16 +70,23 @@ class ModuleMap:
         return [hit for n in names if (hit := self.file.get(n)) is not None]
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_package(folder: Path) -> bool:
-    return (folder / "__init__.py").is_file()
+def module_name(f: Path, has_init: dict[Path, bool] | None = None) -> tuple[str, bool]:
+    """(dotted module name, is a package's `__init__`) of a file, from its folders.
 
+    `has_init`: which folders hold an `__init__.py`, filled as they are looked at
+    (one dict per run: a run reads each folder once).
+    """
+    seen = {} if has_init is None else has_init
 
-def module_name(f: Path) -> tuple[str, bool]:
-    """(dotted module name, is a package's `__init__`) of a file, from its folders."""
+    def is_package(folder: Path) -> bool:
+        hit = seen.get(folder)
+        if hit is None:
+            hit = seen[folder] = (folder / "__init__.py").is_file()
+        return hit
+
     parts = [] if f.stem == "__init__" else [f.stem]
     folder = f.parent
-    while _is_package(folder) and folder.name.isidentifier():
+    while is_package(folder) and folder.name.isidentifier():
         parts.insert(0, folder.name)
         if folder.parent == folder:
             break
