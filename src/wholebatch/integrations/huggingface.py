@@ -292,13 +292,12 @@ class WholeBatchTrainerMixin:
         attribute; some such models (BART, T5: `CrossEntropyLoss()` inside) ignore
         `num_items_in_batch` and return each micro-batch's mean.
         """
-        base = self.accelerator.unwrap_model(self.model)
         return bool(
             self._model_loss_takes_count is None
             and self.model_accepts_loss_kwargs
             and self.compute_loss_func is None
             and self.label_smoother is None
-            and not hasattr(base, "accepts_loss_kwargs")
+            and not hasattr(self.accelerator.unwrap_model(self.model), "accepts_loss_kwargs")
         )
 
     def _probe_model_loss(self, batch_samples: list[Any]) -> float:
