@@ -16,7 +16,7 @@ in the fingerprint and its text exchanged in a second round, then raised on all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -29,8 +29,10 @@ __all__ = [
     "Fingerprints",
     "check_arg",
     "check_shapes_except",
+    "errors_text",
     "exchange",
     "exchange_text",
+    "gather_errors",
     "per_rank",
     "wire_dtype_code",
 ]
@@ -208,13 +210,8 @@ def exchange(
     )
     rows = _all_gather_rows(row, group)
     if any(r[_ERR_I] for r in rows):
-        msgs = exchange_text(local_error or "", group)
-        bad = {rank: m for rank, m in enumerate(msgs) if rows[rank][_ERR_I]}
-        if len(set(bad.values())) == 1:
-            text = f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"
-        else:
-            text = "; ".join(f"rank {rank}: {m}" for rank, m in bad.items())
-        raise WholebatchError(f"{op}: {text}")
+        bad = gather_errors(local_error, [bool(r[_ERR_I]) for r in rows], group)
+        raise WholebatchError(f"{op}: {errors_text(bad)}")
     _check_common(op, rows)
     shapes = [tuple(r[_HEADER : _HEADER + r[_NDIM_I]]) for r in rows]
     base = _HEADER + MAX_DIMS
@@ -223,6 +220,29 @@ def exchange(
         r[base + world_size : base + 2 * world_size] if r[_NVEC_I] & 2 else None for r in rows
     ]
     return Fingerprints(op=op, shapes=shapes, dim=dim, vec_a=vec_as, vec_b=vec_bs)
+
+
+def gather_errors(
+    local_error: str | None,
+    flagged: Sequence[bool],
+    group: ProcessGroup | None = None,
+    *,
+    max_bytes: int = _MSG_BYTES,
+) -> dict[int, str]:
+    """The error text of every rank whose `flagged` entry is set (every rank must call it).
+
+    `flagged` is the same on every rank (it came from an exchange); one text
+    all-gather carries the messages, so every rank can raise the same error.
+    """
+    msgs = exchange_text(local_error or "", group, max_bytes=max_bytes)
+    return {r: m for r, m in enumerate(msgs) if flagged[r]}
+
+
+def errors_text(bad: Mapping[int, str]) -> str:
+    """One message for rank -> error: the text and its ranks if they agree, else each rank's."""
+    if len(set(bad.values())) == 1:
+        return f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"
+    return "; ".join(f"rank {r}: {m}" for r, m in bad.items())
 
 
 def per_rank(values: Sequence[object]) -> str:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.checks import exchange_text, per_rank
+from wholebatch.comm.checks import errors_text, gather_errors, per_rank
 from wholebatch.comm.collectives import all_gather, all_reduce
 from wholebatch.comm.groups import checks_enabled, comm_device, get_rank, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
@@ -281,13 +281,9 @@ def _exchange(
         all_gather(mine, sizes=[n] * w, group=group, check=False).view(w, n).tolist()
     )
     if any(t[_ERR] for t in table):
-        msgs = exchange_text(err or "", group, max_bytes=_MSG_BYTES)
-        bad = {q: m for q, m in enumerate(msgs) if table[q][_ERR]}
-        if len(set(bad.values())) == 1:
-            m = next(iter(bad.values()))
-            _raise(op, f"{m} (on ranks {sorted(bad)})")
+        bad = gather_errors(err, [bool(t[_ERR]) for t in table], group, max_bytes=_MSG_BYTES)
         kind = "T" if all(m[0] == "T" for m in bad.values()) else "V"
-        _raise(op, kind + "; ".join(f"rank {q}: {m[1:]}" for q, m in bad.items()))
+        _raise(op, kind + errors_text({q: m[1:] for q, m in bad.items()}))
     return table
 
 

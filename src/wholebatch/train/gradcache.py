@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.comm.checks import exchange_text
+from wholebatch.comm.checks import errors_text, gather_errors
 from wholebatch.comm.groups import get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.stepping import (
@@ -138,13 +138,8 @@ def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | N
         )
     if not bool(flags[:, 0].any()):
         return
-    texts = exchange_text(error or "", group)
-    bad = {r: t for r, t in enumerate(texts) if flags[r, 0]}
-    if len(set(bad.values())) == 1:
-        text = f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"
-    else:
-        text = "; ".join(f"rank {r}: {t}" for r, t in bad.items())
-    raise WholebatchError(f"{op}: {text}")
+    bad = gather_errors(error, [bool(f) for f in flags[:, 0].tolist()], group)
+    raise WholebatchError(f"{op}: {errors_text(bad)}")
 
 
 def _loss_leaves(loss: Tensor, stop: object) -> list[Tensor]:
