@@ -57,6 +57,7 @@ from wholebatch.train.stepping import (
     _fsdp_modules,
     _gather_rows,
     _is_dtensor,
+    compiled_inner,
     unwrapped_error,
 )
 
@@ -103,7 +104,7 @@ def _get_autocast() -> AutocastState:
 
 
 def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile'd DDP
+    inner = compiled_inner(model)
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "StepConfig",
     "StepFinisher",
     "StepStats",
+    "compiled_inner",
     "grad_sync_mode",
     "is_data_parallel",
     "sync_context",
@@ -178,9 +179,15 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def compiled_inner(model: nn.Module) -> nn.Module:
+    """The module `torch.compile` wrapped (its `_orig_mod`), else `model`: where DDP's `no_sync` lives."""
+    inner: nn.Module = getattr(model, "_orig_mod", model)
+    return inner
+
+
 def is_data_parallel(model: nn.Module) -> bool:
     """Whether `model` reduces gradients over ranks: DDP, FSDP2/FSDP1 anywhere in it, or compiled DDP."""
-    inner = getattr(model, "_orig_mod", model)
+    inner = compiled_inner(model)
     if grad_sync_mode(inner) != "none":
         return True
     return FSDP1 is not None and any(isinstance(m, FSDP1) for m in inner.modules())
@@ -234,7 +241,7 @@ def sync_context(
     `torch.compile`'d DDP module is looked through (its `_orig_mod`).
     """
     last = index == count - 1
-    inner = getattr(model, "_orig_mod", model)
+    inner = compiled_inner(model)
     mode = grad_sync_mode(inner)
     if mode == "ddp" and not last:
         assert isinstance(inner, DistributedDataParallel)
