@@ -226,14 +226,18 @@ class NTXentLoss(nn.Module):
 
     @torch.no_grad()
     def _shared_bank(self) -> Tensor:
-        """The bank, made the same on every rank (rank 0's) on the first call."""
+        """The bank, made the same on every rank (rank 0's) on the first call.
+
+        Not a copy: the loss reads it in its forward, before this call's update,
+        and keeps nothing of it for the backward.
+        """
         if not self._bank_synced:
             if is_distributed(self.group):
                 device = comm_device(self.group)
                 synced = broadcast(self.bank.to(device), src=0, group=self.group)
                 self.bank.copy_(synced.to(self.bank.device))
             self._bank_synced = True
-        return self.bank.clone()
+        return self.bank
 
     @torch.no_grad()
     def _enqueue(self, z1_ND: Tensor) -> None:
