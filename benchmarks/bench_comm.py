@@ -47,16 +47,9 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from benchmarks._common import free_port
+from tests.plan_counting import wchar
 
 KIB = 1024
-
-
-def _wchar() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("wchar"):
-                return int(line.split()[1])
-    return 0
 
 
 class _AllReduceGather(torch.autograd.Function):
@@ -201,11 +194,11 @@ def _rank_main(
         for _ in range(reps):
             for name, fn in methods.items():
                 dist.barrier()
-                w0 = _wchar()
+                w0 = wchar()
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-                sent[name] += _wchar() - w0
+                sent[name] += wchar() - w0
         # the slowest rank's time per iteration
         for name in methods:
             t = torch.tensor(times[name], dtype=torch.float64)
