@@ -24,6 +24,7 @@ PKG = Path(wholebatch.__file__).parent
 # `lint` stands apart: it may import only `errors` and itself (and never torch).
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "conventions": 0,
     "_lazy": 0,
     "comm": 1,
     "losses": 2,

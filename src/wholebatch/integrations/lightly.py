@@ -49,8 +49,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from wholebatch.comm import all_gather, broadcast, comm_device, get_world_size, is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses import GradReduction, nt_xent_loss, tile_size_for
+from wholebatch.losses import nt_xent_loss, tile_size_for
 from wholebatch.losses.tiles import cpu_tile_threads
 
 __all__ = ["NTXentLoss"]
@@ -121,10 +122,7 @@ class NTXentLoss(nn.Module):
                 f"NTXentLoss: temperature={temperature}; |temperature| must be >= {_EPS} "
                 "(logits are divided by it)"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"NTXentLoss: grad_reduction={grad_reduction!r} must be 'mean' (DDP) or 'sum'"
-            )
+        check_grad_reduction("NTXentLoss", grad_reduction)
         self.temperature = float(temperature)
         self.gather_distributed = gather_distributed
         self.group = group

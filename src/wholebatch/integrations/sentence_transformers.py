@@ -48,8 +48,8 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.checks import exchange_text
 from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import comm_device, is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.common import GradReduction
 from wholebatch.losses.info_nce import DIRECTIONS, Direction, PartitionMode, info_nce_loss
 from wholebatch.train.gradcache import GradCache
 
@@ -178,10 +178,7 @@ class _WholeBatchMNRL(nn.Module):
                 "by the whole-batch loss; pass hardness_mode=None, or keep sentence-transformers' "
                 "own loss for hardness weighting"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"{op}: grad_reduction={grad_reduction!r}; expected 'mean' (DDP) or 'sum'"
-            )
+        check_grad_reduction(op, grad_reduction)
         self.model = model
         self.scale = float(scale)
         self._kind = similarity_kind(similarity_fct, op)

@@ -18,7 +18,7 @@ from wholebatch._lazy import lazy_attributes
 _LAZY: dict[str, str] = {
     "ClipLoss": "wholebatch.losses.modules",
     "Direction": "wholebatch.losses.info_nce",
-    "GradReduction": "wholebatch.losses.common",
+    "GradReduction": "wholebatch.conventions",
     "InfoNCELoss": "wholebatch.losses.modules",
     "NTXentLoss": "wholebatch.losses.modules",
     "PartitionMode": "wholebatch.losses.info_nce",
@@ -31,7 +31,7 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:
-    from wholebatch.losses.common import GradReduction
+    from wholebatch.conventions import GradReduction
     from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
     from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
     from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss

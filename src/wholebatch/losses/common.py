@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -42,14 +42,14 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.checks import errors_text, gather_errors, per_rank
 from wholebatch.comm.collectives import all_gather, all_reduce
 from wholebatch.comm.groups import checks_enabled, comm_device, get_rank, get_world_size
+from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.losses.sizing import EXCHANGE_HEADER, exchange_row_elements, sizes_fingerprint
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
-__all__ = ["GradReduction", "Prepared", "prepare", "resolve_tile", "whole"]
+__all__ = ["Prepared", "prepare", "resolve_tile", "whole"]
 
-GradReduction = Literal["mean", "sum"]
-_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+_REDUCTIONS: tuple[str, ...] = GRAD_REDUCTIONS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MSG_BYTES = 480
 # Header of an exchanged row: error flag, rows, dim, dtype, device, reduction
@@ -203,8 +203,8 @@ def prepare(
         err = "V" + error
     for name, value in scalars.items():
         err = err or _check_scalar(name, value)
-    if err is None and grad_reduction not in _REDUCTIONS:
-        err = f"Vgrad_reduction={grad_reduction!r} must be 'mean' (DDP averages) or 'sum'"
+    if err is None and (bad := grad_reduction_error(grad_reduction)) is not None:
+        err = "V" + bad
     if (
         err is None
         and tile_size is not None

@@ -33,10 +33,11 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses.common import GradReduction, prepare, resolve_tile, whole
+from wholebatch.conventions import GradReduction
+from wholebatch.losses.common import prepare, resolve_tile, whole
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
 
-__all__ = ["GradReduction", "clip_loss", "nt_xent_loss", "siglip_loss"]
+__all__ = ["clip_loss", "nt_xent_loss", "siglip_loss"]
 
 
 # ---------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses.common import GradReduction, prepare, resolve_tile, whole
+from wholebatch.conventions import GradReduction
+from wholebatch.losses.common import prepare, resolve_tile, whole
 from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
 
 __all__ = ["DIRECTIONS", "Direction", "PartitionMode", "info_nce_loss"]

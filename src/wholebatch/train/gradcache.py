@@ -51,9 +51,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wholebatch.comm.checks import errors_text, gather_errors
 from wholebatch.comm.groups import get_world_size, is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.stepping import (
-    GradReduction,
     _fsdp_modules,
     _gather_rows,
     _is_dtensor,
@@ -276,11 +276,7 @@ class GradCache:
             raise WholebatchTypeError(
                 f"GradCache: embed_fn must be callable, got {type(embed_fn).__name__}"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"GradCache: grad_reduction={grad_reduction!r}; expected 'mean' (DDP, FSDP2) "
-                "or 'sum' (a reduction that sums rank gradients)"
-            )
+        check_grad_reduction("GradCache", grad_reduction)
         self.model = model
         self.embed_fn: EmbedFn = embed_fn if embed_fn is not None else default_embed
         self.grad_reduction = grad_reduction

@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 try:  # FSDP2 (torch >= 2.6 exports it here)
@@ -62,7 +63,6 @@ except ImportError:  # pragma: no cover - older torch
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "GradReduction",
     "NonFiniteStepError",
     "OnNonFinite",
     "StepConfig",
@@ -75,7 +75,6 @@ __all__ = [
     "unwrapped_error",
 ]
 
-GradReduction = Literal["mean", "sum"]
 OnNonFinite = Literal["skip", "raise"]
 SyncMode = Literal["ddp", "fsdp2", "none"]
 
@@ -162,11 +161,7 @@ class StepConfig:
                 f"StepConfig: max_grad_norm={self.max_grad_norm!r} must be a positive finite "
                 "number, or None for no clipping"
             )
-        if self.grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"StepConfig: grad_reduction={self.grad_reduction!r}; expected 'mean' (DDP, "
-                "FSDP2) or 'sum' (a reduction that sums rank gradients)"
-            )
+        check_grad_reduction("StepConfig", self.grad_reduction)
         if self.on_nonfinite not in ("skip", "raise"):
             raise WholebatchError(
                 f"StepConfig: on_nonfinite={self.on_nonfinite!r}; expected 'skip' or 'raise'"
