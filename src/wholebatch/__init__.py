@@ -58,6 +58,7 @@ _LAZY: dict[str, str] = {
     "CommStats": "wholebatch.train.compression",
     "GradCompression": "wholebatch.train.compression",
     "GradCache": "wholebatch.train.gradcache",
+    "Normalize": "wholebatch.train.normalize",
     "NonFiniteStepError": "wholebatch.train.stepping",
     "StepConfig": "wholebatch.train.stepping",
     "StepFinisher": "wholebatch.train.stepping",
@@ -80,6 +81,7 @@ __all__ = [
     "InfoNCELoss",
     "NTXentLoss",
     "NonFiniteStepError",
+    "Normalize",
     "Plan",
     "PlanConfig",
     "SigLipLoss",
@@ -143,6 +145,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loa
     from wholebatch.train.cache import CachedStep
     from wholebatch.train.compression import CommStats, GradCompression
     from wholebatch.train.gradcache import GradCache
+    from wholebatch.train.normalize import Normalize
     from wholebatch.train.stepping import (
         NonFiniteStepError,
         StepConfig,
