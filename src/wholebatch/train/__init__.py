@@ -5,7 +5,8 @@ loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`Cac
 `stepping` the end of a step that both share (agreed non-finite handling,
 clipping), `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
 friends), `normalize` the token / sequence / constant / group modes of `Accumulator.step`,
-`compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+`compression` the DDP comm hooks, `checkpoint` exact resume. Engines use
+`wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
 from __future__ import annotations
