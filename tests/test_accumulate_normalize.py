@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tests.harness import RankError, run_ranks, run_ranks_outcomes
 from wholebatch import Accumulator, Normalize
+from wholebatch.train import normalize
 from wholebatch.train.normalize import match_normalization, mismatch_text, mode_weights
 
 W, K, D = 3, 3, 3
@@ -90,8 +91,9 @@ def definition(mode: str, data: list[list[Batch]]) -> tuple[float, list[Tensor]]
     return float(loss.detach()), [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
 
 
-def _rank_step(mode: str, scope: str) -> dict[str, Any]:
+def _rank_step(mode: str, scope: str, inline_rows: int = normalize.INLINE_ROWS) -> dict[str, Any]:
     rank = dist.get_rank()
+    normalize.INLINE_ROWS = inline_rows  # 2: the table does not fit in begin's row
     data = make_data()
     net = model()
     forwards = [0]
@@ -114,6 +116,7 @@ def _rank_step(mode: str, scope: str) -> dict[str, Any]:
         )  # type: ignore[arg-type]
     finally:
         Normalize._scope = "step"
+        normalize.INLINE_ROWS = 64
     step = [
         b - p.detach() for b, p in zip(before, net.parameters(), strict=True)
     ]  # lr 1: the gradient
@@ -130,11 +133,22 @@ def _max_err(got: list[Tensor], want: list[Tensor]) -> float:
     return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["token", "sequence", "constant", "group"])
-def test_each_mode_equals_its_whole_batch_definition(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "inline_rows"),
+    [
+        ("token", 64),
+        ("sequence", 64),
+        ("constant", 64),
+        ("group", 64),
+        ("sequence", 2),
+        ("group", 2),
+    ],
+)
+def test_each_mode_equals_its_whole_batch_definition(mode: str, inline_rows: int) -> None:
+    # inline_rows 64: the table rides on begin's all-gather; 2: it takes its own all-gather.
     data = make_data()
     want_loss, want_grad = definition(mode, data)
-    got = run_ranks(W, _rank_step, mode, "step")
+    got = run_ranks(W, _rank_step, mode, "step", inline_rows)
     for r in got:
         assert _max_err(r["grad"], want_grad) <= TOL, (mode, _max_err(r["grad"], want_grad))
         assert abs(r["loss"] - want_loss) <= TOL * max(1.0, abs(want_loss))

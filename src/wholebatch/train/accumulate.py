@@ -58,9 +58,9 @@ from wholebatch.train.normalize import (
     begin_fields,
     check_agreed,
     count_items,
-    gather_table,
     local_rows,
     read_items,
+    step_table,
 )
 from wholebatch.train.stepping import (
     OnNonFinite,
@@ -328,9 +328,10 @@ class Accumulator:
     def _begin(self, mbs: Sequence[MB], norm: Normalize | None) -> StepWeights | None:
         """Agree K; with a weighted mode, the counting pass and its table: every item's weight.
 
-        The counting pass calls only `norm.items` (index tensors; no forward). Its facts
-        ride on `begin`'s all-gather; "sequence" and "group" add one all-gather of the
-        (sequence, group, count) rows. Errors are raised on every rank before any forward.
+        The counting pass calls only `norm.items` (index tensors; no forward). Its facts,
+        and the (sequence, group, count) rows when each rank has at most `INLINE_ROWS`,
+        ride on `begin`'s all-gather; more rows take one more all-gather. Errors are
+        raised on every rank before any forward.
         """
         op = "Accumulator.step"
         ids: list[ItemIds] = []
@@ -348,7 +349,7 @@ class Accumulator:
         table = None
         if norm.needs_table:
             empty = torch.empty(0, dtype=torch.long)
-            table = gather_table(mine or (empty, empty, empty), rows, self.finisher.group)
+            table = step_table(mine or (empty, empty, empty), rows, self.finisher.group)
         return StepWeights(norm, ids, world_size=self.finisher.world_size, table=table)
 
     def _normalized(

@@ -56,6 +56,7 @@ from wholebatch.comm.agree import Field, Rows, agree_rows
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
+    "INLINE_ROWS",
     "MODES",
     "ItemIds",
     "ItemsFn",
@@ -72,6 +73,7 @@ __all__ = [
     "mismatch_text",
     "mode_weights",
     "read_items",
+    "step_table",
 ]
 
 Mode = Literal["token", "sequence", "constant", "group"]
@@ -206,12 +208,33 @@ def _key_rows(items: Sequence[ItemIds], mode: Mode) -> tuple[Tensor, Tensor, Ten
     seq = torch.cat([it.sequence_I[d].cpu() for it, d in zip(items, declared, strict=True)])
     grp = torch.cat([it.group_I[d].cpu() for it, d in zip(items, declared, strict=True)])
     mask = torch.cat([it.mask_I[d].cpu() for it, d in zip(items, declared, strict=True)])
-    if seq.numel() == 0:
-        empty = torch.empty(0, dtype=torch.long)
-        return empty, empty, empty
-    keys_U2, inverse = torch.unique(torch.stack([seq, grp], 1), dim=0, return_inverse=True)
-    count_U = torch.zeros(keys_U2.shape[0], dtype=torch.long).index_add_(0, inverse, mask.long())
-    return keys_U2[:, 0].contiguous(), keys_U2[:, 1].contiguous(), count_U
+    if mode == "sequence":
+        seq_U, _, count_U = _rows_by(seq, None, mask)
+        return seq_U, torch.full_like(seq_U, -1), count_U
+    # "group": items of a sequence are one row (its group checked on the gathered rows);
+    # items without a sequence id are one row per group.
+    has = seq >= 0
+    seq_U, grp_U, count_U = _rows_by(seq[has], grp[has], mask[has])
+    grp_V, _, count_V = _rows_by(grp[~has], None, mask[~has])
+    return (
+        torch.cat([seq_U, torch.full_like(grp_V, -1)]),
+        torch.cat([grp_U, grp_V]),
+        torch.cat([count_U, count_V]),
+    )
+
+
+def _rows_by(key: Tensor, aux: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unique `key`s [U], the `aux` of each (-2 where a key's items disagree), masked counts [U].
+
+    1-D `torch.unique` (sorting pairs with `dim=0` costs ~10x more: it is on the step's path).
+    """
+    uniq_U, inverse = torch.unique(key, return_inverse=True)
+    count_U = torch.zeros(uniq_U.numel(), dtype=torch.long).index_add_(0, inverse, mask.long())
+    if aux is None:
+        return uniq_U, uniq_U, count_U
+    lo_U = torch.zeros_like(uniq_U).scatter_reduce_(0, inverse, aux, "amin", include_self=False)
+    hi_U = torch.zeros_like(uniq_U).scatter_reduce_(0, inverse, aux, "amax", include_self=False)
+    return uniq_U, torch.where(lo_U == hi_U, lo_U, -2), count_U
 
 
 def count_items(norm: Normalize, micro_batches: Sequence[Any]) -> tuple[list[ItemIds], str | None]:
@@ -235,18 +258,55 @@ def local_rows(norm: Normalize, items: Sequence[ItemIds]) -> LocalRows:
     return _key_rows(items, norm.mode)
 
 
+# Rows of the table that ride on `begin`'s all-gather (float64: ids exact below 2**53). A
+# step whose ranks hold more, or larger ids, gathers its table in one more all-gather.
+# The fields are in every step's row (fixed layout: ranks that disagree on the mode
+# must still read the same row to say so): 3 x 64 float64, 1.5 KiB per rank.
+INLINE_ROWS = 64
+_EXACT_IDS = 2**53
+
+
 def begin_fields(
     norm: Normalize | None, rows: LocalRows | None, error: str | None
 ) -> dict[str, Field]:
     """This rank's normalisation fields of `StepFinisher.begin`'s row (the same names on every rank)."""
+    n = 0 if rows is None else int(rows[0].numel())
+    inline = rows is not None and n <= INLINE_ROWS and _small_ids(rows)
+    pad = torch.full((INLINE_ROWS,), -1.0, dtype=torch.float64)
+    table = [pad.clone(), pad.clone(), pad.clone()]
+    if inline and rows is not None:
+        for column, values in zip(table, rows, strict=True):
+            column[:n] = values.to(torch.float64)
     return {
         "norm_mode": -1 if norm is None else MODES.index(norm.mode),
         "norm_constant": math.nan
         if norm is None or norm.constant is None
         else float(norm.constant),
-        "norm_rows": 0 if rows is None else int(rows[0].numel()),
+        "norm_rows": n if inline else max(n, INLINE_ROWS + 1),  # > INLINE_ROWS: gather after
         "norm_error": error is not None,
+        "norm_sequence": table[0],
+        "norm_group": table[1],
+        "norm_count": table[2],  # -1: a padding row
     }
+
+
+def _small_ids(rows: LocalRows) -> bool:
+    seq_U, grp_U, _ = rows
+    return all(t.numel() == 0 or int(t.abs().max()) < _EXACT_IDS for t in (seq_U, grp_U))
+
+
+def step_table(
+    mine: LocalRows, rows: Rows, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every rank's (sequence, group, count) rows [R]: from `begin`'s row when they fit, else gathered."""
+    if max(rows.ints("norm_rows")) > INLINE_ROWS:
+        return gather_table(mine, rows, group)
+    seq_R, grp_R, count_R = (
+        torch.tensor([v for r in rows.vectors(name) for v in r], dtype=torch.long)
+        for name in ("norm_sequence", "norm_group", "norm_count")
+    )
+    real = count_R >= 0
+    return seq_R[real], grp_R[real], count_R[real]
 
 
 def check_agreed(rows: Rows, op: str, error: str | None) -> None:
@@ -310,9 +370,10 @@ class StepWeights:
 def gather_table(
     mine: LocalRows, rows: Rows, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The pre-pass collective: every rank's (sequence, group, count) rows [R], padding rows dropped.
+    """Every rank's (sequence, group, count) rows [R] in one all-gather (int64), padding dropped.
 
-    One all-gather; each rank's rows are padded to the longest (`norm_rows` of `begin`'s row).
+    For a step whose rows do not fit in `begin`'s row; each rank's rows are padded to
+    the longest (`norm_rows`).
     """
     seq_U, grp_U, count_U = mine
     pad = max(rows.ints("norm_rows")) - seq_U.numel()
@@ -348,20 +409,22 @@ def _global_counts(
 
 
 def _check_groups(ids_U: Tensor, count_U: Tensor, seq_R: Tensor, grp_R: Tensor) -> None:
-    """The same error on every rank (the table is identical) for an empty group or a split sequence."""
+    """The same error on every rank (the table is identical) for a split sequence or an empty group."""
+    has = seq_R >= 0
+    seqs_U, aux_U, _ = _rows_by(
+        seq_R[has], grp_R[has], torch.zeros_like(seq_R[has], dtype=torch.bool)
+    )
+    if bool((aux_U == -2).any()):  # -2: a rank already saw the sequence under two groups
+        split = seqs_U[aux_U == -2].tolist()[:8]
+        raise WholebatchError(
+            f"Accumulator.step: normalize='group': sequences {split} carry more than one group id "
+            "(across micro-batches or ranks); every item of a sequence must carry its group's id"
+        )
     if bool((count_U == 0).any()):
         empty = ids_U[count_U == 0].tolist()[:8]
         raise WholebatchError(
             f"Accumulator.step: normalize='group': groups {empty} have no item in the mask on any "
             "rank; a group's mean is then 0/0. Drop such groups from the batch, or give them ids < 0"
-        )
-    pairs = torch.unique(torch.stack([seq_R, grp_R], 1)[seq_R >= 0], dim=0)
-    seqs, n = torch.unique(pairs[:, 0], return_counts=True)
-    if bool((n > 1).any()):
-        split = seqs[n > 1].tolist()[:8]
-        raise WholebatchError(
-            f"Accumulator.step: normalize='group': sequences {split} carry more than one group id "
-            "(across micro-batches or ranks); every item of a sequence must carry its group's id"
         )
 
 
