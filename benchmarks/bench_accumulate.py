@@ -311,14 +311,31 @@ def _worker(rank: int, port: int, steps: int, out: Any, names: list[str]) -> Non
     dist.destroy_process_group()
 
 
+def prepass_ms(repeats: int = 200) -> dict[str, float]:
+    """Median time of `Accumulator._begin` per mode, one process (no collective): the counting pass."""
+    model = LM()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    mbs = with_ids(micro_batches(0, 0), 0, 0)
+    times: dict[str, list[float]] = {name: [] for name in NORMALIZE_METHODS}
+    for _ in range(repeats):
+        for name in NORMALIZE_METHODS:
+            mode = name.split()[1]
+            norm = Normalize(mode, items=items, constant=1.0 if mode == "constant" else None)  # type: ignore[arg-type]
+            t0 = time.perf_counter()
+            acc._begin(mbs, norm)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 timed steps instead of 30")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30)")
     parser.add_argument(
         "--normalize", action="store_true", help="the Normalize modes against 'token'"
     )
     args = parser.parse_args()
-    steps = 8 if args.quick else 30
+    steps = args.steps or (8 if args.quick else 30)
     names = NORMALIZE_METHODS if args.normalize else METHODS
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -342,6 +359,11 @@ def main() -> None:
     print(
         f"{'method':<22} {'median ms':>10} {'vs ' + names[0].split()[-1][:4]:>8} {'paired':>7} {'allreduce/step':>15} {'grad bytes/step':>16} {'vs fp32':>8} {'grad rel err':>13}"
     )
+    if args.normalize:
+        torch.set_num_threads(1)
+        pre = prepass_ms()
+        print("Accumulator._begin (agree K + counting pass + weights), one process, median ms:")
+        print("  " + "  ".join(f"{name.split()[1]} {ms:.3f}" for name, ms in pre.items()))
     for r in rows:
         err = "" if r.get("rel_err") is None else f"{r['rel_err']:.2e}"
         print(

@@ -241,3 +241,26 @@ def measure(
         errors = {name: float((g - ref).norm() / ref.norm()) for name, ref in refs.items()}
         rows.append(Row(lt, INTENDED[lt], errors))
     return rows
+
+
+def main() -> None:
+    """Print the table of docs/accumulation.md: `python -m tests.trl_grpo_cases`."""
+    import trl
+
+    names = ["token", "sequence", "constant", "sequence_sum"]
+    print(
+        f"trl {trl.__version__}, W={W} x GA={K}, B={B} completions per micro-batch, 1..{T_MAX} tokens"
+    )
+    head = " ".join(f"{n:>13} {'(per mb)':>9}" for n in names)
+    print(f"{'loss_type':<24} {'matches':<22} {head}")
+    cases = [(r, "") for r in measure()]
+    cases += [(r, " spg=2xGA") for r in measure(("dapo",), steps_per_generation=2 * K)]
+    for row, tag in cases:
+        errs = " ".join(
+            f"{row.errors[n]:>13.2e} {row.errors[n + ' per micro-batch']:>9.2e}" for n in names
+        )
+        print(f"{row.loss_type + tag:<24} {row.matches or 'none':<22} {errs}")
+
+
+if __name__ == "__main__":
+    main()
