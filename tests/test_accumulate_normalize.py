@@ -212,13 +212,19 @@ def _rank_bad(case: str) -> list[Tensor]:
         mode = "group" if rank == 0 else "sequence"
     if case == "constant_differs":
         mode, constant = "constant", 10.0 + rank
+    items_fn = items_of
+    if case == "items_raise" and rank == 0:
+
+        def items_fn(mb: Batch) -> dict[str, Tensor]:
+            raise ValueError("no ids in this batch")
+
     if case == "loss_shape" and rank == 2:
 
         def loss_fn(net: nn.Module, mb: Batch) -> Tensor:
             return per_item(net, mb)[:-1] if mb["x"].shape[0] else per_item(net, mb)
 
     try:
-        acc.step(mbs, loss_fn, normalize=Normalize(mode, items=items_of, constant=constant))  # type: ignore[arg-type]
+        acc.step(mbs, loss_fn, normalize=Normalize(mode, items=items_fn, constant=constant))  # type: ignore[arg-type]
     finally:
         assert all(torch.equal(b, p) for b, p in zip(before, net.parameters(), strict=True))
         assert all(p.grad is None for p in net.parameters())
@@ -233,6 +239,7 @@ BAD = {
     "sequence_in_two_groups": "carry more than one group id",
     "mode_differs": "normalize differs across ranks {0: 'group', 1: 'sequence', 2: 'sequence'}",
     "constant_differs": "Normalize constant differs across ranks {0: 10, 1: 11, 2: 12}",
+    "items_raise": "items(micro_batches[0]) raised ValueError: no ids in this batch (on ranks [0])",
     "loss_shape": "loss_fn returned losses of shape (9,) for micro_batches[0] but items() gave a mask of shape (10,)",
 }
 

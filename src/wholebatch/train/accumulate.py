@@ -27,6 +27,12 @@ rather than overflowing on sums; the exact N is applied afterwards regardless.
 The AMP scale is removed by `GradScaler.unscale_` before the norm, so clipping
 and the reported norm are those of the true whole-batch gradient.
 
+Other normalisations (`step(..., normalize=Normalize(mode, items=...))`: "sequence",
+"constant", "group" over the whole step) cannot be applied after backward: their
+normalisers are per sequence or group, not one scalar. A counting pass over the
+micro-batches' index tensors (no forward) and the same all-gather that agrees K give
+every item its exact weight first (`wholebatch.train.normalize`).
+
 Communication: micro-batches 0..K-2 run forward AND backward under `no_sync()`
 (DDP) or `set_requires_gradient_sync(False)` (FSDP2); the last synchronises:
 exactly one gradient reduction per step. Every rank must therefore run the same

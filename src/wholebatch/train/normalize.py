@@ -162,7 +162,10 @@ class ItemIds:
 def read_items(norm: Normalize, micro_batch: Any, index: int) -> tuple[ItemIds | None, str | None]:
     """`norm.items(micro_batch)` checked: (the ids, None) or (None, what is wrong)."""
     where = f"items(micro_batches[{index}])"
-    out = norm.items(micro_batch)
+    try:
+        out = norm.items(micro_batch)
+    except Exception as e:  # raised on one rank only, it would leave the peers in begin's gather
+        return None, f"{where} raised {type(e).__name__}: {e}"
     if not isinstance(out, Mapping) or not isinstance(out.get("mask"), Tensor):
         return None, f"{where} must return a dict with a 'mask' tensor, got {type(out).__name__}"
     mask = out["mask"]
