@@ -91,8 +91,9 @@ def definition(mode: str, data: list[list[Batch]]) -> tuple[float, list[Tensor]]
     return float(loss.detach()), [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
 
 
-def _rank_step(mode: str, scope: str, inline_rows: int = normalize.INLINE_ROWS) -> dict[str, Any]:
+def _rank_step(mode: str, scope: str, inline_rows: int = 64) -> dict[str, Any]:
     rank = dist.get_rank()
+    default_rows = normalize.INLINE_ROWS
     normalize.INLINE_ROWS = inline_rows  # 2: the table does not fit in begin's row
     data = make_data()
     net = model()
@@ -116,7 +117,7 @@ def _rank_step(mode: str, scope: str, inline_rows: int = normalize.INLINE_ROWS) 
         )  # type: ignore[arg-type]
     finally:
         Normalize._scope = "step"
-        normalize.INLINE_ROWS = 64
+        normalize.INLINE_ROWS = default_rows
     step = [
         b - p.detach() for b, p in zip(before, net.parameters(), strict=True)
     ]  # lr 1: the gradient

@@ -28,10 +28,11 @@ Why a counting pass: n_s and S are known only when every micro-batch of every
 rank has been seen, and unlike N they are not one scalar, so they cannot be
 applied after backward the way `Accumulator` applies N. `count_items` reads the
 index tensors of the step's K micro-batches (no forward, no activations), and
-one small all-gather of (sequence, group, count) rows gives every rank the
-same table, from which `StepWeights` gives every item its exact weight before
-any backward. "token" keeps the after-backward rescale (no pre-pass) and
-"constant" needs no table.
+each rank's (sequence, group, count) rows ride on the all-gather that agrees K
+(`begin_fields`; more than `INLINE_ROWS` rows on a rank take one more all-gather,
+`gather_table`), so every rank holds the same table, from which `StepWeights`
+gives every item its exact weight before any backward. "token" keeps the
+after-backward rescale (no pre-pass) and "constant" needs no table.
 
 `match_normalization` names which of these (whole step, or per micro-batch) a
 set of per-item weights matches: what a verify report says when a split step
