@@ -99,6 +99,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
     from wholebatch.train.gradcache import (
         GradCache as GradCache,
     )
+    from wholebatch.train.normalize import (
+        Normalize as Normalize,
+    )
     from wholebatch.train.stepping import (
         NonFiniteStepError as NonFiniteStepError,
         StepConfig as StepConfig,

@@ -4,7 +4,9 @@
 loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
 clipping), `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
-friends), `compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+friends), `normalize` the token / sequence / constant / group modes of `Accumulator.step`,
+`compression` the DDP comm hooks, `checkpoint` exact resume. Engines use
+`wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
+from wholebatch.train.normalize import Normalize
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
@@ -30,6 +33,7 @@ __all__ = [
     "GradCache",
     "GradCompression",
     "NonFiniteStepError",
+    "Normalize",
     "StepConfig",
     "StepFinisher",
     "StepStats",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -344,7 +345,9 @@ class StepFinisher:
         """`loss` times the AMP scale (identity without a scaler): call `.backward()` on this."""
         return loss if self.scaler is None else self.scaler.scale(loss)
 
-    def begin(self, num_micro_batches: int, *, op: str = "step") -> None:
+    def begin(
+        self, num_micro_batches: int, *, op: str = "step", extra: Mapping[str, Field] | None = None
+    ) -> Rows:
         """Agree the step's micro-batch count K on every rank before any forward.
 
         One small all-gather. Raises the same `WholebatchError` on every rank when K
@@ -353,16 +356,22 @@ class StepFinisher:
         K = 0, when a rank's parameters already hold gradients (they would be
         added to the step's and break its normalisation), or when the model is a plain
         module on W > 1 ranks without `config.rank_local` (nothing reduces its gradients).
+
+        `extra`: more named fields for the same all-gather (an engine's own facts to
+        agree before any forward; the same names on every rank). Returns the agreed rows.
         """
         stale = any(p.grad is not None for p in self.params())
         plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
-        rows = agree_rows(
-            {"micro_batches": int(num_micro_batches), "stale": stale, "plain": bool(plain)},
-            group=self.group,
-        )
+        row: dict[str, Field] = {
+            "micro_batches": int(num_micro_batches),
+            "stale": stale,
+            "plain": bool(plain),
+        }
+        rows = agree_rows({**row, **(extra or {})}, group=self.group)
         error = _begin_error(rows, op, self.world_size)
         if error is not None:
             raise WholebatchError(f"{op}: {error}")
+        return rows
 
     def finish(
         self,
@@ -373,6 +382,9 @@ class StepFinisher:
         backward_scale: float = 1.0,
         normalize_by_items: bool = True,
         nonfinite_loss: Tensor | bool | None = None,
+        skip_if_empty: bool | None = None,
+        local_error: str | None = None,
+        op: str = "step",
     ) -> StepStats:
         """Agree, then rescale/unscale/clip/step/update/zero (or skip or raise) on every rank.
 
@@ -389,6 +401,12 @@ class StepFinisher:
                 count N. False when the losses already carry their normalisation
                 (their sum over ranks is the whole-batch loss).
             nonfinite_loss: this rank saw a non-finite loss; None: derive from `loss_sum`.
+            skip_if_empty: skip the step when it held 0 items on every rank; None: when
+                `normalize_by_items` (losses that carry their own normalisation may say True).
+            local_error: what went wrong on this rank during the step (e.g. a loss of the
+                wrong shape, back-propagated as zero to keep the ranks in step): the step
+                is dropped and the same `WholebatchError` raised on every rank, naming `op`.
+            op: the engine's name in errors.
 
         Returns:
             The step's `StepStats` (identical on every rank).
@@ -406,8 +424,13 @@ class StepFinisher:
         grads = [p.grad for p in self.params() if p.grad is not None]
         sq_sharded, sq_local = self._squared_norms(grads)
         row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
+        row["error"] = local_error is not None
         rows = agree_rows(row, group=self.group)  # the step's only extra collective
-        agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items)
+        if rows.ranks_where("error"):
+            self._drop_grads()
+            rows.error(op, local_error)  # raises on every rank; nothing stepped
+        empty = normalize_by_items if skip_if_empty is None else skip_if_empty
+        agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items, empty)
         if agreed.skip_reason is not None:
             return self._skip(agreed, micro_batches, loss_scale)
         clip_coef = self._clip_coef(agreed.grad_norm)
@@ -426,7 +449,12 @@ class StepFinisher:
     # -- the steps of `finish` -----------------------------------------------------
 
     def _read(
-        self, rows: Rows, sq_local: float, backward_scale: float, normalize_by_items: bool
+        self,
+        rows: Rows,
+        sq_local: float,
+        backward_scale: float,
+        normalize_by_items: bool,
+        skip_if_empty: bool,
     ) -> _Agreed:
         """What every rank decides from the agreed rows (the same on every rank)."""
         n_items = _rank_sum(rows["items"])
@@ -446,7 +474,7 @@ class StepFinisher:
         amp_overflow = False
         if bad_loss:
             reason = f"non-finite loss on ranks {bad_loss}"
-        elif normalize_by_items and n_items == 0:
+        elif skip_if_empty and n_items == 0:
             reason = "the step held 0 items on every rank"
         elif bad_grad:
             reason = f"non-finite gradient on ranks {bad_grad}"
