@@ -11,6 +11,7 @@ followed within itself.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import os
 import re
@@ -391,6 +392,34 @@ def _add_context(
             known.add(names[hit][0])
 
 
+def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
+    """Module name -> file of the run, for the names file `f` imports."""
+    return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
+
+
+@contextlib.contextmanager
+def _aliases(
+    program: Program, modules: ModuleMap, hits: dict[str, Path], by_file: dict[Path, ModuleFacts]
+) -> Iterator[None]:
+    """While one file is linted, the names it imports mean the files it imports: a
+    sibling `utils.py` rather than another file named `utils`, a module under a folder
+    without `__init__.py` by the dotted name the file uses for it."""
+    saved: dict[str, ModuleFacts | None] = {}
+    for name, g in hits.items():
+        facts = by_file.get(g)
+        if facts is not None and modules.name.get(g) != name:
+            saved[name] = program.modules.get(name)
+            program.modules[name] = facts
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                program.modules.pop(name, None)
+            else:
+                program.modules[name] = old
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -431,28 +460,34 @@ def lint_paths(
     _add_context(sources, names, cache)
     modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
     imports = {f: _imports(sources, f, names, cache) for f in sources}
-    deps = {f: modules.files_of(names) for f, names in imports.items()}
+    resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
+    deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.roots = {name.split(".")[0] for name in modules.file}
+    program.roots = {name.split(".")[0] for name in modules.own.values()}
+    program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
+    by_file: dict[Path, ModuleFacts] = {}
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
-        module = modules.name.get(f, "")
-        follows = bool(module) and any(
-            program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
-        )
-        found, facts = _lint_text(
-            source,
-            str(f),
-            codes,
-            program,
-            module,
-            modules.package.get(f, False),
-            follows,
-            report=str(f) in run,
-        )
+        module = modules.own.get(f, "")
+        with _aliases(program, modules, resolved[f], by_file):
+            follows = bool(module) and any(
+                program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
+            )
+            found, facts = _lint_text(
+                source,
+                str(f),
+                codes,
+                program,
+                module,
+                modules.package.get(f, False),
+                follows,
+                report=str(f) in run,
+            )
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
-            program.add(module, facts)
+            by_file[f] = facts
+            if f in modules.name:  # a name no other file of the run shares
+                program.add(module, facts)
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)

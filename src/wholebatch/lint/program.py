@@ -41,7 +41,9 @@ class ModuleMap:
 
     def __init__(self, files: Sequence[Path]) -> None:
         self.name: dict[Path, str] = {}
+        self.own: dict[Path, str] = {}  # every file's name from its folders, shared or not
         self.package: dict[Path, bool] = {}
+        self._files = set(files)
         by_name: dict[str, list[Path]] = {}
         has_init: dict[Path, bool] = {}
         for f in files:
@@ -49,6 +51,7 @@ class ModuleMap:
             if not name or not all(p.isidentifier() for p in name.split(".")):
                 continue  # `my-script.py`: not importable by name
             self.name[f] = name
+            self.own[f] = name
             self.package[f] = package
             by_name.setdefault(name, []).append(f)
         # Two files with one name (scripts in different folders): neither is importable
@@ -68,6 +71,22 @@ class ModuleMap:
     def files_of(self, names: list[str]) -> list[Path]:
         """The files of the run that these module names are (unknown names dropped)."""
         return [hit for n in names if (hit := self.file.get(n)) is not None]
+
+    def resolve(self, f: Path, name: str) -> Path | None:
+        """The file of the run that module `name`, as imported by file `f`, is (None:
+        not in the run).
+
+        A file outside any package runs as a script, and Python puts the script's own
+        folder first on `sys.path`: a module beside it (`utils.py`, or `models/loss.py`
+        under a folder without `__init__.py`, a namespace package) wins over any other
+        file of that name, such as a `utils.py` in a sub-folder.
+        """
+        if "." not in self.own.get(f, "."):
+            rel = Path(*name.split("."))
+            for cand in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py"):
+                if cand in self._files:
+                    return cand
+        return self.file.get(name)
 
 
 def module_name(f: Path, has_init: dict[Path, bool] | None = None) -> tuple[str, bool]:

@@ -1,0 +1,115 @@
+"""`wholebatch lint` on the shapes real training repositories take (issue 26): each
+pattern that was missed or misread on public contrastive, self-supervised and retrieval
+code, as a bad twin (flagged where `# expect: WBxxx` marks it) and a good twin (clean,
+or flagged where marked) that differs from it in the one thing that matters.
+
+The trees are written to a temporary folder and linted as a folder, as
+`wholebatch lint REPO` would; nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from wholebatch.lint import lint_paths, lint_source
+
+_EXPECT = re.compile(r"#\s*expect:\s*(WB\d{3})")
+_Tree = dict[str, str]
+
+
+def _write(root: Path, files: _Tree) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text).lstrip("\n"))
+
+
+def _marked(root: Path) -> set[tuple[str, int, str]]:
+    out: set[tuple[str, int, str]] = set()
+    for p in sorted(root.rglob("*.py")):
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            for m in _EXPECT.finditer(line):
+                out.add((p.relative_to(root).as_posix(), i, m.group(1)))
+    return out
+
+
+def _check(tmp_path: Path, files: _Tree) -> list[str]:
+    """Lint the tree; assert the findings are exactly the marked lines; the messages."""
+    _write(tmp_path, files)
+    findings, _ = lint_paths([tmp_path])
+    got = {(Path(f.path).relative_to(tmp_path).as_posix(), f.line, f.code) for f in findings}
+    expected = _marked(tmp_path)
+    assert got == expected, f"missing {sorted(expected - got)}, unexpected {sorted(got - expected)}"
+    return [f.message for f in findings]
+
+
+def _snippet(text: str) -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
+    source = textwrap.dedent(text).lstrip("\n")
+    got = {(f.line, f.code) for f in lint_source(source)}
+    expected = {
+        (i, m.group(1))
+        for i, line in enumerate(source.splitlines(), 1)
+        for m in _EXPECT.finditer(line)
+    }
+    return got, expected
+
+
+# -- module resolution: the sibling module before a sub-folder's, namespace packages ------
+
+_PLAIN_GATHER = """
+import torch
+import torch.distributed as dist
+
+
+def gather_batch(x):
+    parts = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x){mark}
+    return torch.cat(parts)
+"""
+_HARMLESS = """
+def gather_batch(x):
+    return x
+"""
+_LOSS_SCRIPT = """
+import torch.nn.functional as F
+
+import {mod}
+
+
+def clip_loss(image, text, labels):
+    text_all = {mod}.gather_batch(text)
+    return F.cross_entropy(image @ text_all.T, labels)
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_a_script_imports_its_sibling_module_not_a_sub_folders(tmp_path: Path, bad: bool) -> None:
+    # `import utils` in main.py means ./utils.py (the script's folder comes first on
+    # sys.path), even though tools/utils.py (no __init__.py) has the same module name.
+    # The good twin: the sibling is harmless and the plain gather sits in tools/utils.py.
+    mark = "  # expect: WB101"
+    files = {
+        "main.py": _LOSS_SCRIPT.format(mod="utils"),
+        "utils.py": _PLAIN_GATHER.format(mark=mark) if bad else _HARMLESS,
+        "tools/utils.py": _HARMLESS if bad else _PLAIN_GATHER.format(mark=""),
+    }
+    messages = _check(tmp_path, files)
+    assert not bad or "clip_loss" in messages[0]
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_a_namespace_package_is_followed(tmp_path: Path, bad: bool) -> None:
+    # `from common import dist_utils` where common/ has no __init__.py.
+    files = {
+        "train.py": _LOSS_SCRIPT.format(mod="dist_utils").replace(
+            "import dist_utils", "from common import dist_utils"
+        ),
+        "common/dist_utils.py": _PLAIN_GATHER.format(mark="  # expect: WB101" if bad else "")
+        if bad
+        else _HARMLESS,
+    }
+    _check(tmp_path, files)
