@@ -113,3 +113,53 @@ def test_a_namespace_package_is_followed(tmp_path: Path, bad: bool) -> None:
         else _HARMLESS,
     }
     _check(tmp_path, files)
+
+
+# -- the no-grad exemption: a `@torch.no_grad()` gather helper on trainable features ------
+
+_NOGRAD_HELPER = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def concat_all_gather(t):
+    parts = [torch.ones_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t){mark}
+    return torch.cat(parts)
+
+
+def info_nce_loss(q, k, labels):
+    k = F.normalize(k, dim=1)
+    k_all = concat_all_gather(k)
+    return F.cross_entropy(q @ k_all.T, labels)
+
+
+def train_step(model, momentum_model, x1, x2, labels, opt):
+    q = model(x1)
+{keys}
+    loss = info_nce_loss(q, k, labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+_MOMENTUM_KEYS = "    with torch.no_grad():\n        k = momentum_model(x2)"
+_TRAINABLE_KEYS = "    k = model(x2)"
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_no_grad_gather_of_trainable_features_is_the_bug(tmp_path: Path, bad: bool) -> None:
+    # Bad: the keys come from the trainable encoder, so the no-grad gather drops every
+    # gradient they get as keys. Good: momentum keys, computed under no_grad (MoCo).
+    text = _NOGRAD_HELPER.format(
+        mark="  # expect: WB101" if bad else "",
+        keys=_TRAINABLE_KEYS if bad else _MOMENTUM_KEYS,
+    )
+    messages = _check(tmp_path, {"moco.py": text})
+    assert not bad or "info_nce_loss" in messages[0]
+
+
+def test_no_grad_gather_of_detached_features_is_fine(tmp_path: Path) -> None:
+    text = _NOGRAD_HELPER.format(mark="", keys="    k = model(x2).detach()")
+    _check(tmp_path, {"moco.py": text})

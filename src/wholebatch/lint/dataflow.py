@@ -20,7 +20,12 @@ Tags:
                Hugging Face ``outputs.loss``, a division by ``mask.sum()``);
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
-    ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of).
+    ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
+    ``n:NAME:ID``  parameter NAME all-gathered inside a function that runs under
+               `@torch.no_grad()`: no gradient if the caller passes a trainable value
+               (then it becomes a ``g`` tag there), harmless for a no-grad one (MoCo's
+               momentum keys);
+    ``D``      computed with gradient recording off (under `torch.no_grad()`) or detached.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqaV" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanV" and not t.startswith("G:"))
 
 
 class Flow:
@@ -84,12 +89,14 @@ class Flow:
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
         node = scope.node
+        self.params: set[str] = set()
         if not isinstance(node, ast.Module):
             a = node.args
             extra = [x for x in (a.vararg, a.kwarg) if x is not None]
             for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, *extra):
                 if arg.arg not in ("self", "cls", "ctx"):
                     self.t[arg.arg] = {"p", f"a:{arg.arg}"}
+                    self.params.add(arg.arg)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -122,6 +129,8 @@ class Flow:
             elif isinstance(n, ast.Call):
                 name = last_name(n.func)
                 reducer = reducer or name in _REDUCERS
+                if name == "detach":
+                    out.add("D")
                 if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
                     out.add("V")
                 d = dotted(n.func)
@@ -174,6 +183,10 @@ class Flow:
                 new = self.origins.moved(tag, kind, id(call), hop)
                 out.add(new)
                 self.entered.setdefault(new, self._st.path if self._st else ())
+            elif kind == "n":
+                name, _, oid = rest.partition(":")
+                for value in args.get(name, ()):
+                    out |= self._nograd_gathered(value, f"g:{oid}", call, hop)
             elif kind == "qa":
                 name, _, oid = rest.partition(":")
                 for value in args.get(name, ()):
@@ -186,6 +199,22 @@ class Flow:
             elif tag == "V":
                 out.add("V")
         return out
+
+    def _nograd_gathered(self, value: ast.expr, gtag: str, call: ast.Call, hop: Hop) -> set[str]:
+        """The tags of `value` all-gathered by a `@torch.no_grad()` helper (`call`): no
+        gradient for a trainable value; nothing lost for a no-grad or detached one; a
+        parameter passed on as it is leaves the question to this function's callers."""
+        vt = self.tags(value)
+        if "D" in vt:
+            return set()
+        if isinstance(value, ast.Name) and value.id in self.params:
+            # (normalised on the way, perhaps: `k = normalize(k)`)
+            return {f"n:{value.id}:{self.origins.moved(gtag, 'g', id(call), hop)[2:]}"}
+        if (self._st is not None and self._st.nograd) or self.scope.nograd:
+            return set()  # called under no_grad here: the missing gradient is asked for
+        new = self.origins.moved(gtag, "g", id(call), hop)
+        self.entered.setdefault(new, self._st.path if self._st else ())
+        return {new}
 
     @staticmethod
     def _counts_items(node: ast.expr) -> bool:
@@ -302,6 +331,8 @@ class Flow:
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
+        if self._st is not None and self._st.nograd:
+            tags.add("D")  # computed with gradient recording off
         if isinstance(value, ast.Call):
             if last_name(value.func) in _IGNORE_CRITERIA and _kwarg(value, ("ignore_index",)):
                 tags.add("C")
@@ -344,11 +375,16 @@ class Flow:
                 return
             short = q.replace("torch.distributed.distributed_c10d.", "torch.distributed.")
             out_tags: set[str] = set()
+            in_tags = self.tags(inp) if inp is not None else set()
             # Under no_grad the missing gradient is what the author asked for (MoCo keys,
-            # memory banks, metrics): no `g` tag there.
+            # memory banks, metrics): no `g` tag there. A `@torch.no_grad()` helper that
+            # gathers its argument leaves it to the callers: harmless for momentum keys,
+            # the bug for trainable features (`n` tag).
             if not ((self._st is not None and self._st.nograd) or self.scope.nograd):
                 out_tags.add(self._origin("g", call, key, f"{short} fills `{key}`"))
-            in_tags = self.tags(inp) if inp is not None else set()
+            elif self.scope.nograd:
+                g = self._origin("g", call, key, f"{short} fills `{key}` (under no_grad)")
+                out_tags.update(f"n:{t[2:]}:{g[2:]}" for t in in_tags if t.startswith("a:"))
             if any(t.startswith("G:") for t in in_tags):
                 out_tags.add(self._origin("q", call, key, "all-gathers gradients"))
             for t in in_tags:
