@@ -163,3 +163,146 @@ def test_no_grad_gather_of_trainable_features_is_the_bug(tmp_path: Path, bad: bo
 def test_no_grad_gather_of_detached_features_is_fine(tmp_path: Path) -> None:
     text = _NOGRAD_HELPER.format(mark="", keys="    k = model(x2).detach()")
     _check(tmp_path, {"moco.py": text})
+
+
+# -- where the loss is: a model's forward returning an output object or dict ---------------
+
+_MODEL = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def gather_text(x):
+    parts = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x){mark}
+    return torch.cat(parts)
+
+
+class Output:
+    def __init__(self, loss, logits):
+        self.loss, self.logits = loss, logits
+
+
+class Model(nn.Module):
+    def forward(self, image, text, labels):
+        img = self.visual(image)
+        txt = self.text(text)
+        txt_all = gather_text(txt)
+        local = F.cross_entropy(img @ txt.T, labels)
+        glob = F.cross_entropy(img @ txt_all.T, labels)
+        return {ret}
+"""
+
+
+@pytest.mark.parametrize(
+    ("ret", "bad"),
+    [
+        ('{"loss": glob, "logits": img @ txt.T}', True),
+        ("Output(loss=glob, logits=img)", True),
+        ('{"loss": local, "global_logits": glob}', False),
+        ("Output(loss=local, logits=glob)", False),
+    ],
+    ids=["dict-bad", "object-bad", "dict-good", "object-good"],
+)
+def test_a_forward_returning_a_loss_field_is_a_loss(tmp_path: Path, ret: str, bad: bool) -> None:
+    # Bad: the `loss` field holds the loss of local rows against plain-gathered ones.
+    # Good: the same gathered logits only in a field that is not the loss (monitoring).
+    text = _MODEL.format(mark="  # expect: WB101" if bad else "", ret=ret)
+    _check(tmp_path, {"model.py": text})
+
+
+# -- accumulation through a method, and fixed-size batches (WB301) --------------------------
+
+_TASK = """
+import torch
+
+
+class Task:
+    def train_step(self, model, samples):
+        output = model(samples)
+        return output["loss"], {{k: v for k, v in output.items() if "loss" in k}}
+
+    def train_epoch(self, model, loader, optimizer, accum_grad_iters=1):
+        for i, samples in enumerate(loader):
+            loss, loss_dict = self.train_step(model=model, samples=samples)
+            loss /= accum_grad_iters{mark}
+            loss.backward()
+            if (i + 1) % accum_grad_iters == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+"""
+_SUMMED_STEP = """
+    def train_step(self, model, samples):
+        output = model(samples)
+        return output["loss_sum"] / samples["global_tokens"], {}
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_a_mean_loss_returned_by_a_method_and_divided_by_the_steps(
+    tmp_path: Path, bad: bool
+) -> None:
+    # Bad: `self.train_step()` returns the model's `loss` field (LAVIS-style runner,
+    # `accum_grad_iters: 2` in its config), divided by the step count. Good: the step
+    # returns a summed loss over the global token count.
+    text = _TASK.format(mark="  # expect: WB301" if bad else "")
+    if not bad:
+        start = text.index("    def train_step")
+        end = text.index("    def train_epoch")
+        text = text[:start] + _SUMMED_STEP.lstrip("\n") + "\n" + text[end:]
+    messages = _check(tmp_path, {"runner.py": text})
+    assert not bad or "exact only if every micro-batch has the same item count" in messages[0]
+
+
+_FIXED_BATCHES = """
+import torch
+from torch.utils.data import DataLoader
+
+
+def train(model, criterion, dataset, optimizer, update_freq):
+    loader = DataLoader(dataset, batch_size=64, drop_last={drop_last})
+    for i, (images, texts) in enumerate(loader):
+        loss_dict = criterion(model(images, texts))
+        loss = loss_dict["loss"]
+        loss /= update_freq{mark}
+        loss.backward()
+        if (i + 1) % update_freq == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_fixed_size_batches_make_a_mean_loss_over_steps_exact(tmp_path: Path, bad: bool) -> None:
+    # SLIP-style: a contrastive loss's `loss` field is a mean over rows; with drop_last=True
+    # every micro-batch has the same row count, so dividing by the steps is exact.
+    # Bad twin: the last batch may be short (drop_last=False): reported, with the
+    # condition under which it would be exact.
+    text = _FIXED_BATCHES.format(
+        drop_last="False" if bad else "True", mark="  # expect: WB301" if bad else ""
+    )
+    messages = _check(tmp_path, {"main.py": text})
+    assert not bad or "fixed-size batches" in messages[0]
+
+
+def test_a_data_dependent_count_is_reported_even_with_fixed_size_batches() -> None:
+    # ignore_index: the token count varies whatever the batch size.
+    got, expected = _snippet(
+        """
+        import torch
+        from torch.utils.data import DataLoader
+
+        def train(model, dataset, optimizer, accum_steps):
+            crit = torch.nn.CrossEntropyLoss(ignore_index=-100)
+            loader = DataLoader(dataset, batch_size=8, drop_last=True)
+            for i, (x, y) in enumerate(loader):
+                loss = crit(model(x), y) / accum_steps  # expect: WB301
+                loss.backward()
+                if (i + 1) % accum_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+    )
+    assert got == expected

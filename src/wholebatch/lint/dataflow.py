@@ -17,7 +17,10 @@ Tags:
     ``qa:NAME:ID``  parameter NAME all-gathered (a ``q`` tag where NAME is a gradient);
     ``G:base`` derived from ``base.grad``;
     ``V``      a mean over a data-dependent number of items (``ignore_index``, a
-               Hugging Face ``outputs.loss``, a division by ``mask.sum()``);
+               division by ``mask.sum()``, a token count);
+    ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
+               a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
+               token mean for a language model, a row mean for a contrastive loss;
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
@@ -68,7 +71,7 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanV" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanVv" and not t.startswith("G:"))
 
 
 class Flow:
@@ -125,7 +128,7 @@ class Flow:
                 elif n.attr == "loss" and not (
                     isinstance(n.value, ast.Name) and n.value.id == "self"
                 ):
-                    out.add("V")  # Hugging Face `outputs.loss`: a mean over non-ignored tokens
+                    out.add("v")  # Hugging Face `outputs.loss`: a mean over its items
             elif isinstance(n, ast.Call):
                 name = last_name(n.func)
                 reducer = reducer or name in _REDUCERS
@@ -139,7 +142,7 @@ class Flow:
             elif isinstance(n, ast.Subscript):
                 s = n.slice
                 if isinstance(s, ast.Constant) and s.value == "loss":
-                    out.add("V")
+                    out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
             elif isinstance(n, ast.BinOp):
                 if isinstance(n.op, ast.Add):
@@ -196,8 +199,8 @@ class Flow:
                         if any(t.startswith("G:") for t in vt):
                             out.add(new)
                         out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
-            elif tag == "V":
-                out.add("V")
+            elif tag in ("V", "v"):
+                out.add(tag)
         return out
 
     def _nograd_gathered(self, value: ast.expr, gtag: str, call: ast.Call, hop: Hop) -> set[str]:

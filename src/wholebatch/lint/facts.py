@@ -69,7 +69,9 @@ class Facts:
     @property
     def interesting(self) -> bool:
         """Worth keeping for other files: it does something a rule follows."""
-        return bool(self.effects or self.collective or self.gathers or self.reduces)
+        return bool(
+            self.effects or self.collective or self.gathers or self.reduces or self.returns
+        )
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
         """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either

@@ -338,7 +338,8 @@ class Resolver:
                         note=f"calls `{_callee_text(call)}`",
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
-        if not (effects or collective or reduces or gathers):
+        mean = not gathers and _may_return_mean(scope)
+        if not (effects or collective or reduces or gathers or mean):
             return shell
         out = replace(
             shell,
@@ -347,7 +348,7 @@ class Resolver:
             reduces=reduces,
             gathers=gathers,
         )
-        if gathers and self.returns_fn is not None:
+        if (gathers or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
         return out
@@ -460,6 +461,22 @@ class Resolver:
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
         return out
+
+
+def _may_return_mean(scope: Scope) -> bool:
+    """Does a `return` of the scope read a `loss` field (`out["loss"]`, `outputs.loss`)?
+    Then its value may be a mean over items, which its callers' WB301 needs to know."""
+    for st in scope.stmts:
+        n = st.node
+        if isinstance(n, ast.Return) and n.value is not None:
+            for x in ast.walk(n.value):
+                if (isinstance(x, ast.Attribute) and x.attr == "loss") or (
+                    isinstance(x, ast.Subscript)
+                    and isinstance(x.slice, ast.Constant)
+                    and x.slice.value == "loss"
+                ):
+                    return True
+    return False
 
 
 def _is_static(d: _Def) -> bool:
