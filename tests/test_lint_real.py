@@ -306,3 +306,35 @@ def test_a_data_dependent_count_is_reported_even_with_fixed_size_batches() -> No
         """
     )
     assert got == expected
+
+
+# -- WB105: an early return and a later collective under opposite conditions ----------------
+
+_EVALUATE = """
+import torch.distributed as dist
+
+
+def evaluate(model, data, args):
+    use_fsdp = args.fsdp and args.distributed
+    is_rank0 = dist.get_rank() == 0
+    if not use_fsdp and not is_rank0:
+        return {{}}{mark}
+    metrics = {{}}
+    if {guard}:
+        signal = model.signal()
+        dist.broadcast(signal, src=0)
+    return metrics
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_exit_and_collective_under_opposite_conditions(bad: bool) -> None:
+    # Good (open_clip's evaluate): the ranks that return have use_fsdp off, and only
+    # use_fsdp on reaches the broadcast: no rank waits. Bad: the broadcast runs when
+    # use_fsdp is off too (`args.verbose`), and the returning ranks never join it.
+    got, expected = _snippet(
+        _EVALUATE.format(
+            mark="  # expect: WB105" if bad else "", guard="args.verbose" if bad else "use_fsdp"
+        )
+    )
+    assert got == expected

@@ -345,7 +345,51 @@ def _first_after(
             rest += owner.body  # later iterations are skipped too
         rest += outer[j + 1 :]
     found = _collectives(ctx, rest, scope, skip=the_if)
+    if found:
+        # What the exiting rank knows on its way out (`if not fsdp and not is_rank0:
+        # return`: fsdp is off); a collective guarded by the opposite (`if fsdp:`) is one
+        # that no rank reaches on that path, so skipping it hangs nobody.
+        exiting = set(_holds(the_if.test, jump in the_if.body[-1:]))
+        if exiting:
+            guards: dict[int, tuple[tuple[str, bool], ...]] = {}
+            _guarded(rest, (), guards)
+            found = [
+                c
+                for c in found
+                if not any((t, not v) in exiting for t, v in guards.get(id(c[1]), ()))
+            ]
     if not found:
         return None
     found.sort(key=lambda qc: (qc[1].lineno, qc[1].col_offset))
     return found[0]
+
+
+def _holds(test: ast.expr, value: bool) -> list[tuple[str, bool]]:
+    """(condition text, truth) pairs that hold when `test` evaluates to `value`."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _holds(test.operand, not value)
+    if isinstance(test, ast.BoolOp):
+        if isinstance(test.op, ast.And) == value:  # `a and b` true, `a or b` false
+            return [h for v in test.values for h in _holds(v, value)]
+        return []
+    return [(ast.unparse(test), value)]
+
+
+def _guarded(
+    stmts: list[ast.stmt],
+    holds: tuple[tuple[str, bool], ...],
+    out: dict[int, tuple[tuple[str, bool], ...]],
+) -> None:
+    """id(node) -> the conditions known to hold where it runs, for the nodes of `stmts`
+    (an `if`'s body knows its test true, its `else` false)."""
+    for st in stmts:
+        if isinstance(st, _DEFS):
+            continue
+        for n in walk_local(st):
+            out[id(n)] = holds
+        if isinstance(st, ast.If):
+            _guarded(st.body, (*holds, *_holds(st.test, True)), out)
+            _guarded(st.orelse, (*holds, *_holds(st.test, False)), out)
+        else:
+            for sub in _sub_blocks(st):
+                _guarded(sub, holds, out)
