@@ -338,3 +338,47 @@ def test_exit_and_collective_under_opposite_conditions(bad: bool) -> None:
         )
     )
     assert got == expected
+
+
+# -- WB203: the backward runs inside a call of an object (`self.gc(...)`) -------------------
+
+_CACHE = """
+class Cache:
+    def __init__(self, model, loss_fn):
+        self.model, self.loss_fn = model, loss_fn
+
+    def __call__(self, inputs, labels):
+        return self.step(inputs, labels)
+
+    def step(self, inputs, labels):
+        loss = self.loss_fn(self.model(inputs), labels)
+{backward}
+        return loss.detach()
+"""
+_MODULE = """
+{imports}
+
+class Module:
+    def setup(self, model, loss_fn, optimizer):
+        self.cache = Cache(model, loss_fn)
+        self.optimizer = optimizer
+
+    def training_step(self, inputs, labels):
+        self.optimizer.zero_grad()
+        loss = self.cache(inputs, labels)
+        self.optimizer.step(){mark}
+        return loss
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+@pytest.mark.parametrize("cross", [False, True], ids=["one-file", "two-files"])
+def test_a_backward_inside_a_callable_object(tmp_path: Path, bad: bool, cross: bool) -> None:
+    # Good (GradCache under Lightning): `self.cache(...)` runs Cache.__call__, which
+    # backpropagates. Bad: the same object only computes the loss; nothing backpropagates.
+    cache = _CACHE.format(backward="" if bad else "        loss.backward()")
+    module = _MODULE.format(
+        imports="from cache import Cache" if cross else "", mark="  # expect: WB203" if bad else ""
+    )
+    files = {"cache.py": cache, "module.py": module} if cross else {"module.py": cache + module}
+    _check(tmp_path, files)

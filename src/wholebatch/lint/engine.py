@@ -392,6 +392,14 @@ def _add_context(
             known.add(names[hit][0])
 
 
+_RELATIVE_RE = re.compile(r"^[ \t]*from[ \t]+\.", re.MULTILINE)
+
+
+def _relative(sources: dict[Path, str]) -> set[Path]:
+    """The files that import relatively (so they sit in a package)."""
+    return {f for f, text in sources.items() if _RELATIVE_RE.search(text)}
+
+
 def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
     """Module name -> file of the run, for the names file `f` imports."""
     return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
@@ -455,10 +463,10 @@ def lint_paths(
                 )
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
-    named = ModuleMap(list(sources))
+    named = ModuleMap(list(sources), _relative(sources))
     names = {f: (n, named.package[f]) for f, n in named.name.items()}
     _add_context(sources, names, cache)
-    modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
+    modules = ModuleMap(list(sources), _relative(sources)) if len(sources) > len(run) else named
     imports = {f: _imports(sources, f, names, cache) for f in sources}
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}

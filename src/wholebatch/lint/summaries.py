@@ -169,12 +169,13 @@ class Resolver:
                 return self.facts(d), False
             if name in ctx.class_by_name:
                 return None
-            return self._cross(self._global(name), bound=False)
+            return self._cross(self._global(name), bound=False) or self._object_call(func)
         if not isinstance(func, ast.Attribute):
             return None
         value, attr = func.value, func.attr
         if isinstance(value, ast.Name) and value.id in ("self", "cls") and scope.cls is not None:
-            return self._method(scope.cls, attr, include_self=True)
+            found = self._method(scope.cls, attr, include_self=True)
+            return found if found is not None else self._object_call(func)
         if (
             isinstance(value, ast.Call)
             and isinstance(value.func, ast.Name)
@@ -202,6 +203,24 @@ class Resolver:
         if full is None or self.program is None:
             return None
         return self._cross(self._global(full), bound=False)
+
+    def _object_call(self, func: ast.expr) -> tuple[Facts, bool] | None:
+        """A call of an object (`self.gc(...)` after `self.gc = GradCache(...)`): its
+        class's `__call__`, in this file or another of the tree."""
+        d = dotted(func)
+        ctor = self.ctx.constructed.get(d) if d is not None else None
+        if ctor is None:
+            return None
+        local = self.ctx.class_by_name.get(ctor)
+        if local is not None:
+            return self._method(local, "__call__", include_self=True)
+        target = self._global(ctor)
+        if isinstance(target, str) and self.program is not None:
+            f = self.program.method(target, "__call__")
+            if f is not None:
+                self.cross = True
+                return f, True
+        return None
 
     def _cross(self, target: Facts | str | None, *, bound: bool) -> tuple[Facts, bool] | None:
         if isinstance(target, Facts):
