@@ -382,3 +382,63 @@ def test_a_backward_inside_a_callable_object(tmp_path: Path, bad: bool, cross: b
     )
     files = {"cache.py": cache, "module.py": module} if cross else {"module.py": cache + module}
     _check(tmp_path, files)
+
+
+# -- WB102: an own-slice GatherLayer under a loss of the whole batch is a uniform 1/W -------
+
+_LAYER = """
+import torch
+import torch.distributed as dist
+
+
+class GatherLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, x)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):{mark}
+        return grads[dist.get_rank()]
+"""
+_WHOLE_BATCH_USE = """
+def nt_xent(z_i, z_j, temperature):
+    z_i = torch.cat(GatherLayer.apply(z_i), dim=0)
+    z_j = torch.cat(GatherLayer.apply(z_j), dim=0)
+    z = torch.cat((z_i, z_j))
+    sim = z @ z.T / temperature
+    return sim.logsumexp(dim=1).mean()
+"""
+_LOCAL_USE = """
+def local_info_nce(z, labels):
+    all_z = torch.cat(GatherLayer.apply(z), dim=0)
+    logits = z @ all_z.T
+    return torch.nn.functional.cross_entropy(logits, labels)
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+@pytest.mark.parametrize("cross", [False, True], ids=["one-file", "two-files"])
+def test_own_slice_layer_is_judged_by_its_uses(tmp_path: Path, bad: bool, cross: bool) -> None:
+    # Good (SimCLR-style NT-Xent): every rank computes the same loss of the whole batch,
+    # so its own slice of that loss's gradient is exactly 1/W of the whole, a uniform
+    # learning-rate scale (docs/lint.md, WB102). Bad: a loss of this rank's rows against
+    # everyone's: the other ranks' terms for this rank's rows are lost.
+    layer = _LAYER.format(mark="  # expect: WB102" if bad else "")
+    use = _LOCAL_USE if bad else _WHOLE_BATCH_USE
+    if cross:
+        files = {
+            "simclr/__init__.py": "",
+            "simclr/gather.py": layer,
+            "simclr/loss.py": "import torch\n\nfrom .gather import GatherLayer\n\n" + use,
+        }
+    else:
+        files = {"simclr.py": layer + "\n" + use}
+    messages = _check(tmp_path, files)
+    assert not (bad and not cross) or "own rows" in messages[0]
+
+
+def test_own_slice_layer_with_no_visible_use_is_still_reported() -> None:
+    got, expected = _snippet(_LAYER.format(mark="  # expect: WB102"))
+    assert got == expected

@@ -29,7 +29,7 @@ from wholebatch.lint.rules import Finding, Hop, format_trace
 from wholebatch.lint.scope import FileContext, Scope
 from wholebatch.lint.scope import finding as _finding
 
-__all__ = ["check_dist"]
+__all__ = ["check_dist", "layer_uses"]
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -144,15 +144,98 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
                     reduces = True
                     break
         if not reduces:
+            uses = [local for name, local in _applies(ctx) if name == cls.name]
+            if uses and not any(uses):
+                # Every use gathers all of its inputs and the loss reads only gathered
+                # rows: every rank computes the same whole-batch loss, and its own slice
+                # of that loss's gradient is exactly 1/W of the whole (a learning-rate
+                # scale), the convention `gathered[rank] = local` is accepted for.
+                continue
             f = _finding(
                 ctx,
                 bwd,
                 "WB102",
                 f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
                 "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                f"other ranks' terms are lost{_path(via, ctx.path)}",
+                f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
             )
+            if not uses:
+                ctx.layers[f.line] = cls.name  # the uses may be in other files
             yield replace(f, trace=via)
+
+
+def _local_use(uses: list[bool]) -> str:
+    if any(uses):
+        return " (a use pairs this rank's own rows with the gathered ones)"
+    return ""
+
+
+def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
+    """(class name as written, local use) for each `Name.apply(...)` of the file: a use is
+    local when a name it passes is read again after the gather without being rebound
+    (`all_z = cat(Layer.apply(z)); logits = z @ all_z.T`), so the loss pairs this rank's
+    rows with everyone's; when every input is rebound to (or left for) the gathered
+    value, every rank computes the same loss of the whole batch."""
+    hit = ctx.applies
+    if hit is None:
+        hit = ctx.applies = []
+        for scope in ctx.scopes:
+            for st in scope.stmts:
+                for n in st.walk():
+                    if (
+                        isinstance(n, ast.Call)
+                        and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "apply"
+                        and isinstance(n.func.value, ast.Name)
+                    ):
+                        hit.append((n.func.value.id, _reads_again(scope, st.node, n)))
+    return hit
+
+
+def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
+    passed = {a.id for a in call.args if isinstance(a, ast.Name)}
+    if isinstance(stmt, ast.Assign):
+        for t in stmt.targets:
+            passed -= names_in(t)
+    if not passed:
+        return False
+    after = stmt.end_lineno or stmt.lineno
+    for st in scope.stmts:
+        if st.node.lineno <= after:
+            continue
+        node = st.node
+        if (
+            isinstance(node, ast.Assign)
+            and (names_in_targets := set().union(*(names_in(t) for t in node.targets))) & passed
+        ):
+            loads = {x.id for x in ast.walk(node.value) if isinstance(x, ast.Name)}
+            if loads & passed:
+                return True
+            passed -= names_in_targets
+            if not passed:
+                return False
+            continue
+        if any(
+            isinstance(x, ast.Name) and x.id in passed and isinstance(x.ctx, ast.Load)
+            for x in st.walk()
+        ):
+            return True
+    return False
+
+
+def layer_uses(ctx: FileContext) -> list[tuple[str, bool]]:
+    """The file's `Layer.apply(...)` uses of imported classes, by absolute name (for
+    `facts.ModuleFacts.applies`)."""
+    r = ctx.resolver
+    if r is None or ".apply(" not in ctx.source:
+        return []
+    out: list[tuple[str, bool]] = []
+    for name, local in _applies(ctx):
+        if name not in ctx.class_by_name:
+            full = r.absolute(name)
+            if full is not None:
+                out.append((full, local))
+    return out
 
 
 def _gathering_call(ctx: FileContext, scope: Scope) -> tuple[Hop, ...]:

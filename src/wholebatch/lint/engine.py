@@ -19,7 +19,7 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from wholebatch.lint.dist_rules import check_dist
+from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
@@ -179,6 +179,9 @@ def _lint_module(
                 out.append(f)
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
+    if facts is not None:
+        facts.applies = layer_uses(ctx)
+        facts.layers = dict(ctx.layers)
     # The resolver and the file point at each other: cut the cycle so the file's syntax
     # tree is freed now, by reference counting, not by a full garbage collection later
     # (which, over a package, costs a fifth of the run).
@@ -400,6 +403,31 @@ def _relative(sources: dict[Path, str]) -> set[Path]:
     return {f for f, text in sources.items() if _RELATIVE_RE.search(text)}
 
 
+class _LayerUses:
+    """WB102 across files: a layer whose own-slice backward is only ever used for a loss
+    of the whole batch (every use in the run gathers all its inputs) gives each rank
+    exactly 1/W of the gradient, the convention accepted for `gathered[rank] = local`;
+    its finding, made in its own file before the uses were read, is dropped."""
+
+    def __init__(self) -> None:
+        self.uses: dict[str, list[bool]] = {}
+        self.open: dict[tuple[str, int], str] = {}
+
+    def note(self, program: Program, module: str, facts: ModuleFacts) -> None:
+        for name, local in facts.applies:
+            self.uses.setdefault(program.canonical(name), []).append(local)
+        if module:
+            for line, cls in facts.layers.items():
+                self.open[(facts.path, line)] = f"{module}.{cls}"
+
+    def settled(self, program: Program, f: Finding) -> bool:
+        name = self.open.get((f.path, f.line))
+        if name is None:
+            return False
+        uses = self.uses.get(program.canonical(name), [])
+        return bool(uses) and not any(uses)
+
+
 def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
     """Module name -> file of the run, for the names file `f` imports."""
     return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
@@ -474,6 +502,7 @@ def lint_paths(
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
+    layers = _LayerUses()
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
@@ -492,6 +521,8 @@ def lint_paths(
                 follows,
                 report=str(f) in run,
             )
+        if facts is not None:
+            layers.note(program, module, facts)
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
             by_file[f] = facts
             if f in modules.name:  # a name no other file of the run shares
@@ -510,6 +541,8 @@ def lint_paths(
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
+            continue
+        if hit.code == "WB102" and layers.settled(program, hit):
             continue
         seen.add(key)
         kept.append(hit)

@@ -58,7 +58,9 @@ def _returned_losses(value: ast.expr, loss_fn: bool) -> list[ast.expr]:
         return [
             v
             for k, v in zip(value.keys, value.values, strict=True)
-            if isinstance(k, ast.Constant) and isinstance(k.value, str) and "loss" in k.value.lower()
+            if isinstance(k, ast.Constant)
+            and isinstance(k.value, str)
+            and "loss" in k.value.lower()
         ]
     if isinstance(value, ast.Call):
         return [kw.value for kw in value.keywords if kw.arg and "loss" in kw.arg.lower()]
@@ -327,11 +329,14 @@ def _mean_over_steps(
                 yield _finding(ctx, node, "WB301", msg)
         return
     for sub in st.walk():
-        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Div):
-            if _is_accum_count(sub.right, periods):
-                msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
-                if msg:
-                    yield _finding(ctx, sub, "WB301", msg)
+        if (
+            isinstance(sub, ast.BinOp)
+            and isinstance(sub.op, ast.Div)
+            and _is_accum_count(sub.right, periods)
+        ):
+            msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
+            if msg:
+                yield _finding(ctx, sub, "WB301", msg)
 
 
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")

@@ -42,7 +42,9 @@ class ModuleMap:
             in a package, through a folder without `__init__.py` if need be.
     """
 
-    def __init__(self, files: Sequence[Path], relative: set[Path] | frozenset[Path] = frozenset()) -> None:
+    def __init__(
+        self, files: Sequence[Path], relative: set[Path] | frozenset[Path] = frozenset()
+    ) -> None:
         self.name: dict[Path, str] = {}
         self.own: dict[Path, str] = {}  # every file's name from its folders, shared or not
         self.package: dict[Path, bool] = {}

@@ -270,6 +270,9 @@ class FileContext:
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
         # names (`self.gc`, `gc`) assigned an instance of a class -> the class as written
         self.constructed: dict[str, str] = {}
+        # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
+        self.applies: list[tuple[str, bool]] | None = None
+        self.layers: dict[int, str] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
