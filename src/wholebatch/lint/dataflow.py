@@ -28,12 +28,21 @@ Tags:
                `@torch.no_grad()`: no gradient if the caller passes a trainable value
                (then it becomes a ``g`` tag there), harmless for a no-grad one (MoCo's
                momentum keys);
-    ``D``      computed with gradient recording off (under `torch.no_grad()`) or detached.
+    ``N:NAME:ID``  an ``n`` tag that met a similarity product in the helper's callee;
+    ``m:ID``   a trainable value all-gathered by such a helper: it becomes a ``g`` tag
+               where it meets a similarity product (`q @ k_all.T`, `einsum`, `mm`), the
+               loss of local rows against all; used otherwise (token ids gathered to pick
+               negatives) it needs no gradient;
+    ``D``      computed with gradient recording off (under `torch.no_grad()`) or detached;
+    ``T``      the output of a forward pass: a call of a module held in a variable or an
+               attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
+               (a batch's raw inputs, token ids and labels do not).
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -53,6 +62,11 @@ _REDUCERS = frozenset(
 _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
 # Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
 _COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
+_BUILTINS = frozenset(dir(builtins))
+# What a tag becomes where it meets a similarity product (see `m:` and `N:`).
+_MET = {"m:": "g:", "n:": "N:"}
+# Similarity products: where gathered keys meet this rank's queries.
+_PRODUCTS = frozenset({"matmul", "mm", "bmm", "einsum", "cosine_similarity", "cdist", "linear"})
 _GATHER_OUT_KW = ("tensor_list", "output_tensor", "output_tensor_list", "output")
 _GATHER_IN_KW = ("tensor", "input_tensor")
 
@@ -71,7 +85,7 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanVv" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvT" and not t.startswith("G:"))
 
 
 class Flow:
@@ -106,7 +120,7 @@ class Flow:
     def tags(self, expr: ast.AST) -> set[str]:
         """The tags of the value of `expr` under the current bindings."""
         out: set[str] = set()
-        rank = reducer = False
+        rank = reducer = product = False
         stack: list[ast.AST] = [expr]
         while stack:
             n = stack.pop()
@@ -116,6 +130,8 @@ class Flow:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
                     continue
+                if self._forward_call(n.func):
+                    out.add("T")
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self.t.get(n.id, set())
@@ -134,6 +150,7 @@ class Flow:
                 reducer = reducer or name in _REDUCERS
                 if name == "detach":
                     out.add("D")
+                product = product or name in _PRODUCTS
                 if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
                     out.add("V")
                 d = dotted(n.func)
@@ -145,11 +162,14 @@ class Flow:
                     out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
             elif isinstance(n, ast.BinOp):
+                product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
                 elif isinstance(n.op, ast.Div) and self._counts_items(n.right):
                     out.add("V")
         out.discard("C")
+        if product and any(t[:2] in ("m:", "n:") for t in out):
+            out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
         if rank:
             # `torch.cat(gathered[:rank] + [local] + gathered[rank + 1:])`: the local slice
             # is put back with its gradient, the classic partial fix; not "no gradient".
@@ -186,10 +206,10 @@ class Flow:
                 new = self.origins.moved(tag, kind, id(call), hop)
                 out.add(new)
                 self.entered.setdefault(new, self._st.path if self._st else ())
-            elif kind == "n":
+            elif kind in ("n", "N"):
                 name, _, oid = rest.partition(":")
                 for value in args.get(name, ()):
-                    out |= self._nograd_gathered(value, f"g:{oid}", call, hop)
+                    out |= self._nograd_gathered(value, f"g:{oid}", call, hop, met=kind == "N")
             elif kind == "qa":
                 name, _, oid = rest.partition(":")
                 for value in args.get(name, ()):
@@ -203,7 +223,27 @@ class Flow:
                 out.add(tag)
         return out
 
-    def _nograd_gathered(self, value: ast.expr, gtag: str, call: ast.Call, hop: Hop) -> set[str]:
+    def _forward_call(self, func: ast.expr) -> bool:
+        """Is this the call of a module (a forward pass): a variable that is not an
+        import, a function or class of the file, nor a builtin (`model(x)`), or an
+        attribute of `self` (`self.encoder(x)`, `self.visual.proj(x)`)?"""
+        if isinstance(func, ast.Name):
+            ctx, name = self.ctx, func.id
+            return not (
+                name in ctx.imports.aliases
+                or name in ctx.imports.relative
+                or name in ctx.module_functions
+                or name in ctx.class_by_name
+                or name in _BUILTINS
+            )
+        root = func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return root is not func and isinstance(root, ast.Name) and root.id == "self"
+
+    def _nograd_gathered(
+        self, value: ast.expr, gtag: str, call: ast.Call, hop: Hop, *, met: bool = False
+    ) -> set[str]:
         """The tags of `value` all-gathered by a `@torch.no_grad()` helper (`call`): no
         gradient for a trainable value; nothing lost for a no-grad or detached one; a
         parameter passed on as it is leaves the question to this function's callers."""
@@ -212,12 +252,15 @@ class Flow:
             return set()
         if isinstance(value, ast.Name) and value.id in self.params:
             # (normalised on the way, perhaps: `k = normalize(k)`)
-            return {f"n:{value.id}:{self.origins.moved(gtag, 'g', id(call), hop)[2:]}"}
+            moved = self.origins.moved(gtag, "g", id(call), hop)[2:]
+            return {f"{'N' if met else 'n'}:{value.id}:{moved}"}
         if (self._st is not None and self._st.nograd) or self.scope.nograd:
             return set()  # called under no_grad here: the missing gradient is asked for
+        if "T" not in vt:
+            return set()  # inputs, ids, labels: nothing that needs a gradient
         new = self.origins.moved(gtag, "g", id(call), hop)
         self.entered.setdefault(new, self._st.path if self._st else ())
-        return {new}
+        return {new if met else f"m:{new[2:]}"}
 
     @staticmethod
     def _counts_items(node: ast.expr) -> bool:
