@@ -442,3 +442,30 @@ def test_own_slice_layer_is_judged_by_its_uses(tmp_path: Path, bad: bool, cross:
 def test_own_slice_layer_with_no_visible_use_is_still_reported() -> None:
     got, expected = _snippet(_LAYER.format(mark="  # expect: WB102"))
     assert got == expected
+
+
+# -- WB202: some parameters' gradients dropped between backward and step --------------------
+
+_CANCEL = """
+def train(model, loader, optimizer, loss_fn, freeze_iters):
+    for it, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        if it < freeze_iters:
+            for name, p in model.named_parameters():
+{drop}
+        optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_gradients_cancelled_for_some_parameters_are_not_zeroing(bad: bool) -> None:
+    # Good (SwAV): the prototypes are held still for the first iterations, every other
+    # parameter steps. Bad: every parameter's gradient is dropped before the step.
+    drop = (
+        "                p.grad = None  # expect: WB202"
+        if bad
+        else '                if "prototypes" in name:\n                    p.grad = None'
+    )
+    got, expected = _snippet(_CANCEL.format(drop=drop))
+    assert got == expected
