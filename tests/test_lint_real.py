@@ -469,3 +469,38 @@ def test_gradients_cancelled_for_some_parameters_are_not_zeroing(bad: bool) -> N
     )
     got, expected = _snippet(_CANCEL.format(drop=drop))
     assert got == expected
+
+
+# -- the own slice taken out and put back first: `parts.pop(rank)`, `cat([local, *parts])` --
+
+_POP = """
+import torch
+import torch.distributed as dist
+
+
+def gather_others(x):
+    rank = dist.get_rank()
+    parts = [torch.ones_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x){mark}
+{pop}
+    return torch.cat(parts)
+
+
+def pair_loss(emb, labels, loss_fn):
+    others = gather_others(emb)
+    all_emb = torch.cat([emb, others]) if {pop_flag} else others
+    return loss_fn(emb, all_emb) * dist.get_world_size()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_own_slice_popped_and_put_back_first(tmp_path: Path, bad: bool) -> None:
+    # Good (pytorch-metric-learning's DistributedLossWrapper): the gathered list loses
+    # this rank's slice, and the local rows (with their gradient) go in front. Bad: the
+    # local rows are compared with a plain gather of everyone's, own slice included.
+    text = _POP.format(
+        mark="  # expect: WB101" if bad else "",
+        pop="" if bad else "    parts.pop(rank)",
+        pop_flag="False" if bad else "True",
+    )
+    _check(tmp_path, {"dist_loss.py": text})

@@ -440,6 +440,21 @@ class Flow:
             self.t[key] = out_tags
             return
         func = call.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "pop"
+            and call.args
+            and any(is_rank_ref(x) for x in ast.walk(call.args[0]))
+        ):
+            # `parts.pop(rank)`, then `torch.cat([local, *parts])`: this rank's slice is
+            # taken out to be put back with its gradient (the local rows first), the
+            # same convention as `parts[rank] = local`.
+            key = dotted(func.value)
+            if key is not None and key in self.t:
+                self.t[key] = {
+                    t for t in self.t[key] if not (t.startswith("g:") and self._restored(t))
+                }
+            return
         if isinstance(func, ast.Attribute) and func.attr in (
             "append",
             "extend",
