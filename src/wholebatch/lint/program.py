@@ -49,11 +49,14 @@ class ModuleMap:
         self.own: dict[Path, str] = {}  # every file's name from its folders, shared or not
         self.package: dict[Path, bool] = {}
         self._files = set(files)
-        self._by_stem: dict[str, list[Path]] = {}
+        # (folder, module) -> (file, its path as module parts), for `_by_path`
+        self._by_tail: dict[tuple[str, str], list[tuple[Path, tuple[str, ...]]]] = {}
         by_name: dict[str, list[Path]] = {}
         has_init: dict[Path, bool] = {}
         for f in files:
-            self._by_stem.setdefault(f.stem, []).append(f)
+            parts = f.parent.parts if f.stem == "__init__" else (*f.parent.parts, f.stem)
+            if len(parts) >= 2:
+                self._by_tail.setdefault((parts[-2], parts[-1]), []).append((f, parts))
             name, package = module_name(f, has_init, namespace=f in relative)
             if not name or not all(p.isidentifier() for p in name.split(".")):
                 continue  # `my-script.py`: not importable by name
@@ -99,16 +102,11 @@ class ModuleMap:
     def _by_path(self, name: str) -> Path | None:
         """The one file of the run whose path ends as `name` spells it (`a/b/c.py`, or
         `a/b/c/__init__.py`): a module under folders without `__init__.py`."""
-        parts = name.split(".")
+        parts = tuple(name.split("."))
         if len(parts) < 2:
             return None
-        tails = (parts, [*parts, "__init__"])
-        hits = [
-            f
-            for tail in tails
-            for f in self._by_stem.get(tail[-1], ())
-            if list(f.with_suffix("").parts[-len(tail) :]) == tail
-        ]
+        n = len(parts)
+        hits = [f for f, fp in self._by_tail.get(parts[-2:], ()) if fp[-n:] == parts]  # type: ignore[arg-type]
         return hits[0] if len(hits) == 1 else None
 
 
