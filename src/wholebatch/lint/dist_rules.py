@@ -106,6 +106,7 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 
 
 def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
+    text = "all_gather" in ctx.source  # else only a helper of another file can gather
     for cls in ctx.classes:
         if not any(last_name(b) == "Function" for b in cls.bases):
             continue
@@ -117,8 +118,11 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
             continue
         fwd_scope = ctx.scope_of.get(id(fwd))
         via: tuple[Hop, ...] = ()
-        if not any(
-            isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
+        if not (
+            text
+            and any(
+                isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
+            )
         ):
             if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
                 continue
@@ -193,33 +197,27 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
 
 
 def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
+    """Is a name passed to `call` (in `stmt`) read after `stmt`, before it is rebound?"""
     passed = {a.id for a in call.args if isinstance(a, ast.Name)}
     if isinstance(stmt, ast.Assign):
         for t in stmt.targets:
             passed -= names_in(t)
-    if not passed:
-        return False
     after = stmt.end_lineno or stmt.lineno
     for st in scope.stmts:
-        if st.node.lineno <= after:
-            continue
+        if not passed:
+            return False
         node = st.node
-        if (
-            isinstance(node, ast.Assign)
-            and (names_in_targets := set().union(*(names_in(t) for t in node.targets))) & passed
-        ):
-            loads = {x.id for x in ast.walk(node.value) if isinstance(x, ast.Name)}
-            if loads & passed:
-                return True
-            passed -= names_in_targets
-            if not passed:
-                return False
+        if node.lineno <= after:
             continue
+        reads = st.walk() if not isinstance(node, ast.Assign) else ast.walk(node.value)
         if any(
             isinstance(x, ast.Name) and x.id in passed and isinstance(x.ctx, ast.Load)
-            for x in st.walk()
+            for x in reads
         ):
             return True
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                passed -= names_in(t)
     return False
 
 

@@ -180,7 +180,8 @@ def _lint_module(
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
     if facts is not None:
-        facts.applies = layer_uses(ctx)
+        if program is not None and program.open_layers:
+            facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
         facts.layers = dict(ctx.layers)
     # The resolver and the file point at each other: cut the cycle so the file's syntax
     # tree is freed now, by reference counting, not by a full garbage collection later
@@ -419,6 +420,7 @@ class _LayerUses:
         if module:
             for line, cls in facts.layers.items():
                 self.open[(facts.path, line)] = f"{module}.{cls}"
+                program.open_layers = True
 
     def settled(self, program: Program, f: Finding) -> bool:
         name = self.open.get((f.path, f.line))

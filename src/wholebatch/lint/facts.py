@@ -174,6 +174,7 @@ class Program:
         self.modules: dict[str, ModuleFacts] = {}
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
+        self.open_layers = False  # a WB102 finding waits on uses in other files
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""
