@@ -504,3 +504,14 @@ def test_own_slice_popped_and_put_back_first(tmp_path: Path, bad: bool) -> None:
         pop_flag="False" if bad else "True",
     )
     _check(tmp_path, {"dist_loss.py": text})
+
+
+def test_no_grad_gather_used_without_a_similarity_product_is_fine(tmp_path: Path) -> None:
+    # BLIP's hard-negative mining: gathered (trainable) outputs only pick indices; no
+    # loss pairs this rank's rows with them, so their missing gradient loses nothing.
+    text = _NOGRAD_HELPER.format(mark="", keys=_TRAINABLE_KEYS).replace(
+        "    k_all = concat_all_gather(k)\n    return F.cross_entropy(q @ k_all.T, labels)",
+        "    picked = concat_all_gather(k).argmax(dim=1)\n    return F.cross_entropy(q, picked)",
+    )
+    assert "argmax" in text
+    _check(tmp_path, {"moco.py": text})
