@@ -203,8 +203,9 @@ class Model(nn.Module):
         ("Output(loss=glob, logits=img)", True),
         ('{"loss": local, "global_logits": glob}', False),
         ("Output(loss=local, logits=glob)", False),
+        ("Output(loss=float(glob), logits=img)", False),  # a number for logging
     ],
-    ids=["dict-bad", "object-bad", "dict-good", "object-good"],
+    ids=["dict-bad", "object-bad", "dict-good", "object-good", "number-good"],
 )
 def test_a_forward_returning_a_loss_field_is_a_loss(tmp_path: Path, ret: str, bad: bool) -> None:
     # Bad: the `loss` field holds the loss of local rows against plain-gathered ones.

@@ -83,6 +83,13 @@ def _sum_reduction(call: ast.Call) -> bool:
     return isinstance(red, ast.Constant) and red.value in ("sum", "none")
 
 
+def _to_number(func: ast.expr) -> bool:
+    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd."""
+    if isinstance(func, ast.Name):
+        return func.id in ("float", "int", "bool")
+    return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
     return frozenset(t for t in tags if t[0] in "gqanNmVvT" and not t.startswith("G:"))
@@ -130,6 +137,8 @@ class Flow:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
                     continue
+                if _to_number(n.func):
+                    continue  # `float(x)`, `x.item()`: a Python number, no gradient
                 if self._forward_call(n.func):
                     out.add("T")
             stack.extend(ast.iter_child_nodes(n))
