@@ -11,6 +11,7 @@ followed within itself.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import os
 import re
@@ -18,7 +19,7 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from wholebatch.lint.dist_rules import check_dist
+from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
@@ -178,6 +179,10 @@ def _lint_module(
                 out.append(f)
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
+    if facts is not None:
+        if program is not None and program.open_layers:
+            facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
+        facts.layers = dict(ctx.layers)
     # The resolver and the file point at each other: cut the cycle so the file's syntax
     # tree is freed now, by reference counting, not by a full garbage collection later
     # (which, over a package, costs a fifth of the run).
@@ -391,6 +396,68 @@ def _add_context(
             known.add(names[hit][0])
 
 
+_RELATIVE_RE = re.compile(r"^[ \t]*from[ \t]+\.", re.MULTILINE)
+
+
+def _relative(sources: dict[Path, str]) -> set[Path]:
+    """The files that import relatively (so they sit in a package)."""
+    return {f for f, text in sources.items() if _RELATIVE_RE.search(text)}
+
+
+class _LayerUses:
+    """WB102 across files: a layer whose own-slice backward is only ever used for a loss
+    of the whole batch (every use in the run gathers all its inputs) gives each rank
+    exactly 1/W of the gradient, the convention accepted for `gathered[rank] = local`;
+    its finding, made in its own file before the uses were read, is dropped."""
+
+    def __init__(self) -> None:
+        self.uses: dict[str, list[bool]] = {}
+        self.open: dict[tuple[str, int], str] = {}
+
+    def note(self, program: Program, module: str, facts: ModuleFacts) -> None:
+        for name, local in facts.applies:
+            self.uses.setdefault(program.canonical(name), []).append(local)
+        if module:
+            for line, cls in facts.layers.items():
+                self.open[(facts.path, line)] = f"{module}.{cls}"
+                program.open_layers = True
+
+    def settled(self, program: Program, f: Finding) -> bool:
+        name = self.open.get((f.path, f.line))
+        if name is None:
+            return False
+        uses = self.uses.get(program.canonical(name), [])
+        return bool(uses) and not any(uses)
+
+
+def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
+    """Module name -> file of the run, for the names file `f` imports."""
+    return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
+
+
+@contextlib.contextmanager
+def _aliases(
+    program: Program, modules: ModuleMap, hits: dict[str, Path], by_file: dict[Path, ModuleFacts]
+) -> Iterator[None]:
+    """While one file is linted, the names it imports mean the files it imports: a
+    sibling `utils.py` rather than another file named `utils`, a module under a folder
+    without `__init__.py` by the dotted name the file uses for it."""
+    saved: dict[str, ModuleFacts | None] = {}
+    for name, g in hits.items():
+        facts = by_file.get(g)
+        if facts is not None and modules.name.get(g) != name:
+            saved[name] = program.modules.get(name)
+            program.modules[name] = facts
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                program.modules.pop(name, None)
+            else:
+                program.modules[name] = old
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -426,33 +493,42 @@ def lint_paths(
                 )
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
-    named = ModuleMap(list(sources))
+    named = ModuleMap(list(sources), _relative(sources))
     names = {f: (n, named.package[f]) for f, n in named.name.items()}
     _add_context(sources, names, cache)
-    modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
+    modules = ModuleMap(list(sources), _relative(sources)) if len(sources) > len(run) else named
     imports = {f: _imports(sources, f, names, cache) for f in sources}
-    deps = {f: modules.files_of(names) for f, names in imports.items()}
+    resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
+    deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.roots = {name.split(".")[0] for name in modules.file}
+    program.roots = {name.split(".")[0] for name in modules.own.values()}
+    program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
+    by_file: dict[Path, ModuleFacts] = {}
+    layers = _LayerUses()
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
-        module = modules.name.get(f, "")
-        follows = bool(module) and any(
-            program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
-        )
-        found, facts = _lint_text(
-            source,
-            str(f),
-            codes,
-            program,
-            module,
-            modules.package.get(f, False),
-            follows,
-            report=str(f) in run,
-        )
+        module = modules.own.get(f, "")
+        with _aliases(program, modules, resolved[f], by_file):
+            follows = bool(module) and any(
+                program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
+            )
+            found, facts = _lint_text(
+                source,
+                str(f),
+                codes,
+                program,
+                module,
+                modules.package.get(f, False),
+                follows,
+                report=str(f) in run,
+            )
+        if facts is not None:
+            layers.note(program, module, facts)
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
-            program.add(module, facts)
+            by_file[f] = facts
+            if f in modules.name:  # a name no other file of the run shares
+                program.add(module, facts)
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
@@ -467,6 +543,8 @@ def lint_paths(
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
+            continue
+        if hit.code == "WB102" and layers.settled(program, hit):
             continue
         seen.add(key)
         kept.append(hit)

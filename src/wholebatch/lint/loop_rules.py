@@ -129,7 +129,7 @@ def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     seq = [e for e in scope.events if not e.jumpy]
     stepped = {e.recv for e in seq if e.kind == STEP and e.certain}
     for i, zero in enumerate(seq):
-        if zero.kind != ZERO or not zero.certain:
+        if zero.kind != ZERO or not zero.certain or _selective(zero):
             continue
         before = next(
             (
@@ -171,6 +171,13 @@ def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             f"zero gradients{_path(zero, ctx)}",
         )
         yield replace(f, trace=zero.via)
+
+
+def _selective(ev: Event) -> bool:
+    """`p.grad = None` under an `if` inside its loop over the parameters (SwAV's
+    `if "prototypes" in name: p.grad = None`): some parameters are held still for this
+    step, the others keep their gradients; that is not zeroing before the step."""
+    return not isinstance(ev.node, ast.Call) and bool(ev.loops) and bool(ev.conds)
 
 
 def _callee(ev: Event) -> str:

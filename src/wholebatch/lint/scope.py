@@ -268,6 +268,11 @@ class FileContext:
         # `engine` from each rule's words (`rules.Rule.words`).
         self.codes: frozenset[str] | None = None
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
+        # names (`self.gc`, `gc`) assigned an instance of a class -> the class as written
+        self.constructed: dict[str, str] = {}
+        # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
+        self.applies: list[tuple[str, bool]] | None = None
+        self.layers: dict[int, str] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
@@ -283,6 +288,13 @@ class FileContext:
 
     def _known_objects(self) -> None:
         for func, targets in self._assign_calls:
+            ctor = dotted(func)
+            if ctor is not None and last_name(func)[:1].isupper():
+                for target in targets:
+                    d = dotted(target)
+                    if d is not None:
+                        # `self.gc = GradCache(...)`: a call of `self.gc` runs __call__
+                        self.constructed.setdefault(d, ctor)
             q = self.imports.qualname(func) or ""
             name = last_name(func)
             if name in _NOT_OPTIMIZER or q.startswith("wholebatch.") or "lr_scheduler" in q:
