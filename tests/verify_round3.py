@@ -53,7 +53,11 @@ class Mlp(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(D_IN))
         self.net = nn.Sequential(
-            nn.Linear(D_IN, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+            nn.Linear(D_IN, 16),
+            nn.LayerNorm(16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
             nn.Linear(16, 1),
         )
 
