@@ -117,20 +117,21 @@ def read_fit(fit: Fit | None, w: int) -> tuple[str, float] | None:
     n = len(a)
     if n == 0:
         return None
+    tol = max(RATIO_TOL, fit.tolerance)
     if all(x > 0 for x in b):
         rho = [x / y for x, y in zip(a, b, strict=True)]
         mean = sum(rho) / n
-        if mean != 0 and all(abs(r - mean) <= RATIO_TOL * abs(mean) for r in rho):
+        if mean != 0 and all(abs(r - mean) <= tol * abs(mean) for r in rho):
             return "uniform", mean
-    b_equal = max(b) - min(b) <= RATIO_TOL * max(abs(max(b)), 1e-12)
-    if not b_equal and all(abs(x - 1.0 / n) <= RATIO_TOL / n for x in a):
+    b_equal = max(b) - min(b) <= tol * max(abs(max(b)), 1e-12)
+    if not b_equal and all(abs(x - 1.0 / n) <= tol / n for x in a):
         return "per-micro-batch", 0.0
-    if _per_rank_means(fit, w):
+    if _per_rank_means(fit, w, tol):
         return "per-rank", 0.0
     return "weights", 0.0
 
 
-def _per_rank_means(fit: Fit, w: int) -> bool:
+def _per_rank_means(fit: Fit, w: int, tol: float) -> bool:
     """Each rank's micro-batches in the right proportions, each rank weighted 1/W."""
     a, b = fit.split, fit.reference
     per_rank: dict[int, list[int]] = {}
@@ -142,12 +143,11 @@ def _per_rank_means(fit: Fit, w: int) -> bool:
     within = all(
         b[js[0]] > 0
         and all(
-            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= RATIO_TOL * abs(a[js[0]] / b[js[0]])
-            for j in js
+            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= tol * abs(a[js[0]] / b[js[0]]) for j in js
         )
         for js in per_rank.values()
     )
-    return within and all(abs(s - 1.0 / w) <= RATIO_TOL / w for s in sums.values())
+    return within and all(abs(s - 1.0 / w) <= tol / w for s in sums.values())
 
 
 def counts_text(fit: Fit | None) -> str:

@@ -274,9 +274,10 @@ def _gather_message(case: Case) -> str:
             "back, so each rank trains only through its own rows (open_clip's "
             "gather_with_grad=False)."
         )
+    exact = ", exact on one rank," if case.scope == "ranks" else ""
     return (
-        f"{g.subject()} not a fixed multiple of the whole-batch gradient, exact on one "
-        "rank, and the step passed features needing gradient to torch.distributed "
+        f"{g.subject()} not a fixed multiple of the whole-batch gradient{exact} and the step "
+        "passed features needing gradient to torch.distributed "
         f"collectives that carry none ({case.gathers}): the terms that pair this rank's rows "
         "with other ranks' rows lose their gradient (e.g. open_clip's local_loss=True "
         "without gather_with_grad=True; a hand-written gather)."
@@ -295,7 +296,8 @@ def _local_slice_message(case: Case) -> str:
     what = (
         f"exactly 1/W = 1/{case.w} of the whole-batch gradient"
         if _one_over_w(case)
-        else "not a fixed multiple of the whole-batch gradient, exact on one rank,"
+        else "not a fixed multiple of the whole-batch gradient"
+        + (", exact on one rank," if case.scope == "ranks" else "")
     )
     return (
         f"{g.subject()} {what} and the custom autograd Function {', '.join(fns)} gathers in "
@@ -308,6 +310,14 @@ def _local_slice_message(case: Case) -> str:
 def _uncompensated(case: Case) -> bool:
     g = case.g
     return g.whole and _one_over_w(case) and not case.gathers and not case.local_slice_functions
+
+
+def _exact_unsharded(case: Case) -> str:
+    """', exact at W=1' when the re-run on one rank says so (nothing when it did not run)."""
+    one = find(case.comparisons, 1, case.k, case.main.dropout)
+    if one is None or case.w == 1:
+        return ""
+    return ", exact at W=1" if one.ok else ", and differs at W=1 too"
 
 
 def _at_w(case: Case) -> bool:
@@ -550,9 +560,10 @@ _CAUSES: tuple[Cause, ...] = (
         summary="exactly 1/W and no gather: DDP's mean not compensated",
         precedence=140, stage="gradient", per_group=True, excluded_by=("replicated-K",),
         test=_uncompensated,
-        message=lambda case: f"every gradient is exactly 1/W = 1/{case.w} of the whole-batch "
-        "gradient, exact at W=1, and the step gathered nothing without gradient (verify "
-        "watches torch.distributed's collectives, inside autograd Functions too): each rank "
+        message=lambda case: f"every differing gradient is exactly 1/W = 1/{case.w} of the "
+        f"whole-batch gradient{_exact_unsharded(case)}, and the step gathered nothing without "
+        "gradient (verify watches torch.distributed's collectives, inside autograd Functions "
+        "too): each rank "
         "divides its loss sum by the GLOBAL item count and DDP then averages over W ranks, so "
         "the 1/W is applied twice (e.g. num_items_in_batch passed without the HF Trainer's x "
         "W, or a loss divided by the world size on top of DDP's mean). If the step gathers "

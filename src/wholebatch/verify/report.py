@@ -213,10 +213,15 @@ class Fit:
     note: str = ""
     """Why the weights could not be read, when they could not."""
 
+    tolerance: float = 1e-5
+    """How far the split gradient may be from a weighted sum (relative) and its weights
+    from a reading: the tolerance of the comparison, at least 1e-5 (a step under bf16
+    autocast rounds its gradient far above float32's)."""
+
     @property
     def usable(self) -> bool:
         """Both gradients are (to round-off) weighted sums of the micro-batch gradients."""
-        return self.split_residual < 1e-5 and self.reference_residual < 1e-5
+        return self.split_residual < self.tolerance and self.reference_residual < 1e-5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -196,7 +196,7 @@ class _Target:
         return cmp, outs
 
     def _fit_and_floor(
-        self, condition: Condition, outs: list[RankResult]
+        self, condition: Condition, outs: list[RankResult], rtol: float
     ) -> tuple[Fit | None, float | None]:
         n = self.desc.equal_rows if condition.equal else self.desc.rows
         pieces: list[tuple[int, ...]] = []
@@ -226,6 +226,8 @@ class _Target:
             measured = None
         if missing:
             return _no_fit(missing), measured
+        if value.fit is not None:
+            return dataclasses.replace(value.fit, tolerance=max(1e-5, rtol)), measured
         return value.fit, measured
 
     def _tolerance(self, outs: list[RankResult], ref: RefResult) -> Floor:
@@ -282,7 +284,7 @@ class _Target:
                 comparisons.append(again[0])
         if any(c.rank_spread > rtol for c in main.params):
             return comparisons, None, None
-        fit, measured = self._fit_and_floor(fit_cond, fit_outs)
+        fit, measured = self._fit_and_floor(fit_cond, fit_outs, rtol)
         return comparisons, fit, measured
 
     def verify(self) -> VerifyReport:

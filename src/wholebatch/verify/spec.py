@@ -121,7 +121,9 @@ class VerifySpec:
     rtol: float | None = None
     """Largest accepted error per parameter, relative to the reference's largest entry.
     None: from the model's own dtypes: 1e-10 when everything it computes is float64,
-    1e-5 when its least precise computation is float32, 1e-2 below that."""
+    1e-5 when its least precise computation is float32, 1e-2 below that; under autocast
+    (bf16, fp16; CPU or CUDA) at least 4x the reference's own difference when computed
+    under the step's autocast."""
 
     def __post_init__(self) -> None:
         if not callable(self.step):
