@@ -44,9 +44,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError
 from wholebatch.integrations._common import check_rank_args, scalar_numel_one
-from wholebatch.losses import GradReduction, clip_loss, siglip_loss
+from wholebatch.losses import clip_loss, siglip_loss
 
 __all__ = ["ClipLoss", "SigLipLoss"]
 

@@ -88,13 +88,17 @@ def _path(trace: tuple[Hop, ...], path: str) -> str:
 
 
 def check_dist(ctx: FileContext) -> Iterator[Finding]:
-    """Run WB102, WB104 and WB105 over the file."""
-    if "all_gather" in ctx.source:
+    """Run WB102, WB104 and WB105 (those of them `ctx.runs`) over the file."""
+    if ctx.runs("WB102"):
         yield from _gather_layers(ctx)
+    branches, exits = ctx.runs("WB104"), ctx.runs("WB105")
+    if not (branches or exits):
+        return
     for scope in ctx.scopes:
         if _calls_collective(ctx, scope):
-            yield from _rank_branches(ctx, scope)
-            if scope.has_exit:
+            if branches:
+                yield from _rank_branches(ctx, scope)
+            if exits and scope.has_exit:
                 yield from _early_exits(ctx, scope)
 
 

@@ -47,15 +47,14 @@ _NOQA_RE = re.compile(
     r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.IGNORECASE
 )
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
-# Cheap gates: a check whose words do not occur in the file cannot fire there.
+# Each rule's gate words are its own (`rules.Rule.words`); the engine maps a rule's
+# `check` family to the function that runs it.
 _Check = Callable[[FileContext], Iterable[Finding]]
-_CHECKS: tuple[tuple[_Check, tuple[str, ...]], ...] = (
-    # a collective needs torch.distributed (imported, or the conventional `dist.`) or wholebatch
-    (check_dist, ("distributed", "dist.", "wholebatch")),
-    (check_flow, ("all_gather", ".grad", "loss")),
-    (check_loops, ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")),
-)
-_ANY_WORD = tuple(dict.fromkeys(w for _, words in _CHECKS for w in words))
+_CHECKERS: dict[str, _Check] = {"dist": check_dist, "flow": check_flow, "loops": check_loops}
+_ANY_WORD = tuple(dict.fromkeys(w for r in RULES.values() for w in r.words))
+# A rule without words is never gated, so a file may hold something for it whatever
+# its text says.
+_UNGATED = any(r.check and not r.words for r in RULES.values())
 
 
 class UsageError(ValueError):
@@ -117,6 +116,8 @@ def lint_tree(
     source: str,
     path: str = "<string>",
     codes: frozenset[str] | None = None,
+    *,
+    gate: bool = True,
 ) -> list[Finding]:
     """Run the enabled rules over an already parsed module (no `# noqa` handling); calls
     are followed within the module.
@@ -126,8 +127,11 @@ def lint_tree(
         source: its text, used only to skip rules whose words do not occur in it.
         path: the name reported in findings.
         codes: the enabled rule codes (default: all).
+        gate: skip the rules whose gate words (`Rule.words`) do not occur in `source`;
+            False runs every enabled rule, which finds the same when the words are right
+            (tests/test_lint_rules.py compares the two).
     """
-    return _lint_module(tree, source, path, codes, None, "", False)[0]
+    return _lint_module(tree, source, path, codes, None, "", False, gate=gate)[0]
 
 
 def _lint_module(
@@ -141,13 +145,14 @@ def _lint_module(
     follows: bool = False,
     *,
     report: bool = True,
+    gate: bool = True,
 ) -> tuple[list[Finding], ModuleFacts | None]:
     """Findings for one module, and its summaries for the files that import it.
 
     `follows`: it imports a module whose summaries are worth following, so it is read
     even if none of the rules' words occur in it. `report=False`: summaries only."""
     enabled = codes if codes is not None else frozenset(RULES)
-    words = any(w in source for w in _ANY_WORD)
+    words = not gate or _UNGATED or any(w in source for w in _ANY_WORD)
     if not words and not follows:
         # Most of a large package: parsed (for WB000), nothing more to do but keep what
         # its imports bind, so that a re-export (`from .loss import f` in an
@@ -160,12 +165,9 @@ def _lint_module(
     attach(resolver)
     resolver.link()
     # A call followed into another file brings that file's events with it, so every
-    # check may apply even when this file's own text has none of its words.
-    active = [
-        check
-        for check, ws in _CHECKS
-        if report and (resolver.cross or any(w in source for w in ws))
-    ]
+    # rule may apply even when this file's own text has none of its words.
+    ctx.codes = _open_codes(enabled, source, not gate or resolver.cross) if report else frozenset()
+    active = [check for name, check in _CHECKERS.items() if _family(name) & ctx.codes]
     seen: set[tuple[str, int, int, str]] = set()
     out: list[Finding] = []
     for check in active:
@@ -181,6 +183,24 @@ def _lint_module(
     # (which, over a package, costs a fifth of the run).
     resolver.close()
     return out, facts
+
+
+def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
+    """The enabled rules whose gate `source` opens (`every`: all enabled rules)."""
+    return frozenset(
+        c
+        for c in enabled
+        if c in RULES and RULES[c].check and (every or RULES[c].gate_open(source))
+    )
+
+
+def _family(name: str) -> frozenset[str]:
+    return _FAMILIES.get(name, frozenset())
+
+
+_FAMILIES: dict[str, frozenset[str]] = {
+    name: frozenset(c for c, r in RULES.items() if r.check == name) for name in _CHECKERS
+}
 
 
 def _import_names(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:

@@ -264,6 +264,9 @@ class FileContext:
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
         self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
+        # The rules to run here (None: all): the enabled ones whose gate is open, set by
+        # `engine` from each rule's words (`rules.Rule.words`).
+        self.codes: frozenset[str] | None = None
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
         self._scope(tree, None, nograd=False)
         self.imports.finish()
@@ -271,6 +274,10 @@ class FileContext:
         for scope in self.scopes:
             self._classify_scope(scope)
         # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
+
+    def runs(self, code: str) -> bool:
+        """Is rule `code` to be checked in this file?"""
+        return self.codes is None or code in self.codes
 
     # -- names bound to optimizers / scalers --------------------------------------------
 

@@ -47,10 +47,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
 from wholebatch.train.stepping import (
-    GradReduction,
     OnNonFinite,
     StepConfig,
     StepFinisher,

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchTypeError
 from wholebatch.train.gradcache import EmbedFn, GradCache, LossFn
 from wholebatch.train.stepping import (
-    GradReduction,
     OnNonFinite,
     StepConfig,
     StepFinisher,
