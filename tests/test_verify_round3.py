@@ -190,6 +190,10 @@ def test_5_rows_padded_per_micro_batch_are_matched_and_read(
         fit = report["fit"]
         assert fit["ranks"] == [0, 0, 0, 1, 1, 1] and fit["split_residual"] < 1e-5
         assert report["evidence"]["rows_note"] == ""
+    # the rows matched are the rows each micro-batch held: their token counts are the weights
+    own = reports[f"{OWN}:padded_mean_of_means"]
+    assert "items per micro-batch by count_items" in own["diagnoses"][0]["message"]
+    assert own["notes"] == []  # ragged tokens per micro-batch: normalisation was tested
 
 
 def test_5_rows_nobody_can_match_are_said_to_be_missing(

@@ -2,8 +2,8 @@
 
 Each point's target, with the verdict verify must give (tests/test_verify_round3.py):
 
-1. autocast: a float32 MLP whose whole forward runs under activation checkpointing
-   (reentrant: the forward's outputs do not need gradient) inside
+1. autocast: a float32 MLP (a LayerNorm inside) under a reentrant activation
+   checkpoint (its forward runs without gradient) inside
    `torch.autocast("cpu", bfloat16)` (and float16), the reference plain float32.
    Right: PASS at the tolerance bfloat16 implies. MUTATION: the same autocast step
    with a per-micro-batch mean on ragged rows fails.
@@ -25,14 +25,14 @@ Legend: W ranks, K micro-batches per rank, B rows, D dim, T tokens.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from wholebatch.verify.spec import TrainerRun, TrainerSpec, VerifySpec
@@ -388,24 +388,17 @@ def _pad(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@contextlib.contextmanager
-def _ddp(run: TrainerRun) -> Iterator[nn.Module]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    yield DistributedDataParallel(run.model)
-
-
 def _padding_loop(transform: Callable[[Tensor], Tensor]) -> Callable[[TrainerRun], None]:
     def train(run: TrainerRun) -> None:
         per_rank = run.per_device_rows * run.micro_batches
         mine = run.dataset[run.rank * per_rank : (run.rank + 1) * per_rank]
-        with _ddp(run) as model:
-            for j in range(run.micro_batches):
-                mb = _pad(mine[j * run.per_device_rows : (j + 1) * run.per_device_rows])
-                mb["input_ids"] = transform(mb["input_ids"])
-                total, count = _lm_sum(model, mb)
-                (total / count / run.micro_batches).backward()  # a mean of means
-            run.optimizer.step()
+        model = DistributedDataParallel(run.model)
+        for j in range(run.micro_batches):
+            mb = _pad(mine[j * run.per_device_rows : (j + 1) * run.per_device_rows])
+            mb["input_ids"] = transform(mb["input_ids"])
+            total, count = _lm_sum(model, mb)
+            (total / count / run.micro_batches).backward()  # a mean of means
+        run.optimizer.step()
 
     return train
 
@@ -414,7 +407,7 @@ def padded_mean_of_means() -> TrainerSpec:
     """MISTAKE: per-micro-batch token means; each micro-batch padded to its own longest row."""
     return TrainerSpec(
         build_model=Lm, batch=_lm_batch(), train=_padding_loop(lambda ids: ids),
-        reference_loss=lm_mean,
+        reference_loss=lm_mean, count_items=lambda b: b["attention_mask"].sum(),
     )  # fmt: skip
 
 
