@@ -420,6 +420,14 @@ def autocast_now(tensors: Iterable[Any]) -> set[str]:
     return found
 
 
+def _any_autocast() -> bool:
+    """Whether any autocast is on (one call, cheap enough for every torch function)."""
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
 class DtypeMeter(TorchFunctionMode):
     """While active, collects the floating dtypes of torch functions' outputs that need gradient,
     and the autocasts (device type and dtype) that were on for any floating input.
@@ -444,7 +452,7 @@ class DtypeMeter(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        if _any_autocast():
             flat = [*args, *(kwargs or {}).values()]
             flat += [t for a in args if isinstance(a, list | tuple) for t in a]
             self.autocast |= autocast_now(flat)
