@@ -295,3 +295,15 @@ def test_round_off_is_never_named_above_five_percent() -> None:
     assert _codes(_report(near, floor=bf16)) == ["round-off"]
     far = {n: g * (1 + 0.3 * i) for i, (n, g) in enumerate(REF.items())}
     assert "round-off" not in _codes(_report(far, floor=bf16))  # 100 x eps would be 78%
+
+
+def test_a_row_key_that_is_not_a_batch_column_is_refused() -> None:
+    from wholebatch.verify.spec import TrainerSpec
+
+    batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "idx": torch.arange(4)}
+    spec = TrainerSpec(
+        build_model=_Lm, batch=batch, train=print, reference_loss=print, row_key="idx"
+    )  # type: ignore[arg-type]
+    assert spec.row_key == "idx"
+    with pytest.raises(ValueError, match=r"row_key='id' is not a tensor column.*'idx'"):
+        TrainerSpec(build_model=_Lm, batch=batch, train=print, reference_loss=print, row_key="id")  # type: ignore[arg-type]
