@@ -119,6 +119,9 @@ def _causes(case: Case, stage: Stage) -> list[Diagnosis]:
             if not texts:
                 continue
             body = " ".join(t[:1].upper() + t[1:] if i else t for i, t in enumerate(texts))
+            if case.clean is not case.main:
+                # the groups' ratios are those of the run with dropout off: say so
+                body = "with dropout off, " + body
             text = (
                 (case.at if cause.located else "") + body + (f" {cause.fix}" if cause.fix else "")
             )
