@@ -12,6 +12,7 @@ Legend: W ranks, K micro-batches per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,9 @@ __all__ = [
     "FIT",
     "NEAR_FLOOR",
     "RATIO_TOL",
+    "ROUND_OFF_CEILING",
     "Case",
+    "Group",
     "find",
     "fmt",
     "multiple",
@@ -35,8 +38,11 @@ __all__ = [
 # the gradient is "that multiple of the reference" when the rest is within FIT.
 RATIO_TOL = 1e-3
 FIT = 1e-3
-# A failure whose error is within this many times the round-off floor is called round-off.
+# A failure whose error is within this many times the round-off floor is called round-off,
+# but never one above ROUND_OFF_CEILING: no arithmetic here loses 5% of a gradient to
+# round-off (100 x bfloat16's eps would be 78%), while a split mistake often does.
 NEAR_FLOOR = 100.0
+ROUND_OFF_CEILING = 0.05
 
 
 def near(x: float, target: float) -> bool:
@@ -111,20 +117,21 @@ def read_fit(fit: Fit | None, w: int) -> tuple[str, float] | None:
     n = len(a)
     if n == 0:
         return None
+    tol = max(RATIO_TOL, fit.tolerance)
     if all(x > 0 for x in b):
         rho = [x / y for x, y in zip(a, b, strict=True)]
         mean = sum(rho) / n
-        if mean != 0 and all(abs(r - mean) <= RATIO_TOL * abs(mean) for r in rho):
+        if mean != 0 and all(abs(r - mean) <= tol * abs(mean) for r in rho):
             return "uniform", mean
-    b_equal = max(b) - min(b) <= RATIO_TOL * max(abs(max(b)), 1e-12)
-    if not b_equal and all(abs(x - 1.0 / n) <= RATIO_TOL / n for x in a):
+    b_equal = max(b) - min(b) <= tol * max(abs(max(b)), 1e-12)
+    if not b_equal and all(abs(x - 1.0 / n) <= tol / n for x in a):
         return "per-micro-batch", 0.0
-    if _per_rank_means(fit, w):
+    if _per_rank_means(fit, w, tol):
         return "per-rank", 0.0
     return "weights", 0.0
 
 
-def _per_rank_means(fit: Fit, w: int) -> bool:
+def _per_rank_means(fit: Fit, w: int, tol: float) -> bool:
     """Each rank's micro-batches in the right proportions, each rank weighted 1/W."""
     a, b = fit.split, fit.reference
     per_rank: dict[int, list[int]] = {}
@@ -136,12 +143,11 @@ def _per_rank_means(fit: Fit, w: int) -> bool:
     within = all(
         b[js[0]] > 0
         and all(
-            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= RATIO_TOL * abs(a[js[0]] / b[js[0]])
-            for j in js
+            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= tol * abs(a[js[0]] / b[js[0]]) for j in js
         )
         for js in per_rank.values()
     )
-    return within and all(abs(s - 1.0 / w) <= RATIO_TOL / w for s in sums.values())
+    return within and all(abs(s - 1.0 / w) <= tol / w for s in sums.values())
 
 
 def counts_text(fit: Fit | None) -> str:
@@ -184,6 +190,57 @@ def gathers_text(ev: Evidence) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(seen.items()))
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Differing parameters whose gradients are the same multiple of the reference's."""
+
+    ratio: float | None
+    """That multiple (dropout off); None: each is not a fixed multiple."""
+
+    params: tuple[ParamError, ...]
+    """The parameters, in model order."""
+
+    whole: bool
+    """The group is every differing parameter."""
+
+    @property
+    def scalars(self) -> bool:
+        """Every parameter in it is a single number (a logit_scale, a bias)."""
+        return all(math.prod(p.shape) == 1 for p in self.params)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Their names."""
+        return tuple(p.name for p in self.params)
+
+    def subject(self) -> str:
+        """'every differing gradient is' or 'the gradients of a, b are' (to start a sentence)."""
+        if self.whole:
+            return "every differing gradient is"
+        return f"the gradients of {names(self.params)} are"
+
+
+def groups_of(c: Comparison) -> tuple[Group, ...]:
+    """The differing parameters of `c` grouped by their multiple of the reference."""
+    bad = [p for p in c.params if not p.ok]
+    live = [p for p in bad if p.ref_max > 0 and not p.missing and not abs(p.ratio) < RATIO_TOL]
+    clusters: list[tuple[float | None, list[ParamError]]] = []
+    for p in live:
+        ratio = p.ratio if math.isfinite(p.ratio) and p.fit_err <= FIT else None
+        for r, members in clusters:
+            if (r is None and ratio is None) or (
+                r is not None and ratio is not None and near(ratio, r)
+            ):
+                members.append(p)
+                break
+        else:
+            clusters.append((ratio, [p]))
+    return tuple(
+        Group(ratio=r, params=tuple(members), whole=len(members) == len(bad))
+        for r, members in clusters
+    )
+
+
 class Case:
     """One step's runs and evidence, read once; `found` grows as causes are found."""
 
@@ -205,6 +262,8 @@ class Case:
         self.scope = scope
         self.found: list[str] = []
         """Codes found so far (in precedence order)."""
+        self.group: Group | None = None
+        """The group a per-group cause is being tried on."""
 
     @property
     def main(self) -> Comparison:
@@ -272,6 +331,44 @@ class Case:
     def uniform(self) -> bool:
         """`ratio` holds for every parameter with a gradient (none of them is right)."""
         return self.ratio is not None and all(not p.ok for p in self.clean.params if p.ref_max > 0)
+
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """The differing parameters (dropout off) grouped by their multiple of the reference."""
+        clean = self.clean
+        return groups_of(clean) if not clean.ok else ()
+
+    @property
+    def g(self) -> Group:
+        """The group being tried (per-group causes only)."""
+        assert self.group is not None, "a per-group cause read the group outside a group"
+        return self.group
+
+    @functools.cached_property
+    def local_slice_functions(self) -> dict[str, str]:
+        """Custom autograd Functions that gather in their forward and call no collective in
+        their backward (on every rank): name -> the forward's gathers, as text."""
+        forward: dict[str, dict[str, int]] = {}
+        backward: set[str] = set()
+        for per_rank in self.ev.in_functions:
+            for key, n in per_rank.items():
+                where, _, op = key.partition(": ")
+                fn, _, phase = where.rpartition(".")
+                if phase == "backward":
+                    backward.add(fn)
+                elif op.endswith(("all_gather", "all_gather_into_tensor", "_all_gather_base")):
+                    ops = forward.setdefault(fn, {})
+                    ops[op] = max(ops.get(op, 0), n)
+        return {
+            fn: ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
+            for fn, ops in sorted(forward.items())
+            if fn not in backward
+        }
+
+    @functools.cached_property
+    def redrawn(self) -> list[str]:
+        """Dropout modules that drew new masks in a second pass on some rank."""
+        return sorted({name for per_rank in self.ev.redrawn for name in per_rank})
 
     def worst(self) -> ParamError:
         """The parameter with the largest relative error, as given."""

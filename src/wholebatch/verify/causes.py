@@ -6,6 +6,10 @@ seen and what it means), its fix, and its precedence: causes are tried in
 precedence order, and a cause whose `excluded_by` codes were already found
 does not hold.
 
+A per-group cause is tried on each group of differing parameters that share
+one ratio to the reference (the towers at 1/W, `logit_scale` at K), so one
+report names every cause that holds, each with the parameters it concerns.
+
 Stages: "evidence" causes are read from what the step did besides its
 gradients and fail a step whose gradients match; "gradient" causes are read
 from a failing step's gradients (all that hold are named); "fallback" causes
@@ -30,6 +34,7 @@ from wholebatch.verify.case import (
     FIT,
     NEAR_FLOOR,
     RATIO_TOL,
+    ROUND_OFF_CEILING,
     Case,
     find,
     fmt,
@@ -82,7 +87,12 @@ class Cause:
     """The message starts with where the step breaks ("Where: ... .")."""
 
     excluded_by: tuple[str, ...] = ()
-    """Codes that, when found first, mean this cause does not hold."""
+    """Codes that, when found first (for the same group, for a per-group cause), mean this
+    cause does not hold."""
+
+    per_group: bool = False
+    """Tried on each group of differing parameters that share one multiple of the reference
+    (`Case.group`); named once, for every group it holds for."""
 
     def text(self, case: Case) -> str:
         """The full message for this step."""
@@ -164,12 +174,37 @@ def _ranks_differ_message(case: Case) -> str:
 
 def _no_rng_replay(case: Case) -> bool:
     off = case.off
-    return off is not None and off.ok and not case.main.ok
+    if case.main.ok:
+        return False
+    return (off is not None and off.ok) or bool(case.redrawn)
+
+
+def _no_rng_replay_message(case: Case) -> str:
+    off, redrawn = case.off, case.redrawn
+    seen = (
+        f"dropout {names([named(n) for n in redrawn])} drew new masks when the step passed "
+        "rows through it again (a second forward, or a recomputation in backward) instead of "
+        "the first pass's masks"
+        if redrawn
+        else "a second forward of the same micro-batch (gradient caching, activation "
+        "recomputation) drew new dropout masks"
+    )
+    if off is not None and off.ok:
+        return (
+            f"the gradients match with dropout off and differ with it on: {seen}, so the "
+            "gradient is back-propagated through a different network than the forward's."
+        )
+    return (
+        f"{seen}, so the gradient is back-propagated through a different network than the "
+        "forward's. With dropout off the step still differs: see the other causes."
+    )
 
 
 def _mean_of_means(case: Case) -> bool:
+    # The equal_batch run has dropout off: it is compared with the step with dropout off,
+    # so a failure only with dropout on is never read as a normalisation mistake.
     equal, reading = case.equal, case.reading
-    return (equal is not None and equal.ok and not case.main.ok) or (
+    return (equal is not None and equal.ok and not case.clean.ok) or (
         reading is not None and reading[0] in ("per-micro-batch", "per-rank")
     )
 
@@ -198,71 +233,125 @@ def _mean_of_means_message(case: Case) -> str:
     return f"{how}. That over-weights micro-batches with few items."
 
 
+def _at(case: Case, target: float) -> bool:
+    """The group is exactly `target` times the reference."""
+    ratio = case.g.ratio
+    return ratio is not None and near(ratio, target)
+
+
 def _replicated_k(case: Case) -> bool:
-    k, bad = case.k, case.bad
-    return (
-        k > 1
-        and bool(bad)
-        and all(p.ref_max > 0 and math.prod(p.shape) == 1 and multiple(p, float(k)) for p in bad)
-    )
+    g = case.g
+    return case.k > 1 and g.scalars and all(multiple(p, float(case.k)) for p in g.params)
 
 
 def _replicated_k_message(case: Case) -> str:
+    g = case.g
+    rest = ", while every encoder gradient is right" if g.whole else ""
     return (
-        f"only the replicated scalar(s) {names(case.bad)} differ, each at K = {case.k} "
-        "times its gradient, while every encoder gradient is right: the loss is evaluated once "
-        "per micro-batch (open_clip's accum_freq), so the scalar's gradient is counted K "
-        "times."
+        f"the replicated scalar(s) {names(g.params)} get exactly K = {case.k} times their "
+        f"gradient{rest}: the loss is evaluated once per micro-batch (open_clip's accum_freq), "
+        "so the scalar's gradient is counted K times."
     )
 
 
 def _one_over_w(case: Case) -> bool:
-    return case.ratio is not None and case.w > 1 and near(case.ratio, 1.0 / case.w)
-
-
-def _at_w(case: Case) -> bool:
-    return case.ratio is not None and case.w > 1 and near(case.ratio, float(case.w))
-
-
-def _constant(case: Case) -> bool:
-    """Every gradient the same multiple c (not 1, 1/W or W) of the reference."""
-    ratio = case.ratio
-    return (
-        ratio is not None
-        and case.uniform
-        and not near(ratio, 1.0)
-        and not _one_over_w(case)
-        and not _at_w(case)
-    )
-
-
-def _count_named(case: Case) -> bool:
-    assert case.ratio is not None
-    proportional = case.reading is not None and case.reading[0] == "uniform"
-    return bool(wrong_count_text(case.ratio, case.ev.item_counts, case.fit)) or proportional
+    return case.w > 1 and _at(case, 1.0 / case.w)
 
 
 def _gather_no_grad(case: Case) -> bool:
     if not case.gathers:
         return False
-    at_one_over_w = "replicated-K" not in case.found and _one_over_w(case)
-    return at_one_over_w or case.scope in ("ranks", "each")
+    return _one_over_w(case) or (case.g.ratio is None and case.scope in ("ranks", "each"))
 
 
 def _gather_message(case: Case) -> str:
-    if "replicated-K" not in case.found and _one_over_w(case):
+    g = case.g
+    if _one_over_w(case):
         return (
-            f"every differing gradient is exactly 1/W = 1/{case.w} of the whole-batch "
-            "gradient and the step passed features needing gradient to a collective without one "
+            f"{g.subject()} exactly 1/W = 1/{case.w} of the whole-batch gradient and the step "
+            "passed features needing gradient to a collective without one "
             f"({case.gathers}): the gathered features are constants but the local slice put "
             "back, so each rank trains only through its own rows (open_clip's "
             "gather_with_grad=False)."
         )
+    exact = ", exact on one rank," if case.scope == "ranks" else ""
     return (
-        "the step passed features needing gradient to torch.distributed "
+        f"{g.subject()} not a fixed multiple of the whole-batch gradient{exact} and the step "
+        "passed features needing gradient to torch.distributed "
         f"collectives that carry none ({case.gathers}): the terms that pair this rank's rows "
-        "with other ranks' rows lose their gradient, so the error is not a fixed multiple "
-        "(open_clip's local_loss=True without gather_with_grad=True; a hand-written gather)."
+        "with other ranks' rows lose their gradient (e.g. open_clip's local_loss=True "
+        "without gather_with_grad=True; a hand-written gather)."
+    )
+
+
+def _local_slice(case: Case) -> bool:
+    if not case.local_slice_functions:
+        return False
+    return _one_over_w(case) or (case.g.ratio is None and case.scope in ("ranks", "each"))
+
+
+def _local_slice_message(case: Case) -> str:
+    g, fns = case.g, case.local_slice_functions
+    shown = "; ".join(f"{fn}.forward: {ops}" for fn, ops in fns.items())
+    what = (
+        f"exactly 1/W = 1/{case.w} of the whole-batch gradient"
+        if _one_over_w(case)
+        else "not a fixed multiple of the whole-batch gradient"
+        + (", exact on one rank," if case.scope == "ranks" else "")
+    )
+    return (
+        f"{g.subject()} {what} and the custom autograd Function {', '.join(fns)} gathers in "
+        f"its forward ({shown}) while its backward calls no collective: it returns only this "
+        "rank's slice of the gathered features' gradient, dropping the terms the other ranks "
+        "computed with this rank's rows (the classic GatherLayer)."
+    )
+
+
+def _uncompensated(case: Case) -> bool:
+    g = case.g
+    return g.whole and _one_over_w(case) and not case.gathers and not case.local_slice_functions
+
+
+def _exact_unsharded(case: Case) -> str:
+    """', exact at W=1' when the re-run on one rank says so (nothing when it did not run)."""
+    one = find(case.comparisons, 1, case.k, case.main.dropout)
+    if one is None or case.w == 1:
+        return ""
+    return ", exact at W=1" if one.ok else ", and differs at W=1 too"
+
+
+def _at_w(case: Case) -> bool:
+    return case.g.whole and case.w > 1 and _at(case, float(case.w))
+
+
+def _constant(case: Case) -> bool:
+    """Every gradient the same multiple c (not 1, 1/W or W) of the reference."""
+    ratio = case.g.ratio
+    return (
+        ratio is not None
+        and case.g.whole
+        and all(not p.ok for p in case.clean.params if p.ref_max > 0)
+        and not near(ratio, 1.0)
+        and not (case.w > 1 and (near(ratio, 1.0 / case.w) or near(ratio, float(case.w))))
+    )
+
+
+def _count_named(case: Case) -> bool:
+    ratio = case.g.ratio
+    assert ratio is not None
+    proportional = case.reading is not None and case.reading[0] == "uniform"
+    return bool(wrong_count_text(ratio, case.ev.item_counts, case.fit)) or proportional
+
+
+def _wrong_count_message(case: Case) -> str:
+    ratio = case.g.ratio or 1.0
+    return (
+        f"every gradient is {ratio:.4g} x the whole-batch gradient, with the micro-batches in "
+        "the right proportions: the step divides the loss sum by a wrong item count "
+        f"({1 / ratio:.4g} x the right one).{wrong_count_text(ratio, case.ev.item_counts, case.fit)}"
+        " A causal LM predicts labels[..., 1:]: counting labels before the shift adds one item "
+        "per row (the HF Trainer does this for a model whose loss_type it does not know to be "
+        "causal, e.g. GPT2LMHeadModel)."
     )
 
 
@@ -285,7 +374,7 @@ def _round_off(case: Case) -> bool:
     return (
         floor is not None
         and math.isfinite(main.max_rel_err)
-        and main.max_rel_err <= NEAR_FLOOR * floor.value
+        and main.max_rel_err <= min(NEAR_FLOOR * floor.value, ROUND_OFF_CEILING)
     )
 
 
@@ -303,7 +392,7 @@ def _round_off_message(case: Case) -> str:
         f"{', '.join(floor.dtypes)}; eps {floor.unit_roundoff:.1e}{measured}), while rtol is "
         f"{floor.rtol:g} ({floor.rtol_from}): this is round-off, not a split mistake. Leave "
         "rtol unset (verify derives it from the dtypes) or set it above "
-        f"{NEAR_FLOOR * floor.value:.0e}."
+        f"{min(NEAR_FLOOR * floor.value, ROUND_OFF_CEILING):.0e}."
     )
 
 
@@ -434,13 +523,10 @@ _CAUSES: tuple[Cause, ...] = (
     ),
     Cause(
         code="no-rng-replay",
-        summary="exact with dropout off: a second forward drew new masks",
+        summary="a second pass over the same rows drew new dropout masks (or: exact with "
+        "dropout off)",
         precedence=110, stage="gradient",
-        test=_no_rng_replay,
-        message=lambda case: "the gradients match with dropout off and differ with it on: a "
-        "second forward of the same micro-batch (gradient caching, activation recomputation) "
-        "drew new dropout masks, so the gradient is back-propagated through a different "
-        "network than the forward's.",
+        test=_no_rng_replay, message=_no_rng_replay_message,
         fix="Fix: save the RNG state before the first pass and restore it for the second "
         "(wholebatch.CachedStep does), or torch.utils.checkpoint with preserve_rng_state=True.",
     ),
@@ -454,30 +540,41 @@ _CAUSES: tuple[Cause, ...] = (
     ),
     Cause(
         code="replicated-K",
-        summary="only replicated scalars differ, at K times",
-        precedence=130, stage="gradient",
+        summary="replicated scalars (logit_scale) at exactly K times",
+        precedence=130, stage="gradient", per_group=True,
         test=_replicated_k, message=_replicated_k_message,
         fix="Fix: take the loss's gradient once on the cached embeddings "
         "(wholebatch.CachedStep).",
     ),
     Cause(
+        code="local-slice-backward",
+        summary="a custom autograd Function gathers in forward, its backward keeps only the "
+        "local slice",
+        precedence=135, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_local_slice, message=_local_slice_message,
+        fix="Fix: in the backward, all-reduce (sum) the gradient before taking this rank's "
+        "slice (that is a reduce-scatter), or use wholebatch.all_gather.",
+    ),
+    Cause(
         code="uncompensated-mean",
         summary="exactly 1/W and no gather: DDP's mean not compensated",
-        precedence=140, stage="gradient", excluded_by=("replicated-K",),
-        test=lambda case: _one_over_w(case) and not case.gathers,
-        message=lambda case: f"every gradient is exactly 1/W = 1/{case.w} of the whole-batch "
-        "gradient, exact at W=1, and the step gathered nothing without gradient (verify "
-        "watches torch.distributed's collectives): each rank divides its loss sum by the "
-        "GLOBAL item count and DDP then averages over W ranks, so the 1/W is applied twice "
-        "(e.g. num_items_in_batch passed without the HF Trainer's x W, or a loss divided by the "
-        "world size on top of DDP's mean). If the step gathers features by another path (a "
-        "process-group call verify cannot see), a gather without gradient gives the same 1/W.",
+        precedence=140, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_uncompensated,
+        message=lambda case: f"every differing gradient is exactly 1/W = 1/{case.w} of the "
+        f"whole-batch gradient{_exact_unsharded(case)}, and the step gathered nothing without "
+        "gradient (verify watches torch.distributed's collectives, inside autograd Functions "
+        "too): each rank "
+        "divides its loss sum by the GLOBAL item count and DDP then averages over W ranks, so "
+        "the 1/W is applied twice (e.g. num_items_in_batch passed without the HF Trainer's x "
+        "W, or a loss divided by the world size on top of DDP's mean). If the step gathers "
+        "features by another path (a process-group call verify cannot see), a gather without "
+        "gradient gives the same 1/W.",
         fix="Fix: multiply such a loss by W (or use wholebatch.Accumulator).",
     ),
     Cause(
         code="double-compensated",
         summary="exactly W: the 1/W compensated twice",
-        precedence=150, stage="gradient", excluded_by=("replicated-K",),
+        precedence=150, stage="gradient", per_group=True, excluded_by=("replicated-K",),
         test=_at_w,
         message=lambda case: f"every differing gradient is exactly W = {case.w} times the "
         "whole-batch gradient: DDP's 1/W is compensated twice (the loss multiplied by W on top "
@@ -488,31 +585,26 @@ _CAUSES: tuple[Cause, ...] = (
     Cause(
         code="wrong-count",
         summary="a constant factor with the right proportions: a wrong item count",
-        precedence=160, stage="gradient", excluded_by=("replicated-K",),
+        precedence=160, stage="gradient", per_group=True, excluded_by=("replicated-K",),
         test=lambda case: _constant(case) and _count_named(case),
-        message=lambda case: f"every gradient is {case.ratio:.4g} x the whole-batch gradient, "
-        "with the micro-batches in the right proportions: the step divides the loss sum by a "
-        f"wrong item count ({1 / (case.ratio or 1):.4g} x the right one)."
-        f"{wrong_count_text(case.ratio or 1, case.ev.item_counts, case.fit)} A causal LM "
-        "predicts labels[..., 1:]: counting labels before the shift adds one item per row (the "
-        "HF Trainer does this for a model whose loss_type it does not know to be causal, e.g. "
-        "GPT2LMHeadModel).",
+        message=_wrong_count_message,
         fix="Fix: count exactly the items the loss averages over, across all micro-batches and "
         "ranks.",
     ),
     Cause(
         code="scaled",
         summary="a constant factor",
-        precedence=170, stage="gradient", excluded_by=("replicated-K",),
+        precedence=170, stage="gradient", per_group=True, excluded_by=("replicated-K",),
         test=lambda case: _constant(case) and not _count_named(case),
-        message=lambda case: f"every gradient is {case.ratio:.4g} x the whole-batch gradient: "
-        "a constant factor (a loss divided by a wrong count or number of micro-batches, a loss "
-        "scale not removed, or clipped gradients: verify's reference does not clip).",
+        message=lambda case: f"every gradient is {case.g.ratio:.4g} x the whole-batch "
+        "gradient: a constant factor (a loss divided by a wrong count or number of "
+        "micro-batches, a loss scale not removed, or clipped gradients: verify's reference "
+        "does not clip).",
     ),
     Cause(
         code="gather-no-grad",
         summary="a torch.distributed collective without gradient on features",
-        precedence=180, stage="gradient",
+        precedence=180, stage="gradient", per_group=True, excluded_by=("replicated-K",),
         test=_gather_no_grad, message=_gather_message,
         fix="Fix: wholebatch.all_gather (backward: reduce-scatter), or a wholebatch loss "
         "(clip_loss, siglip_loss, nt_xent_loss).",

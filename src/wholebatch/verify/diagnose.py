@@ -100,17 +100,41 @@ def _capitalised(message: str, prefix: str) -> str:
 def _causes(case: Case, stage: Stage) -> list[Diagnosis]:
     """The causes of `stage` that hold, in precedence order (a fallback: the first only)."""
     out: list[Diagnosis] = []
+    by_group: dict[int, list[str]] = {}
     for cause in REGISTRY:
-        if cause.stage != stage or any(code in case.found for code in cause.excluded_by):
+        if cause.stage != stage:
             continue
-        if cause.test(case):
-            case.found.append(cause.code)
-            text = cause.text(case)
-            if stage != "evidence":
-                text = _capitalised(text, case.at)
-            out.append(Diagnosis(code=cause.code, message=text))
-            if stage == "fallback":
-                break
+        if cause.per_group:
+            texts: list[str] = []
+            params: list[str] = []
+            for i, group in enumerate(case.groups):
+                case.group = group
+                if not any(c in by_group.get(i, []) for c in cause.excluded_by) and cause.test(
+                    case
+                ):
+                    by_group.setdefault(i, []).append(cause.code)
+                    texts.append(cause.message(case))
+                    params += group.names
+            case.group = None
+            if not texts:
+                continue
+            body = " ".join(t[:1].upper() + t[1:] if i else t for i, t in enumerate(texts))
+            if case.clean is not case.main:
+                # the groups' ratios are those of the run with dropout off: say so
+                body = "with dropout off, " + body
+            text = (
+                (case.at if cause.located else "") + body + (f" {cause.fix}" if cause.fix else "")
+            )
+        elif any(code in case.found for code in cause.excluded_by) or not cause.test(case):
+            continue
+        else:
+            text, params = cause.text(case), []
+        case.found.append(cause.code)
+        if stage != "evidence":
+            text = _capitalised(text, case.at)
+        out.append(Diagnosis(code=cause.code, message=text, params=tuple(params)))
+        if stage == "fallback":
+            break
     return out
 
 
