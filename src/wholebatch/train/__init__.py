@@ -3,8 +3,8 @@
 `accumulate` holds the `Accumulator`, `gradcache` gradient caching inside the
 loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
-clipping, `no_sync`), `compression` the DDP comm hooks, `checkpoint` exact
-resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+clipping), `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
+friends), `compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
 from __future__ import annotations
