@@ -104,7 +104,7 @@ class MeshSplit:
     mesh: DeviceMesh
     """The device mesh the model runs on, with named dims; it spans every process."""
 
-    batch_dims: tuple[str, ...]
+    batch_dims: Sequence[str]
     """The dims whose ranks hold different items: data parallel (replicate and
     shard) and context parallel. Items are counted over these only."""
 
@@ -163,6 +163,36 @@ class MeshSplit:
                 f"MeshSplit: the mesh holds ranks {ranks} but the world has {world}; build "
                 "the mesh over every process (init_device_mesh with the world's size)"
             )
+
+    @classmethod
+    def from_args(
+        cls,
+        op: str,
+        mesh: DeviceMesh | None,
+        batch_dims: Sequence[str] | None,
+        *,
+        group: object = None,
+        pipeline_dim: str | None = None,
+    ) -> MeshSplit | None:
+        """An engine's `mesh=`/`batch_dims=` arguments as a split (None for a flat world)."""
+        if mesh is None:
+            if batch_dims is not None:
+                raise WholebatchError(
+                    f"{op}: batch_dims={tuple(batch_dims)!r} without mesh=; pass the "
+                    "DeviceMesh the model runs on too"
+                )
+            return None
+        if group is not None:
+            raise WholebatchError(
+                f"{op}: pass group= (a flat world) or mesh= with batch_dims= (a device mesh), "
+                "not both"
+            )
+        if batch_dims is None:
+            raise WholebatchError(
+                f"{op}: mesh= needs batch_dims=, the dims of {mesh.mesh_dim_names} that split "
+                "the batch (data and context parallel); the others replicate it"
+            )
+        return cls(mesh=mesh, batch_dims=batch_dims, pipeline_dim=pipeline_dim)  # type: ignore[arg-type]
 
     # -- shape -----------------------------------------------------------------
 

@@ -46,7 +46,9 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
+from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
@@ -140,6 +142,12 @@ class Accumulator:
         on_nonfinite: see `AccumulatorConfig.on_nonfinite`.
         rank_local: see `AccumulatorConfig.rank_local`.
         group: the data-parallel group; None: DDP's process group, else the world.
+        mesh: a `DeviceMesh` instead of `group` (docs/mesh.md): the model runs on it
+            (FSDP2/DDP on some dims, tensor parallel on others) and items are counted
+            over `batch_dims` only; ranks that replicate the batch must report the
+            same items and loss (else the same error on every rank).
+        batch_dims: with `mesh`, the dims that split the batch (data and context
+            parallel); every other dim replicates it (tensor parallel).
         config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
     """
 
@@ -156,6 +164,8 @@ class Accumulator:
         on_nonfinite: OnNonFinite = "skip",
         rank_local: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         config: AccumulatorConfig | None = None,
     ) -> None:
         if config is None:
@@ -170,8 +180,10 @@ class Accumulator:
         self.config = config
         self.model = model
         self.optimizer = optimizer
+        split = MeshSplit.from_args("Accumulator", mesh, batch_dims, group=group)
+        self.split = split
         self.finisher = StepFinisher(
-            model, optimizer, scaler=scaler, config=config.step_config(), group=group
+            model, optimizer, scaler=scaler, config=config.step_config(), group=group, split=split
         )
         self.scaler = self.finisher.scaler
         spec = GradCompression.parse(config.grad_compression)
@@ -188,8 +200,7 @@ class Accumulator:
 
     def backward_scale(self) -> float:
         """The constant c each micro-batch's loss sum is multiplied by before backward."""
-        factor = self.finisher.world_size if self.config.grad_reduction == "mean" else 1
-        return factor / self.items_estimate
+        return self.finisher.reduce_factor / self.items_estimate
 
     def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor]:
         """(sum of item losses, item count) of one micro-batch, per `loss_reduction`."""

@@ -65,39 +65,44 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["MeshReduction", "reduced_ranks", "sq_norm_share"]
 
 
-def _fsdp_mesh_ranks(module: nn.Module) -> frozenset[int] | None:
-    """The ranks an FSDP2 module reduces its gradients over (its mesh: shard x replicate)."""
+def _fsdp_reduction(module: nn.Module) -> tuple[frozenset[int], float | None] | None:
+    """The ranks an FSDP2 module reduces gradients over (its mesh: shard x replicate), and
+    its `set_gradient_divide_factor` (None: the mean's own)."""
     state = module._get_fsdp_state()  # type: ignore[operator]
     group = getattr(state, "_fsdp_param_group", None)
     if group is None:  # a module with no parameters of its own
         return None
     mesh = group.mesh_info.mesh
-    return frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+    divisor = getattr(group, "gradient_divide_factor", None)
+    ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+    return ranks, None if divisor is None else float(divisor)
 
 
-def reduced_ranks(model: nn.Module) -> frozenset[int]:
-    """The ranks `model`'s wrapper reduces gradients over; empty for a plain module.
+def reduced_ranks(model: nn.Module) -> tuple[frozenset[int], float | None]:
+    """The ranks `model`'s wrapper reduces gradients over (empty for a plain module), and
+    the divisor it was given instead of the mean's (None: the mean's, or DDP).
 
     DDP: its process group. FSDP2 (`fully_shard`, anywhere in the model, HSDP
-    included): its mesh. Every FSDP2 module of the model must use the same ranks.
+    included): its mesh. Every FSDP2 module of the model must reduce alike.
     """
     inner: nn.Module = getattr(model, "_orig_mod", model)  # torch.compile
     if isinstance(inner, DistributedDataParallel):
-        return frozenset(int(r) for r in dist.get_process_group_ranks(inner.process_group))
-    found: dict[frozenset[int], str] = {}
+        ranks = frozenset(int(r) for r in dist.get_process_group_ranks(inner.process_group))
+        return ranks, None
+    found: dict[tuple[frozenset[int], float | None], str] = {}
     if FSDPModule is not None:
         for name, m in inner.named_modules():
             if isinstance(m, FSDPModule):
-                ranks = _fsdp_mesh_ranks(m)
-                if ranks is not None:
-                    found.setdefault(ranks, name or "<root>")
+                how = _fsdp_reduction(m)
+                if how is not None:
+                    found.setdefault(how, name or "<root>")
     if len(found) > 1:
-        shown = {where: sorted(r) for r, where in found.items()}
+        shown = {where: (sorted(r), d) for (r, d), where in found.items()}
         raise WholebatchError(
-            f"mesh: FSDP2 modules of the model reduce over different ranks {shown}; "
-            "fully_shard every module on the same mesh"
+            f"mesh: FSDP2 modules of the model reduce differently {shown} (ranks, divide "
+            "factor); fully_shard every module on the same mesh with the same divide factor"
         )
-    return next(iter(found), frozenset())
+    return next(iter(found), (frozenset(), None))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,14 +118,22 @@ class MeshReduction:
     grad_reduction: GradReduction
     """"mean" (DDP, FSDP2) or "sum"."""
 
+    divisor: float | None = None
+    """What the wrapper divides the summed gradient by when it is not the mean's |A|
+    (FSDP2's `set_gradient_divide_factor`); None: |A| for "mean", 1 for "sum"."""
+
     @property
     def factor(self) -> float:
-        """The module docstring's factor: grad after the wrapper = factor / N x back-propagated."""
-        batch = [d for d in self.dims if d in self.split.batch_dims]
-        replica = [d for d in self.dims if d not in self.split.batch_dims]
-        if self.grad_reduction == "mean":
-            return float(self.split.size_of(batch))
-        return 1.0 / self.split.size_of(replica)
+        """The module docstring's factor: grad after the wrapper = factor / N x back-propagated.
+
+        The wrapper sums over A (replicas' equal gradients: x their count) and divides
+        by its divisor, so the factor is divisor / (product of A's replica dims).
+        """
+        replicas = self.split.size_of(d for d in self.dims if d not in self.split.batch_dims)
+        divisor = self.divisor
+        if divisor is None:
+            divisor = float(self.split.size_of(self.dims)) if self.grad_reduction == "mean" else 1.0
+        return divisor / replicas
 
     @classmethod
     def of(
@@ -129,16 +142,25 @@ class MeshReduction:
         split: MeshSplit,
         *,
         grad_reduction: GradReduction = "mean",
+        allow_unreduced: bool = False,
         op: str = "step",
     ) -> MeshReduction:
         """Read `model`'s wrapper and check it reduces over every batch dim (same error on every rank).
+
+        Args:
+            model: the module as trained (DDP, FSDP2 anywhere in it, or plain).
+            split: the batch split.
+            grad_reduction: "mean" or "sum", what the wrapper does over its dims.
+            allow_unreduced: allow batch dims the wrapper does not reduce (`rank_local`:
+                the caller reduces, or each rank steps on its own gradient).
+            op: the name errors start with.
 
         Raises:
             WholebatchError: when the wrapper's ranks are no set of mesh dims, when a
                 batch dim is not reduced, or when the pipeline dim is.
         """
         check_grad_reduction(op, grad_reduction)
-        ranks = reduced_ranks(model)
+        ranks, divisor = reduced_ranks(model)
         me = dist.get_rank() if dist.is_initialized() else 0
         dims = split.dims_of(ranks or {me})
         if dims is None:
@@ -148,7 +170,7 @@ class MeshReduction:
                 "mesh sliced from the same DeviceMesh (e.g. fully_shard(model, mesh=mesh['dp']))"
             )
         missing = [d for d in split.batch_dims if split.sizes[d] > 1 and d not in dims]
-        if missing:
+        if missing and not allow_unreduced:
             wrapped = f"over {dims}" if dims else "not at all (a plain module)"
             flat = "_".join(d for d in split.batch_dims if split.sizes[d] > 1)
             raise WholebatchError(
@@ -164,7 +186,7 @@ class MeshReduction:
                 f"{split.pipeline_dim!r}; its ranks are stages holding different parameters. "
                 "Wrap each stage on the data-parallel dims only"
             )
-        return cls(split=split, dims=dims, grad_reduction=grad_reduction)
+        return cls(split=split, dims=dims, grad_reduction=grad_reduction, divisor=divisor)
 
 
 def _holders(split: MeshSplit, p: Tensor) -> int:
