@@ -289,7 +289,7 @@ def _hand_step(
 
 
 # ---------------------------------------------------------------------------
-# pp x dp: two stages of TinyLM, DDP on dp, torch.distributed.pipelining
+# pp x dp: two stages of TinyLM, FSDP2 on dp, torch.distributed.pipelining
 # ---------------------------------------------------------------------------
 
 
@@ -329,7 +329,6 @@ def token_loss_sum(logits_STV: Tensor, targets_ST: Tensor) -> tuple[Tensor, Tens
 def run_pipeline(case: MeshCase) -> MeshResult:
     """pp x dp: this rank's stage (pp coordinate) of its data shard (dp coordinate)."""
     from torch.distributed.pipelining import PipelineStage
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from wholebatch.comm.mesh import MeshSplit
     from wholebatch.train.pipeline import PipelineAccumulator
@@ -340,13 +339,17 @@ def run_pipeline(case: MeshCase) -> MeshResult:
     pp = coord["pp"]
     lm = TinyLM().double()
     stage_mod: nn.Module = Stage0(lm) if pp == 0 else Stage1(lm)
-    names = {id(p): n for n, p in lm.named_parameters()}
-    own = {names[id(p)]: p for p in stage_mod.parameters()}
-    ddp = DDP(stage_mod, process_group=mesh["dp"].get_group(), bucket_cap_mb=1000)
-    counter = [0]
-    ddp.register_comm_hook((counter, mesh["dp"].get_group()), _counting_allreduce)
-    opt = torch.optim.SGD(ddp.parameters(), lr=case.lr)
-    stage = PipelineStage(ddp, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    # FSDP2 on dp per stage (torchtitan's PP x FSDP). DDP stages trip DDP's bucket
+    # rebuild under GPipe on torch 2.13: the stage's first-step metadata inference runs
+    # an extra backward ("rebuilt parameter indices size is not same").
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped = fully_shard(stage_mod, mesh=mesh["dp"])
+    rs = _CountingReduceScatter()
+    wrapped.set_custom_reduce_scatter(rs)  # type: ignore[operator]
+    own = dict(wrapped.named_parameters())  # Stage0/Stage1 keep TinyLM's parameter names
+    opt = torch.optim.SGD(wrapped.parameters(), lr=case.lr)
+    stage = PipelineStage(wrapped, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     k = len(case.steps[0][0])
     acc = None
     hand = None
@@ -371,7 +374,7 @@ def run_pipeline(case: MeshCase) -> MeshResult:
         mbs = [micro_batch(mb, width=width) for mb in seqs]
         tokens = torch.cat([t for t, _ in mbs])  # [K*S, T]: the schedule cuts K chunks
         targets = torch.cat([y for _, y in mbs])
-        before = counter[0]
+        before = rs.calls
         t0 = time.perf_counter()
         if acc is not None:
             st = acc.step(tokens, target=targets)
@@ -384,21 +387,9 @@ def run_pipeline(case: MeshCase) -> MeshResult:
             losses.append(loss)
             items.append(n)
         seconds.append(time.perf_counter() - t0)
-        reductions.append(counter[0] - before)
-    params = {n: p.detach().clone() for n, p in own.items()}
+        reductions.append(rs.calls - before)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in own.items()}
     return MeshResult(params, losses, items, norms, reductions, seconds)
-
-
-def _counting_allreduce(state: tuple[list[int], Any], bucket: Any) -> torch.futures.Future[Tensor]:
-    """DDP's own all-reduce hook, counted (the real collective runs)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    state[0][0] += 1
-    return default_hooks.allreduce_hook(state[1], bucket)
-
-
-# DDP accepts only runtime annotations on a hook (ours are strings under __future__).
-_counting_allreduce.__annotations__ = {}
 
 
 class _HandPipeline:
@@ -429,9 +420,9 @@ class _HandPipeline:
         mine = torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64)
         dist.all_reduce(mine)  # only the last stages hold counts: the world sum is N
         loss_sum, n = float(mine[0]), float(mine[1])
-        factor = self.mesh["dp"].size() / n  # DDP averaged over dp
+        factor = self.mesh["dp"].size() / n  # FSDP2 averaged over dp
         if self.case.engine == "torch_mean":
-            factor = 1.0  # trusts the schedule's 1/K and DDP's 1/dp
+            factor = 1.0  # trusts the schedule's 1/K and FSDP2's 1/dp
         if self.case.engine == "hand_stage0_unscaled" and self.stage.is_first:
             factor = 1.0
         with torch.no_grad():
