@@ -101,10 +101,10 @@ def ragged_steps(shards: int, k: int, steps: int, *, seed: int, per_mb: int | No
     return tuple(out)
 
 
-def _sequences(case: MeshCase, s: int) -> list[list[list[Tensor]]]:
+def _sequences(case: MeshCase, s: int, seed: int = 0) -> list[list[list[Tensor]]]:
     """Step s's sequences as [shard][micro-batch] -> list of token tensors."""
     flat = [n for shard in case.steps[s] for mb in shard for n in mb]
-    seqs = make_sequences(flat, seed=1000 + s)
+    seqs = make_sequences(flat, seed=1000 + s + 100 * seed)
     out, i = [], 0
     for shard in case.steps[s]:
         mbs = []
@@ -178,7 +178,9 @@ def _my_batch(case: MeshCase, mesh: DeviceMesh, s: int) -> list[MicroBatch]:
     shard = coord["dp"]  # the sequences are dealt over dp; cp cuts each one's tokens
     seqs = _sequences(case, s)
     if case.replica_differs and dist.get_rank() == 1:
-        shard = (shard + 1) % split.sizes["dp"]  # fed another shard's rows: a wrong sampler
+        # Other rows of the same shapes (a sampler seeded by the global rank): a shape
+        # mismatch would already fail inside tensor parallel's own collectives.
+        seqs = _sequences(case, s, seed=7)
     width = _width(case, s)
     mbs = [micro_batch(mb, width=width) for mb in seqs[shard]]
     if "cp" in split.sizes:

@@ -1,0 +1,176 @@
+"""The batch split over a 2 x 2 device mesh, on 4 real gloo ranks, against one process.
+
+Distributed tier (the heaviest tests of the suite): every test shares one 4-rank
+world (tests.harness), each call has a hard timeout. float64 throughout; data
+ragged per rank and micro-batch, with an empty micro-batch (step 0, shard 0).
+
+- dp2 x tp2: FSDP2 on dp, tensor parallel (Colwise/Rowwise) on tp.
+- dp2 x cp2: FSDP2 on the flattened dp_cp dim; each cp rank holds half of every
+  sequence's tokens (user-level sequence sharding; torch's context_parallel is CUDA-only).
+- pp2 x dp2: torch.distributed.pipelining GPipe and 1F1B, FSDP2 on dp per stage.
+
+Each shape has its mutations, which the same assertions (or a clear error on
+every rank) must reject: counting over tp, dropping cp's counts, one pipeline
+stage not rescaled, the pipeline's own mean-of-means scaling, replicas fed
+different rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.harness import RankError, run_ranks, run_ranks_outcomes
+from tests.mesh_cases import (
+    MeshCase,
+    MeshResult,
+    params_close,
+    ragged_steps,
+    reference,
+    run_fsdp,
+    run_pipeline,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+W = 4
+TIMEOUT = 90.0  # seconds per 4-rank call; the first also starts the world (~10 s on 2 cores)
+
+# float64: a loss is a sum of <= ~60 token terms of size <= ~5 and each gradient entry a
+# sum of as many products; two SGD steps keep round-off near 1e-14. 1e-10 leaves room and
+# still rejects every mutation by orders of magnitude (theirs are >= 1e-3).
+TOL = 1e-10
+
+TP = MeshCase(
+    shape=(("dp", 2), ("tp", 2)), batch_dims=("dp",), steps=ragged_steps(2, 3, 2, seed=1)
+)
+CP = MeshCase(
+    shape=(("dp", 2), ("cp", 2)), batch_dims=("dp", "cp"), steps=ragged_steps(2, 3, 2, seed=2)
+)
+PP = MeshCase(
+    shape=(("pp", 2), ("dp", 2)),
+    batch_dims=("dp",),
+    steps=ragged_steps(2, 3, 2, seed=3, per_mb=2),
+)
+
+
+def assert_whole_batch(results: list[MeshResult], ref: MeshResult, *, engine_stats: bool) -> None:
+    """Every rank's parameters, losses and counts equal the one-process reference."""
+    for r, got in enumerate(results):
+        assert got.params, f"rank {r} reported no parameters"
+        assert params_close(got.params, ref.params, TOL) == [], f"rank {r}"
+        assert got.items == ref.items, f"rank {r}"
+        for a, b in zip(got.losses, ref.losses, strict=True):
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {r}: loss {a} vs {b}"
+        if engine_stats:
+            for a, b in zip(got.grad_norms, ref.grad_norms, strict=True):
+                assert abs(a - b) <= TOL * max(1.0, abs(b)), f"rank {r}: grad norm {a} vs {b}"
+
+
+def assert_rejected(results: list[MeshResult], ref: MeshResult) -> None:
+    """A mutation: some rank's parameters differ from the reference."""
+    assert any(params_close(got.params, ref.params, TOL) for got in results)
+
+
+def same_error_everywhere(outcomes: list[object], *needles: str) -> str:
+    """Every rank raised the same WholebatchError; it contains every needle."""
+    assert all(isinstance(o, RankError) for o in outcomes), outcomes
+    errors = [o for o in outcomes if isinstance(o, RankError)]
+    assert {e.type_name for e in errors} == {"WholebatchError"}, errors
+    assert len({e.message for e in errors}) == 1, [e.message for e in errors]
+    for needle in needles:
+        assert needle in errors[0].message, errors[0].message
+    return errors[0].message
+
+
+# ---------------------------------------------------------------------------
+# dp2 x tp2
+# ---------------------------------------------------------------------------
+
+
+def test_dp_tp_accumulator_matches_whole_batch() -> None:
+    case = dataclasses.replace(TP, max_grad_norm=0.5)  # clipping active: the norm matters
+    ref = reference(case)
+    results = run_ranks(W, run_fsdp, case, timeout=TIMEOUT)
+    assert_whole_batch(results, ref, engine_stats=True)
+    # One gradient reduction (FSDP2's reduce-scatter over dp) per step, on every rank.
+    assert all(got.reductions == [1, 1] for got in results)
+
+
+def test_dp_tp_hand_loop_matches_and_counting_over_tp_does_not() -> None:
+    ref = reference(TP)
+    assert_whole_batch(run_ranks(W, run_fsdp, TP, timeout=TIMEOUT), ref, engine_stats=False)
+    wrong = dataclasses.replace(TP, engine="hand_count_world")  # items x tp
+    results = run_ranks(W, run_fsdp, wrong, timeout=TIMEOUT)
+    assert_rejected(results, ref)
+    assert results[0].items == [2 * n for n in ref.items]
+
+
+def test_dp_tp_naming_tp_a_batch_dim_is_an_error_on_every_rank() -> None:
+    wrong = dataclasses.replace(TP, batch_dims=("dp", "tp"))
+    outcomes = run_ranks_outcomes(W, run_fsdp, wrong, timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "batch dims ['tp']", "leave them out of batch_dims")
+
+
+def test_dp_tp_replicas_fed_different_rows_is_an_error_on_every_rank() -> None:
+    wrong = dataclasses.replace(TP, replica_differs=True)  # rank 1 (tp 1 of dp 0) misfed
+    outcomes = run_ranks_outcomes(W, run_fsdp, wrong, timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "replicate the same rows", "('tp',)", "ranks [0, 1]")
+
+
+# ---------------------------------------------------------------------------
+# dp2 x cp2 (sequence sharding)
+# ---------------------------------------------------------------------------
+
+
+def test_dp_cp_accumulator_matches_whole_batch() -> None:
+    ref = reference(CP)
+    results = run_ranks(W, run_fsdp, CP, timeout=TIMEOUT)
+    assert_whole_batch(results, ref, engine_stats=True)
+    assert all(got.reductions == [1, 1] for got in results)  # one reduce-scatter over dp_cp
+
+
+def test_dp_cp_hand_loop_matches_and_dropping_cp_counts_does_not() -> None:
+    ref = reference(CP)
+    hand = dataclasses.replace(CP, engine="hand")
+    assert_whole_batch(run_ranks(W, run_fsdp, hand, timeout=TIMEOUT), ref, engine_stats=False)
+    wrong = dataclasses.replace(CP, engine="hand_count_dp")
+    assert_rejected(run_ranks(W, run_fsdp, wrong, timeout=TIMEOUT), ref)
+
+
+def test_dp_cp_leaving_cp_out_of_batch_dims_is_an_error_on_every_rank() -> None:
+    # cp is then a replica dim: its ranks hold different tokens, so they disagree.
+    wrong = dataclasses.replace(CP, batch_dims=("dp",))
+    outcomes = run_ranks_outcomes(W, run_fsdp, wrong, timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "replicate the same rows", "('cp',)", "context parallel")
+
+
+# ---------------------------------------------------------------------------
+# pp2 x dp2 (torch.distributed.pipelining)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_dp_accumulator_matches_whole_batch(schedule: str) -> None:
+    case = dataclasses.replace(PP, schedule=schedule, max_grad_norm=0.5)
+    ref = reference(case)
+    results = run_ranks(W, run_pipeline, case, timeout=TIMEOUT)
+    assert_whole_batch(results, ref, engine_stats=True)
+    # Stage 0 (ranks 0, 1) owns the embedding and hidden layer, stage 1 the output.
+    assert set(results[0].params) == {"emb.weight", "hidden.weight", "hidden.bias"}
+    assert set(results[2].params) == {"out.weight", "out.bias"}
+    assert all(got.reductions == [1, 1] for got in results)  # per stage, over dp
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_dp_hand_loop_matches_and_its_mutations_do_not(schedule: str) -> None:
+    ref = reference(PP)
+    hand = dataclasses.replace(PP, schedule=schedule, engine="hand")
+    assert_whole_batch(run_ranks(W, run_pipeline, hand, timeout=TIMEOUT), ref, engine_stats=False)
+    for engine in ("hand_stage0_unscaled", "torch_mean"):
+        wrong = dataclasses.replace(PP, schedule=schedule, engine=engine)
+        results = run_ranks(W, run_pipeline, wrong, timeout=TIMEOUT)
+        assert_rejected(results, ref)
+        if engine == "hand_stage0_unscaled":  # the unscaled stage is off (stage 1 follows)
+            assert params_close(results[0].params, ref.params, TOL) != []
