@@ -78,7 +78,9 @@ class MeshResult:
     seconds: list[float]
 
 
-def ragged_steps(shards: int, k: int, steps: int, *, seed: int, per_mb: int | None = None) -> tuple[Lengths, ...]:
+def ragged_steps(
+    shards: int, k: int, steps: int, *, seed: int, per_mb: int | None = None
+) -> tuple[Lengths, ...]:
     """Ragged lengths 1..8; micro-batch 1 of shard 0 at step 0 holds no items (all length 1).
 
     per_mb: a fixed number of sequences per micro-batch (pipelines need equal shapes);
@@ -258,7 +260,11 @@ def run_fsdp(case: MeshCase) -> MeshResult:
 
 
 def _hand_step(
-    case: MeshCase, mesh: DeviceMesh, model: nn.Module, opt: torch.optim.Optimizer, mbs: list[MicroBatch]
+    case: MeshCase,
+    mesh: DeviceMesh,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    mbs: list[MicroBatch],
 ) -> tuple[float, float]:
     """The exact loop a careful user writes on this mesh (or, per `engine`, a broken one)."""
     k = len(mbs)
@@ -390,14 +396,19 @@ def run_pipeline(case: MeshCase) -> MeshResult:
             items.append(n)
         seconds.append(time.perf_counter() - t0)
         reductions.append(rs.calls - before)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in own.items()}
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in own.items()
+    }
     return MeshResult(params, losses, items, norms, reductions, seconds)
 
 
 class _HandPipeline:
     """A hand-written exact pipeline step, and its broken variants (see the module docstring)."""
 
-    def __init__(self, case: MeshCase, stage: Any, opt: torch.optim.Optimizer, mesh: DeviceMesh, k: int) -> None:
+    def __init__(
+        self, case: MeshCase, stage: Any, opt: torch.optim.Optimizer, mesh: DeviceMesh, k: int
+    ) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         self.case, self.stage, self.opt, self.mesh = case, stage, opt, mesh

@@ -42,9 +42,7 @@ TIMEOUT = 90.0  # seconds per 4-rank call; the first also starts the world (~10 
 # still rejects every mutation by orders of magnitude (theirs are >= 1e-3).
 TOL = 1e-10
 
-TP = MeshCase(
-    shape=(("dp", 2), ("tp", 2)), batch_dims=("dp",), steps=ragged_steps(2, 3, 2, seed=1)
-)
+TP = MeshCase(shape=(("dp", 2), ("tp", 2)), batch_dims=("dp",), steps=ragged_steps(2, 3, 2, seed=1))
 CP = MeshCase(
     shape=(("dp", 2), ("cp", 2)), batch_dims=("dp", "cp"), steps=ragged_steps(2, 3, 2, seed=2)
 )

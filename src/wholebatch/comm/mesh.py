@@ -232,7 +232,9 @@ class MeshSplit:
         r = dist.get_rank() if rank is None and is_distributed(None) else (rank or 0)
         where = (self.mesh.mesh == r).nonzero()
         if where.numel() == 0:
-            raise WholebatchError(f"MeshSplit: rank {r} is not in the mesh {self.mesh.mesh.tolist()}")
+            raise WholebatchError(
+                f"MeshSplit: rank {r} is not in the mesh {self.mesh.mesh.tolist()}"
+            )
         return dict(zip(self.dims, (int(c) for c in where[0].tolist()), strict=True))
 
     def batch_index(self, rank: int | None = None) -> int:
@@ -266,6 +268,7 @@ class MeshSplit:
 
     def describe(self) -> str:
         """`dp=2 (batch), tp=2 (replica)`: the mesh as errors and reports show it."""
+
         def role(d: str) -> str:
             if d in self.batch_dims:
                 return "batch"
@@ -279,9 +282,7 @@ class MeshSplit:
 
     # -- agreement ---------------------------------------------------------------
 
-    def count_fields(
-        self, *, items: Field, loss: Field, counted: bool = True
-    ) -> dict[str, Field]:
+    def count_fields(self, *, items: Field, loss: Field, counted: bool = True) -> dict[str, Field]:
         """This rank's fields for the counts' all-gather (merge them into a larger row).
 
         Args:
@@ -330,8 +331,7 @@ class MeshSplit:
             bad = [
                 r
                 for r in members[1:]
-                if items[r] != items[first]
-                or not _close(losses[r], losses[first])
+                if items[r] != items[first] or not _close(losses[r], losses[first])
             ]
             if bad:
                 shown = [first, *bad]
@@ -394,4 +394,3 @@ def _pick(values: Sequence[float], ranks: Sequence[int]) -> str:
 
 def _shown(v: float) -> object:
     return int(v) if v.is_integer() else v
-

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["MeshReduction", "reduced_ranks", "sq_norm_share"]
 
 
-def _fsdp_reduction(module: nn.Module) -> tuple[frozenset[int], float | None] | None:
+def _fsdp_reduction(module: Any) -> tuple[frozenset[int], float | None] | None:
     """The ranks an FSDP2 module reduces gradients over (its mesh: shard x replicate), and
     its `set_gradient_divide_factor` (None: the mean's own)."""
     state = module._get_fsdp_state()  # type: ignore[operator]

@@ -449,7 +449,9 @@ class StepFinisher:
             sq_sharded, sq_local = sq_norm_share(self.split, self.params()), torch.zeros(())
         row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
         if self.split is not None:
-            row.update(self.split.count_fields(items=row["items"], loss=row["loss"], counted=counted))
+            row.update(
+                self.split.count_fields(items=row["items"], loss=row["loss"], counted=counted)
+            )
         rows = agree_rows(row, group=self.group)  # the step's only extra collective
         agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items)
         if agreed.skip_reason is not None:
