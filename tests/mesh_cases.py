@@ -458,3 +458,59 @@ def params_close(got: dict[str, Tensor], ref: dict[str, Tensor], tol: float = 1e
 
 def case_names(cases: Sequence[MeshCase]) -> list[str]:
     return [f"{c.engine}-{c.schedule}" for c in cases]
+
+
+# ---------------------------------------------------------------------------
+# MeshSplit and MeshReduction on the 4-rank world (no training)
+# ---------------------------------------------------------------------------
+
+
+def split_facts() -> dict[str, Any]:
+    """Shape facts, factors and errors of MeshSplit / MeshReduction on this rank."""
+    from wholebatch.comm.mesh import MeshSplit
+    from wholebatch.errors import WholebatchError
+    from wholebatch.train.meshstep import MeshReduction
+
+    mesh = get_mesh((("dp", 2), ("tp", 2)))
+    split = MeshSplit(mesh=mesh, batch_dims=("dp",))
+    out: dict[str, Any] = {
+        "coordinate": split.coordinate(),
+        "batch_index": split.batch_index(),
+        "replica_dims": split.replica_dims,
+        "batch_size": split.batch_size,
+        "dims_of_tp_group": split.dims_of(dist.get_process_group_ranks(mesh["tp"].get_group())),
+        "dims_of_world": split.dims_of(range(4)),
+        "describe": split.describe(),
+    }
+    factors = {}
+    for dims, how, divisor in [
+        (("dp",), "mean", None),  # FSDP2 on dp: x dp
+        (("dp", "tp"), "mean", None),  # mean over dp x tp: tp replicas' share is 1
+        (("dp",), "sum", None),
+        (("dp", "tp"), "sum", None),  # sum over tp replicas doubles: / tp
+        (("dp",), "mean", 8.0),  # set_gradient_divide_factor(8)
+    ]:
+        r = MeshReduction(split=split, dims=dims, grad_reduction=how, divisor=divisor)  # type: ignore[arg-type]
+        factors[f"{'x'.join(dims)}-{how}-{divisor}"] = r.factor
+    out["factors"] = factors
+    errors = {}
+    bad: dict[str, dict[str, Any]] = {
+        "unknown": {"batch_dims": ("dp", "cp")},
+        "empty": {"batch_dims": ()},
+        "string": {"batch_dims": "dp"},
+        "twice": {"batch_dims": ("dp", "dp")},
+        "pipeline_is_batch": {"batch_dims": ("dp",), "pipeline_dim": "dp"},
+        "pipeline_unknown": {"batch_dims": ("dp",), "pipeline_dim": "pp"},
+    }
+    for name, kw in bad.items():
+        try:
+            MeshSplit(mesh=mesh, **kw)
+        except WholebatchError as e:
+            errors[name] = str(e)
+    # A plain module on the mesh: nothing reduces the dp shards.
+    try:
+        MeshReduction.of(nn.Linear(2, 2), split)
+    except WholebatchError as e:
+        errors["plain"] = str(e)
+    out["errors"] = errors
+    return out

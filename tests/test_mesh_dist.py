@@ -172,3 +172,40 @@ def test_pp_dp_hand_loop_matches_and_its_mutations_do_not(schedule: str) -> None
         assert_rejected(results, ref)
         if engine == "hand_stage0_unscaled":  # the unscaled stage is off (stage 1 follows)
             assert params_close(results[0].params, ref.params, TOL) != []
+
+
+# ---------------------------------------------------------------------------
+# The split itself: shape, the rescale factor, validation (the same on every rank)
+# ---------------------------------------------------------------------------
+
+
+def test_split_shape_factors_and_errors() -> None:
+    from tests.mesh_cases import split_facts
+
+    facts = run_ranks(W, split_facts, timeout=TIMEOUT)
+    # mesh [[0, 1], [2, 3]] over (dp, tp): rank r = 2 dp + tp.
+    for r, f in enumerate(facts):
+        assert f["coordinate"] == {"dp": r // 2, "tp": r % 2}
+        assert f["batch_index"] == r // 2
+        assert f["replica_dims"] == ("tp",) and f["batch_size"] == 2
+        assert f["dims_of_tp_group"] == ("tp",) and f["dims_of_world"] == ("dp", "tp")
+        assert f["describe"] == "dp=2 (batch), tp=2 (replica)"
+        assert f["factors"] == {
+            "dp-mean-None": 2.0,
+            "dpxtp-mean-None": 2.0,
+            "dp-sum-None": 1.0,
+            "dpxtp-sum-None": 0.5,
+            "dp-mean-8.0": 8.0,
+        }
+    errors = facts[0]["errors"]
+    assert all(f["errors"] == errors for f in facts)  # the same text on every rank
+    assert (
+        "batch_dims ['cp'] are not dims of the mesh; its dims are ('dp', 'tp')" in errors["unknown"]
+    )
+    assert "batch_dims is empty" in errors["empty"]
+    assert "batch_dims=('dp',)" in errors["string"]
+    assert "names a dim twice" in errors["twice"]
+    assert "both a batch dim and the pipeline dim" in errors["pipeline_is_batch"]
+    assert "pipeline_dim='pp' is not a dim" in errors["pipeline_unknown"]
+    assert "reduced not at all (a plain module)" in errors["plain"]
+    assert "batch dims ['dp']" in errors["plain"]
