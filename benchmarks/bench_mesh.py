@@ -6,8 +6,8 @@
 Both methods train their own copy of the same token-embedding MLP language model
 (float32; tensor parallel Colwise/Rowwise on tp, FSDP2 `fully_shard` on dp) on the
 same ragged batches: K = 4 micro-batches per step, sequences of random length
-padded to T, padding ignored. Each step runs both methods in turn after a barrier;
-a step's time is the slowest rank's. The table shows each method's median, the
+padded to T, padding ignored. Each step runs both methods in turn after a barrier
+(in alternating order); a step's time is the slowest rank's. The table shows each method's median, the
 ratio of medians, and "paired": the median over steps of (Accumulator / hand) on
 the same step, which cancels most drift on a shared machine.
 
@@ -130,7 +130,8 @@ def bench_rank(steps: int, warmup: int, s_mb: int, t_seq: int) -> dict[str, Any]
     losses: dict[str, list[float]] = {"accumulator": [], "hand": []}
     for s in range(warmup + steps):
         mbs = _batches(s, dp, s_mb, t_seq)
-        for name in ("accumulator", "hand"):
+        order = ("accumulator", "hand") if s % 2 == 0 else ("hand", "accumulator")
+        for name in order:  # alternated: neither method always runs first
             counter = c_acc if name == "accumulator" else c_hand
             before = counter.calls
             dist.barrier()
