@@ -481,6 +481,10 @@ def split_facts() -> dict[str, Any]:
         "dims_of_tp_group": split.dims_of(dist.get_process_group_ranks(mesh["tp"].get_group())),
         "dims_of_world": split.dims_of(range(4)),
         "describe": split.describe(),
+        "batch_group": dist.get_process_group_ranks(split.batch_group()),
+        "cp_batch_group": dist.get_process_group_ranks(
+            MeshSplit(mesh=get_mesh((("dp", 2), ("cp", 2))), batch_dims=("dp", "cp")).batch_group()
+        ),
     }
     factors = {}
     for dims, how, divisor in [

@@ -190,6 +190,8 @@ def test_split_shape_factors_and_errors() -> None:
         assert f["replica_dims"] == ("tp",) and f["batch_size"] == 2
         assert f["dims_of_tp_group"] == ("tp",) and f["dims_of_world"] == ("dp", "tp")
         assert f["describe"] == "dp=2 (batch), tp=2 (replica)"
+        assert f["batch_group"] == [r % 2, 2 + r % 2]  # the dp ranks at this tp coordinate
+        assert f["cp_batch_group"] == [0, 1, 2, 3]  # dp x cp flattened
         assert f["factors"] == {
             "dp-mean-None": 2.0,
             "dpxtp-mean-None": 2.0,

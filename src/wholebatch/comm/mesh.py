@@ -40,6 +40,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank
@@ -265,6 +266,19 @@ class MeshSplit:
                     # Dims of size 1 add no ranks: drop them from the answer.
                     return tuple(d for d in subset if self.sizes[d] > 1) if n else ()
         return None
+
+    def batch_group(self) -> ProcessGroup:
+        """The process group of this rank's batch dims (flattened): the ranks holding the
+        other data shards at this rank's replica (and pipeline) coordinates.
+
+        What a loss that gathers over the whole batch (`clip_loss(..., group=...)`,
+        `GradCache(group=...)`) takes on a mesh. Every rank must call it the first time
+        (flattening several dims creates process groups).
+        """
+        dims = tuple(self.batch_dims)
+        if len(dims) == 1:
+            return self.mesh[dims[0]].get_group()
+        return self.mesh[dims]._flatten("_".join(dims)).get_group()
 
     def describe(self) -> str:
         """`dp=2 (batch), tp=2 (replica)`: the mesh as errors and reports show it."""

@@ -3,7 +3,8 @@
 `accumulate` holds the `Accumulator`, `gradcache` gradient caching inside the
 loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
-clipping), `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
+clipping), `meshstep` its side of a device mesh, `pipeline` the
+`PipelineAccumulator` for pipeline schedules, `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
 friends), `compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
@@ -14,6 +15,8 @@ from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
+from wholebatch.train.meshstep import MeshReduction
+from wholebatch.train.pipeline import PipelineAccumulator
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
@@ -29,7 +32,9 @@ __all__ = [
     "CommStats",
     "GradCache",
     "GradCompression",
+    "MeshReduction",
     "NonFiniteStepError",
+    "PipelineAccumulator",
     "StepConfig",
     "StepFinisher",
     "StepStats",
