@@ -518,3 +518,48 @@ def split_facts() -> dict[str, Any]:
         errors["plain"] = str(e)
     out["errors"] = errors
     return out
+
+
+# ---------------------------------------------------------------------------
+# CachedStep on dp2 x tp2 (the model replicated over tp, DDP over dp)
+# ---------------------------------------------------------------------------
+
+
+def run_cached(
+    k: int, batch_dims: tuple[str, ...], replica_differs: bool, world_loss: bool = False
+) -> dict[str, Tensor]:
+    """CachedStep(mesh=, batch_dims=) with a CLIP loss over the batch dims' group
+    (`world_loss`: the mutation gathering over every rank, tp replicas' rows twice)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.test_cache import _batches, _build, embed
+    from wholebatch.comm.mesh import MeshSplit
+    from wholebatch.losses.contrastive import clip_loss
+    from wholebatch.train.cache import CachedStep
+
+    mesh = get_mesh((("dp", 2), ("tp", 2)))
+    split = MeshSplit(mesh=mesh, batch_dims=("dp",))
+    dp = split.coordinate()["dp"]
+    model, scale = _build("inside")
+    wrapped = DDP(model, process_group=mesh["dp"].get_group())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    group = None if world_loss else split.batch_group()
+
+    def loss_fn(i: Tensor, t: Tensor) -> Tensor:
+        return clip_loss(i, t, scale, tile_size=2, group=group)
+
+    step = CachedStep(wrapped, opt, embed, loss_fn, mesh=mesh, batch_dims=batch_dims)
+    mine = _batches(2, k)[dp]
+    if replica_differs and dist.get_rank() == 1:
+        mine = [(a.flip(0), b) for a, b in mine]  # other pairs, same shapes
+    torch.manual_seed(100 + dp)  # the tp replicas draw the same dropout
+    try:
+        stats = step.step(mine)
+        out = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["loss"] = torch.tensor(stats.loss, dtype=torch.float64)
+        return out
+    finally:
+        del step, wrapped, opt  # leave no DDP reducer behind in the reused worker
+        gc.collect()

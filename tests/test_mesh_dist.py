@@ -211,3 +211,35 @@ def test_split_shape_factors_and_errors() -> None:
     assert "pipeline_dim='pp' is not a dim" in errors["pipeline_unknown"]
     assert "reduced not at all (a plain module)" in errors["plain"]
     assert "batch dims ['dp']" in errors["plain"]
+
+
+# ---------------------------------------------------------------------------
+# CachedStep on a mesh: a CLIP loss over dp, the model replicated over tp
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_cached_step_on_a_mesh_matches_whole_batch(k: int) -> None:
+    import torch
+
+    from tests.mesh_cases import run_cached
+    from tests.test_cache import F64, _batches, _reference
+
+    ref = _reference(_batches(2, k), "inside")  # the 2 dp shards' rows, one process
+    ref.pop("scale")
+    for r, got in enumerate(run_ranks(W, run_cached, k, ("dp",), False, timeout=TIMEOUT)):
+        assert got.keys() == ref.keys()
+        for name, value in got.items():
+            torch.testing.assert_close(value, ref[name], **F64, msg=f"rank {r} {name}")
+    # The mutation: the loss gathers over every rank, so tp replicas' rows count twice.
+    wrong = run_ranks(W, run_cached, k, ("dp",), False, True, timeout=TIMEOUT)
+    assert not all(torch.allclose(wrong[0][n], ref[n], rtol=1e-6, atol=1e-8) for n in ref)
+
+
+def test_cached_step_on_a_mesh_rejects_misfed_replicas_and_tp_as_a_batch_dim() -> None:
+    from tests.mesh_cases import run_cached
+
+    outcomes = run_ranks_outcomes(W, run_cached, 3, ("dp",), True, timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "replicate the same rows", "('tp',)")
+    outcomes = run_ranks_outcomes(W, run_cached, 3, ("dp", "tp"), False, timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "batch dims ['tp']")
