@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
@@ -59,6 +58,9 @@ from wholebatch.train.stepping import (
     StepStats,
     sync_context,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Accumulator", "AccumulatorConfig", "LossFn", "LossReduction"]
 

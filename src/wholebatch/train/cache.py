@@ -20,11 +20,10 @@ Legend: W ranks, K micro-batches per rank, B rows of one micro-batch, N global r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
@@ -36,6 +35,9 @@ from wholebatch.train.stepping import (
     StepFinisher,
     StepStats,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CachedStep"]
 

@@ -29,15 +29,17 @@ Legend: K micro-batches per step, N global item count, pp stages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.stepping import OnNonFinite, StepConfig, StepFinisher, StepStats
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["PipelineAccumulator", "PipelineLossFn"]
 
