@@ -235,3 +235,15 @@ def test_lazy_table_is_read_from_the_type_checking_imports() -> None:
     renamed = "if TYPE_CHECKING:\n    from wholebatch.losses import clip_loss as clip\n"
     with pytest.raises(ImportError, match="renames"):
         type_checking_imports(renamed)
+
+
+def test_no_function_in_the_package_is_over_100_lines() -> None:
+    """Long functions hide the decisions they make (CONTRIBUTING.md, "Style")."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 100:
+                    long.append(f"{path.relative_to(PKG)}:{node.name} ({lines} lines)")
+    assert not long, long

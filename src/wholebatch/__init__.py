@@ -102,6 +102,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
     from wholebatch.train.gradcache import (
         GradCache as GradCache,
     )
+    from wholebatch.train.normalize import (
+        Normalize as Normalize,
+    )
     from wholebatch.train.pipeline import (
         PipelineAccumulator as PipelineAccumulator,
     )

@@ -4,8 +4,10 @@
 loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
 clipping), `meshstep` its side of a device mesh, `pipeline` the
-`PipelineAccumulator` for pipeline schedules, `wrappers` what wraps the model (DDP, FSDP2, compile: `no_sync` and
-friends), `compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+`PipelineAccumulator` for pipeline schedules, `wrappers` what wraps the model (DDP,
+FSDP2, compile: `no_sync` and friends), `normalize` the token / sequence / constant /
+group modes of `Accumulator.step`, `compression` the DDP comm hooks, `checkpoint` exact
+resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
 from wholebatch.train.meshstep import MeshReduction
 from wholebatch.train.pipeline import PipelineAccumulator
+from wholebatch.train.normalize import Normalize
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
@@ -34,6 +37,7 @@ __all__ = [
     "GradCompression",
     "MeshReduction",
     "NonFiniteStepError",
+    "Normalize",
     "PipelineAccumulator",
     "StepConfig",
     "StepFinisher",

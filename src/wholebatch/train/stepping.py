@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -375,7 +376,9 @@ class StepFinisher:
         """`loss` times the AMP scale (identity without a scaler): call `.backward()` on this."""
         return loss if self.scaler is None else self.scaler.scale(loss)
 
-    def begin(self, num_micro_batches: int, *, op: str = "step") -> None:
+    def begin(
+        self, num_micro_batches: int, *, op: str = "step", extra: Mapping[str, Field] | None = None
+    ) -> Rows:
         """Agree the step's micro-batch count K on every rank before any forward.
 
         One small all-gather. Raises the same `WholebatchError` on every rank when K
@@ -384,6 +387,9 @@ class StepFinisher:
         K = 0, when a rank's parameters already hold gradients (they would be
         added to the step's and break its normalisation), or when the model is a plain
         module on W > 1 ranks without `config.rank_local` (nothing reduces its gradients).
+
+        `extra`: more named fields for the same all-gather (an engine's own facts to
+        agree before any forward; the same names on every rank). Returns the agreed rows.
         """
         stale = any(p.grad is not None for p in self.params())
         # On a mesh, MeshReduction.of checked that the wrapper reduces every batch dim.
@@ -392,13 +398,16 @@ class StepFinisher:
             and self.split is None
             and unwrapped_error(self.model, self.world_size, op)
         )
-        rows = agree_rows(
-            {"micro_batches": int(num_micro_batches), "stale": stale, "plain": bool(plain)},
-            group=self.group,
-        )
+        row: dict[str, Field] = {
+            "micro_batches": int(num_micro_batches),
+            "stale": stale,
+            "plain": bool(plain),
+        }
+        rows = agree_rows({**row, **(extra or {})}, group=self.group)
         error = _begin_error(rows, op, self.world_size)
         if error is not None:
             raise WholebatchError(f"{op}: {error}")
+        return rows
 
     def finish(
         self,
@@ -409,6 +418,9 @@ class StepFinisher:
         backward_scale: float = 1.0,
         normalize_by_items: bool = True,
         nonfinite_loss: Tensor | bool | None = None,
+        skip_if_empty: bool | None = None,
+        local_error: str | None = None,
+        op: str = "step",
         counted: bool = True,
     ) -> StepStats:
         """Agree, then rescale/unscale/clip/step/update/zero (or skip or raise) on every rank.
@@ -426,6 +438,12 @@ class StepFinisher:
                 count N. False when the losses already carry their normalisation
                 (their sum over ranks is the whole-batch loss).
             nonfinite_loss: this rank saw a non-finite loss; None: derive from `loss_sum`.
+            skip_if_empty: skip the step when it held 0 items on every rank; None: when
+                `normalize_by_items` (losses that carry their own normalisation may say True).
+            local_error: what went wrong on this rank during the step (e.g. a loss of the
+                wrong shape, back-propagated as zero to keep the ranks in step): the step
+                is dropped and the same `WholebatchError` raised on every rank, naming `op`.
+            op: the engine's name in errors.
             counted: on a mesh, whether this rank computed the loss (False on a pipeline
                 stage without labels: its `items` and `loss_sum` are ignored).
 
@@ -448,12 +466,17 @@ class StepFinisher:
         else:  # every rank's share, summed over the mesh: the whole norm (meshstep)
             sq_sharded, sq_local = sq_norm_share(self.split, self.params()), torch.zeros(())
         row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
+        row["error"] = local_error is not None
         if self.split is not None:
             row.update(
                 self.split.count_fields(items=row["items"], loss=row["loss"], counted=counted)
             )
         rows = agree_rows(row, group=self.group)  # the step's only extra collective
-        agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items)
+        if rows.ranks_where("error"):
+            self._drop_grads()
+            rows.error(op, local_error)  # raises on every rank; nothing stepped
+        empty = normalize_by_items if skip_if_empty is None else skip_if_empty
+        agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items, empty)
         if agreed.skip_reason is not None:
             return self._skip(agreed, micro_batches, loss_scale)
         clip_coef = self._clip_coef(agreed.grad_norm)
@@ -472,14 +495,23 @@ class StepFinisher:
     # -- the steps of `finish` -----------------------------------------------------
 
     def _read(
-        self, rows: Rows, sq_local: float, backward_scale: float, normalize_by_items: bool
+        self,
+        rows: Rows,
+        sq_local: float,
+        backward_scale: float,
+        normalize_by_items: bool,
+        skip_if_empty: bool,
     ) -> _Agreed:
         """What every rank decides from the agreed rows (the same on every rank)."""
         n_items = _rank_sum(rows["items"])
         items_per_rank = rows["items"]
         loss_total = _rank_sum(rows["loss"])
         if self.split is not None:  # each data shard counted once, replicas checked
-            counts = self.split.read_counts("step", rows)
+            try:
+                counts = self.split.read_counts("step", rows)
+            except WholebatchError:
+                self._drop_grads()  # raised on every rank alike; nothing stepped
+                raise
             n_items, loss_total = counts.items, counts.loss_sum
         if negative := rows.ranks_where("negative_items"):
             self._drop_grads()
@@ -495,7 +527,7 @@ class StepFinisher:
         amp_overflow = False
         if bad_loss:
             reason = f"non-finite loss on ranks {bad_loss}"
-        elif normalize_by_items and n_items == 0:
+        elif skip_if_empty and n_items == 0:
             reason = "the step held 0 items on every rank"
         elif bad_grad:
             reason = f"non-finite gradient on ranks {bad_grad}"
