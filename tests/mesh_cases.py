@@ -177,7 +177,8 @@ def _my_batch(case: MeshCase, mesh: DeviceMesh, s: int) -> list[MicroBatch]:
 
     split = MeshSplit(mesh=mesh, batch_dims=_true_batch_dims(case))
     coord = split.coordinate()
-    shard = coord["dp"]  # the sequences are dealt over dp; cp cuts each one's tokens
+    # The sequences are dealt over the data shards; cp cuts each one's tokens.
+    shard = coord["dp"] if "cp" in split.sizes else split.batch_index()
     seqs = _sequences(case, s)
     if case.replica_differs and dist.get_rank() == 1:
         # Other rows of the same shapes (a sampler seeded by the global rank): a shape
@@ -195,7 +196,7 @@ def _my_batch(case: MeshCase, mesh: DeviceMesh, s: int) -> list[MicroBatch]:
 def _true_batch_dims(case: MeshCase) -> tuple[str, ...]:
     """How the data is really split (the case's batch_dims may be a deliberate mistake)."""
     names = [n for n, _ in case.shape]
-    return tuple(d for d in ("dp", "cp") if d in names)
+    return tuple(d for d in ("dp", "cp", "rep", "shard") if d in names)
 
 
 def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> tuple[nn.Module, _CountingReduceScatter]:
@@ -213,8 +214,10 @@ def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> tuple[nn.Module, _CountingR
             model, mesh["tp"], {"hidden": ColwiseParallel(), "out": RowwiseParallel()}
         )
         fully_shard(model, mesh=mesh["dp"])
-    else:
+    elif "cp" in names:
         fully_shard(model, mesh=mesh["dp_cp"])
+    else:  # HSDP: replicate over "rep", shard over "shard" (a 2-D FSDP2 mesh)
+        fully_shard(model, mesh=mesh)
     counter = _CountingReduceScatter()
     model.set_custom_reduce_scatter(counter)  # type: ignore[operator]
     return model, counter

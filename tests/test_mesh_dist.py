@@ -117,6 +117,19 @@ def test_dp_tp_replicas_fed_different_rows_is_an_error_on_every_rank() -> None:
     same_error_everywhere(outcomes, "replicate the same rows", "('tp',)", "ranks [0, 1]")
 
 
+def test_hsdp_two_batch_dims_matches_whole_batch() -> None:
+    # fully_shard on a 2-D (replicate, shard) mesh: both dims split the batch and
+    # FSDP2 averages over both (factor 4); 4 data shards.
+    case = MeshCase(
+        shape=(("rep", 2), ("shard", 2)),
+        batch_dims=("rep", "shard"),
+        steps=ragged_steps(4, 3, 2, seed=4),
+        max_grad_norm=0.5,
+    )
+    results = run_ranks(W, run_fsdp, case, timeout=TIMEOUT)
+    assert_whole_batch(results, reference(case), engine_stats=True)
+
+
 # ---------------------------------------------------------------------------
 # dp2 x cp2 (sequence sharding)
 # ---------------------------------------------------------------------------
