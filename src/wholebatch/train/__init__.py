@@ -18,8 +18,8 @@ from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
 from wholebatch.train.meshstep import MeshReduction
-from wholebatch.train.pipeline import PipelineAccumulator
 from wholebatch.train.normalize import Normalize
+from wholebatch.train.pipeline import PipelineAccumulator
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
