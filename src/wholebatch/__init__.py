@@ -59,6 +59,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
         init_process_group as init_process_group,
         set_checks as set_checks,
     )
+    from wholebatch.comm.mesh import (
+        MeshSplit as MeshSplit,
+    )
     from wholebatch.errors import (
         WholebatchError as WholebatchError,
         WholebatchTypeError as WholebatchTypeError,
@@ -101,6 +104,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
     )
     from wholebatch.train.normalize import (
         Normalize as Normalize,
+    )
+    from wholebatch.train.pipeline import (
+        PipelineAccumulator as PipelineAccumulator,
     )
     from wholebatch.train.stepping import (
         NonFiniteStepError as NonFiniteStepError,

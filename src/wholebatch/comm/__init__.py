@@ -3,7 +3,7 @@
 The lowest layer of wholebatch (DESIGN.md, "Layers"): it knows no loss, no
 engine and no CLI. `collectives` holds the autograd collectives, `groups` the
 process-group helpers ("not initialised" is a world of one), `checks` the
-cross-rank fingerprint exchange, `debug` the store check-in, `launch` local
+cross-rank fingerprint exchange, `debug` the store check-in, `mesh` the batch split over a device mesh, `launch` local
 launch through torchrun's launcher API, and `_c10d` the shim over c10d names.
 """
 
@@ -39,5 +39,6 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
         is_distributed as is_distributed,
         set_checks as set_checks,
     )
+    from wholebatch.comm.mesh import MeshSplit as MeshSplit
 
 _LAZY, __all__, __getattr__, __dir__ = lazy_package(globals())

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
@@ -75,6 +76,9 @@ from wholebatch.train.stepping import (
     StepStats,
     sync_context,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Accumulator", "AccumulatorConfig", "LossFn", "LossReduction"]
 
@@ -158,6 +162,12 @@ class Accumulator:
         on_nonfinite: see `AccumulatorConfig.on_nonfinite`.
         rank_local: see `AccumulatorConfig.rank_local`.
         group: the data-parallel group; None: DDP's process group, else the world.
+        mesh: a `DeviceMesh` instead of `group` (docs/mesh.md): the model runs on it
+            (FSDP2/DDP on some dims, tensor parallel on others) and items are counted
+            over `batch_dims` only; ranks that replicate the batch must report the
+            same items and loss (else the same error on every rank).
+        batch_dims: with `mesh`, the dims that split the batch (data and context
+            parallel); every other dim replicates it (tensor parallel).
         config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
     """
 
@@ -174,6 +184,8 @@ class Accumulator:
         on_nonfinite: OnNonFinite = "skip",
         rank_local: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         config: AccumulatorConfig | None = None,
     ) -> None:
         if config is None:
@@ -188,8 +200,10 @@ class Accumulator:
         self.config = config
         self.model = model
         self.optimizer = optimizer
+        split = MeshSplit.from_args("Accumulator", mesh, batch_dims, group=group)
+        self.split = split
         self.finisher = StepFinisher(
-            model, optimizer, scaler=scaler, config=config.step_config(), group=group
+            model, optimizer, scaler=scaler, config=config.step_config(), group=group, split=split
         )
         self.scaler = self.finisher.scaler
         spec = GradCompression.parse(config.grad_compression)
@@ -210,7 +224,7 @@ class Accumulator:
         `weighted`: the losses carry their exact weights (a `Normalize` mode), so
         there is no N to estimate: c = W ("mean") or 1 ("sum").
         """
-        factor = self.finisher.world_size if self.config.grad_reduction == "mean" else 1
+        factor = self.finisher.reduce_factor  # W for "mean", 1 for "sum"; on a mesh, meshstep's
         return factor if weighted else factor / self.items_estimate
 
     def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -292,6 +306,13 @@ class Accumulator:
                 shape is not its mask's (nothing is stepped).
             NonFiniteStepError: on every rank, with on_nonfinite="raise".
         """
+        if normalize is not None and self.split is not None:
+            # Its weight table is gathered over every rank: tp replicas would count twice.
+            raise WholebatchError(
+                "Accumulator.step: normalize= is not supported with mesh= yet (its weight "
+                "table is agreed over every rank, so replicas would count twice); use the "
+                "default token mean (loss_fn returning (sum, count)) on a mesh"
+            )
         if normalize is not None and not isinstance(normalize, Normalize):
             raise WholebatchTypeError(
                 f"Accumulator.step: normalize must be a wholebatch.Normalize or None, got "

@@ -45,10 +45,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wholebatch.comm.agree import Field, Rows, agree_rows
 from wholebatch.comm.groups import get_world_size
+from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 # compiled_inner, grad_sync_mode, is_data_parallel, sync_context and unwrapped_error stay
+from wholebatch.train.meshstep import MeshReduction, sq_norm_share
+
 # importable from here (re-exported): they lived here before `wholebatch.train.wrappers`.
 from wholebatch.train.wrappers import (
     compiled_inner,
@@ -277,6 +280,9 @@ class StepFinisher:
         scaler: an AMP `torch.amp.GradScaler` (a disabled one counts as None).
         config: clipping, gradient reduction and the non-finite policy.
         group: the data-parallel group; None: DDP's process group, else the world.
+        split: a `wholebatch.comm.mesh.MeshSplit` instead of `group`: items are counted
+            over its batch dims only, replicas checked, and the rescale and the norm
+            follow `wholebatch.train.meshstep` (the wrapper's reduced dims).
     """
 
     def __init__(
@@ -287,6 +293,7 @@ class StepFinisher:
         scaler: torch.amp.GradScaler | None = None,
         config: StepConfig | None = None,
         group: ProcessGroup | None = None,
+        split: MeshSplit | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -312,7 +319,31 @@ class StepFinisher:
         self.world_size = get_world_size(group)
         self.steps = 0
         self.skipped_steps = 0
-        self._check_fsdp_mesh()
+        self.split = split
+        self.mesh_reduction: MeshReduction | None = None
+        if split is not None:
+            if group is not None and not isinstance(model, DistributedDataParallel):
+                raise WholebatchError(
+                    "StepFinisher: pass group= (a flat world) or split= (a mesh), not both"
+                )
+            self.mesh_reduction = MeshReduction.of(
+                model,
+                split,
+                grad_reduction=self.config.grad_reduction,
+                allow_unreduced=self.config.rank_local,
+            )
+            self.group = None  # counts and flags are agreed over the whole mesh
+            self.world_size = get_world_size(None)
+        else:
+            self._check_fsdp_mesh()
+
+    @property
+    def reduce_factor(self) -> float:
+        """What the wrapper's reduction leaves to compensate: W for "mean", 1 for "sum";
+        on a mesh, `MeshReduction.factor` (the batch dims it averages over)."""
+        if self.mesh_reduction is not None:
+            return self.mesh_reduction.factor
+        return float(self.world_size) if self.config.grad_reduction == "mean" else 1.0
 
     # -- parameters ----------------------------------------------------------
 
@@ -361,7 +392,12 @@ class StepFinisher:
         agree before any forward; the same names on every rank). Returns the agreed rows.
         """
         stale = any(p.grad is not None for p in self.params())
-        plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
+        # On a mesh, MeshReduction.of checked that the wrapper reduces every batch dim.
+        plain = (
+            not self.config.rank_local
+            and self.split is None
+            and unwrapped_error(self.model, self.world_size, op)
+        )
         row: dict[str, Field] = {
             "micro_batches": int(num_micro_batches),
             "stale": stale,
@@ -385,6 +421,7 @@ class StepFinisher:
         skip_if_empty: bool | None = None,
         local_error: str | None = None,
         op: str = "step",
+        counted: bool = True,
     ) -> StepStats:
         """Agree, then rescale/unscale/clip/step/update/zero (or skip or raise) on every rank.
 
@@ -407,6 +444,8 @@ class StepFinisher:
                 wrong shape, back-propagated as zero to keep the ranks in step): the step
                 is dropped and the same `WholebatchError` raised on every rank, naming `op`.
             op: the engine's name in errors.
+            counted: on a mesh, whether this rank computed the loss (False on a pipeline
+                stage without labels: its `items` and `loss_sum` are ignored).
 
         Returns:
             The step's `StepStats` (identical on every rank).
@@ -422,9 +461,16 @@ class StepFinisher:
             # this rank's and is superseded by the agreed flag below.
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params() if p.grad is not None]
-        sq_sharded, sq_local = self._squared_norms(grads)
+        if self.split is None:
+            sq_sharded, sq_local = self._squared_norms(grads)
+        else:  # every rank's share, summed over the mesh: the whole norm (meshstep)
+            sq_sharded, sq_local = sq_norm_share(self.split, self.params()), torch.zeros(())
         row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
         row["error"] = local_error is not None
+        if self.split is not None:
+            row.update(
+                self.split.count_fields(items=row["items"], loss=row["loss"], counted=counted)
+            )
         rows = agree_rows(row, group=self.group)  # the step's only extra collective
         if rows.ranks_where("error"):
             self._drop_grads()
@@ -459,6 +505,14 @@ class StepFinisher:
         """What every rank decides from the agreed rows (the same on every rank)."""
         n_items = _rank_sum(rows["items"])
         items_per_rank = rows["items"]
+        loss_total = _rank_sum(rows["loss"])
+        if self.split is not None:  # each data shard counted once, replicas checked
+            try:
+                counts = self.split.read_counts("step", rows)
+            except WholebatchError:
+                self._drop_grads()  # raised on every rank alike; nothing stepped
+                raise
+            n_items, loss_total = counts.items, counts.loss_sum
         if negative := rows.ranks_where("negative_items"):
             self._drop_grads()
             raise WholebatchError(
@@ -466,8 +520,7 @@ class StepFinisher:
                 f"(negative on ranks {negative}); loss_fn must return the number of items it summed"
             )
         divisor = n_items if normalize_by_items else 1.0
-        reduce_factor = float(self.world_size) if self.config.grad_reduction == "mean" else 1.0
-        rescale = reduce_factor / (backward_scale * divisor) if divisor != 0 else math.nan
+        rescale = self.reduce_factor / (backward_scale * divisor) if divisor != 0 else math.nan
         bad_loss = rows.ranks_where("bad_loss")
         bad_grad = rows.ranks_where("bad_grad")
         reason: str | None = None
@@ -480,7 +533,7 @@ class StepFinisher:
             reason = f"non-finite gradient on ranks {bad_grad}"
             amp_overflow = self.scaler is not None
         return _Agreed(
-            loss=_rank_sum(rows["loss"]) / divisor if divisor != 0 else math.nan,
+            loss=loss_total / divisor if divisor != 0 else math.nan,
             items=n_items,
             items_per_rank=items_per_rank,
             grad_norm=math.sqrt(_rank_sum(rows["sq_sharded"]) + sq_local) * abs(rescale),
