@@ -11,7 +11,7 @@ NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
 # -qq: pip's errors only; the lines below say what the bootstrap is doing.
 PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
-.PHONY: demo test bench lint gpu clean
+.PHONY: demo test test-fast bench lint gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> .venv: creating it with $(PYTHON)"
@@ -35,6 +35,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.peers
 	$(PY) -m pytest -q
+
+# The unit tier alone (one process each, under a minute): the loop to run while editing.
+test-fast: $(VENV)/.peers
+	$(PY) -m pytest -q tests/unit
 
 bench: $(VENV)/.peers
 	$(VENV)/bin/wholebatch bench

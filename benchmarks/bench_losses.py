@@ -443,7 +443,7 @@ def _contention_table(n: int, d: int, rounds: int) -> None:
 # ---------------------------------------------------------------------------
 
 # (scale s, noise σ): text = normalise(image + σ/√D·noise); σ bisected on the float64
-# CLIP loss at N = 2,048 to give the losses (tests/test_loss_precision.py).
+# CLIP loss at N = 2,048 to give the losses (tests/unit/test_loss_precision.py).
 REGIMES = {
     "s = 100, ordinary": (100.0, 8.0),
     "s = 100, loss 0.32": (100.0, 3.205),

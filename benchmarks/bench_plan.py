@@ -5,15 +5,15 @@
     .venv/bin/python -m benchmarks.bench_plan --quick          # N = 4,096 (W = 1, 2) only; ~2 min
 
 1. Memory: each loss's forward + backward (the real public losses; InfoNCE also
-   with k = 3 hard negatives) in FRESH processes (tests/plan_memprobe.py:
+   with k = 3 hard negatives) in FRESH processes (tests/support/plan_memprobe.py:
    peak-RSS growth, glibc's mmap threshold fixed so RSS follows live memory),
    against `wholebatch.planner.memory.loss_memory`; D = 256. Calibration points
    (where the coefficients were read): W = 1 at N = 8,192 (tiles 512 and
    2,048), W = 2 and 4 at N = 16,384, InfoNCE's directions at W = 2, N = 8,192.
    Checks: every other row (N = 4,096 and 32,768, W = 1 at 16,384 in bfloat16,
-   k = 1), and W = 3 in tests/test_plan_dist.py.
+   k = 1), and W = 3 in tests/distributed/test_plan_dist.py.
 2. Bytes: every rank of W = 2, 3, 4 gloo ranks counts what the library hands to c10d
-   (tests/plan_counting.py) and what it writes to its sockets (/proc/self/io wchar),
+   (tests/support/plan_counting.py) and what it writes to its sockets (/proc/self/io wchar),
    against `wholebatch.planner.traffic.loss_traffic`, uneven sizes with an empty rank.
 3. Speed: `plan()` wall time (median of 5, after one warm call) for W = 8 .. 65,536,
    even and uneven splits; the CLI's wall time apart.
@@ -55,7 +55,7 @@ DIRECTIONS = [
 
 def _memprobe(world: int, specs: list[str]) -> dict[str, list[int]]:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.plan_memprobe", str(world), *specs],
+        [sys.executable, "-m", "tests.support.plan_memprobe", str(world), *specs],
         capture_output=True, text=True, env=ENV,
     )  # fmt: skip
     if out.returncode:
@@ -65,8 +65,8 @@ def _memprobe(world: int, specs: list[str]) -> dict[str, list[int]]:
 
 
 def _planned(spec: str, world: int) -> int:
-    from tests.plan_cases import DTYPES
-    from tests.plan_memprobe import case_of
+    from tests.support.plan_cases import DTYPES
+    from tests.support.plan_memprobe import case_of
     from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
 
     c = case_of(spec, world)
@@ -105,9 +105,9 @@ def memory_table(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def bytes_table() -> list[dict[str, Any]]:
-    from tests.harness import run_ranks, shutdown_worlds
-    from tests.plan_cases import Case, planned
-    from tests.test_plan_dist import _count_all
+    from tests.support.harness import run_ranks, shutdown_worlds
+    from tests.support.plan_cases import Case, planned
+    from tests.distributed.test_plan_dist import _count_all
 
     rows = []
     cases = [

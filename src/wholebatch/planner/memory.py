@@ -12,7 +12,7 @@ of buffers, each a multiple of one of
 with e the embeddings' element size and a the kernels' compute element size
 (4, or 8 for float64 inputs). The coefficients were read off peak-RSS
 measurements of the kernels on CPU (glibc's mmap threshold fixed, so RSS
-follows live memory; benchmarks/bench_plan.py, tests/plan_memprobe.py) at
+follows live memory; benchmarks/bench_plan.py, tests/support/plan_memprobe.py) at
 N = 8,192 (W = 1) and 16,384 (W = 2, 4), D = 256, tiles 512 and 2,048, and are
 explained by the buffers below; the tests and the benchmark check them at
 other N, W (3), k and dtypes (docs/plan.md).
