@@ -1,10 +1,12 @@
 """Whole-batch losses: CLIP, SigLIP, NT-Xent and InfoNCE over the global batch.
 
 `contrastive` and `info_nce` hold the loss functions, `modules` their
-`nn.Module` forms, `common` the validation agreed across ranks and the
-gradient convention of DESIGN.md, `tiles` the tiled autograd kernels that keep
-memory linear in the batch, `sizing` their pure bookkeeping (tile size, the
-exchange's row). Losses use `wholebatch.comm` and nothing above it.
+`nn.Module` forms, `specs` one descriptor per loss (torch-free: what the
+exchange, the planner and the docs ask of it), `common` the validation agreed
+across ranks and the gradient convention of DESIGN.md, `tiles` the tiled
+autograd kernels that keep memory linear in the batch, `ring` the ring forms
+of the softmax losses (memory independent of N), `sizing` their pure
+bookkeeping (tile size, the exchange's row, what "auto" picks). Losses use `wholebatch.comm` and nothing above it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _LAZY: dict[str, str] = {
     "NTXentLoss": "wholebatch.losses.modules",
     "PartitionMode": "wholebatch.losses.info_nce",
     "SigLipLoss": "wholebatch.losses.modules",
+    "Strategy": "wholebatch.losses.specs",
     "clip_loss": "wholebatch.losses.contrastive",
     "info_nce_loss": "wholebatch.losses.info_nce",
     "nt_xent_loss": "wholebatch.losses.contrastive",
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
     from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
     from wholebatch.losses.sizing import tile_size_for
+    from wholebatch.losses.specs import Strategy
 
 __all__ = [
     "ClipLoss",
@@ -45,6 +49,7 @@ __all__ = [
     "NTXentLoss",
     "PartitionMode",
     "SigLipLoss",
+    "Strategy",
     "clip_loss",
     "info_nce_loss",
     "nt_xent_loss",

@@ -46,10 +46,10 @@ from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.sizing import exchange_row_elements, sizes_fingerprint
+from wholebatch.losses.sizing import auto_strategy, exchange_row_elements, sizes_fingerprint
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
-__all__ = ["Prepared", "Problem", "prepare", "resolve_tile", "whole"]
+__all__ = ["Prepared", "Problem", "prepare", "resolve_strategy", "resolve_tile", "whole"]
 
 _REDUCTIONS: tuple[str, ...] = GRAD_REDUCTIONS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -207,6 +207,15 @@ def resolve_tile(tile_size: int | None, device: torch.device, rows: int, cols: i
     if tile_size is None:
         return tile_size_for(device.type, rows, cols)
     return tile_size
+
+
+def resolve_strategy(strategy: str, gathered_bytes: int) -> str:
+    """ "gather" or "ring": `strategy` itself, or what "auto" picks (`sizing.auto_strategy`).
+
+    Every rank decides alike: the strategy was agreed (an exchange column) and
+    `gathered_bytes` comes from agreed numbers (N, k, D, the dtype).
+    """
+    return auto_strategy(gathered_bytes) if strategy == "auto" else strategy
 
 
 def _scalar_tensor(value: Tensor | float, like: Tensor) -> Tensor:

@@ -14,9 +14,11 @@ import math
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
+    "AUTO_RING_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
     "TILE_BUFFERS",
+    "auto_strategy",
     "exchange_row_elements",
     "sizes_fingerprint",
     "tile_size_for",
@@ -28,6 +30,17 @@ CPU_TILE = 512
 TILE_BUFFERS = 3
 ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
 _TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
+
+# strategy="auto" rings when the keys a gather would hold on every rank (N·J·D
+# elements of the embeddings' dtype) pass this many bytes; below it, it gathers
+# (the gather's time was measured no worse on CPU; docs/contrastive.md).
+AUTO_RING_BYTES = 2**30
+
+
+def auto_strategy(gathered_bytes: int) -> str:
+    """What strategy="auto" runs when a gather would hold `gathered_bytes` of keys per rank."""
+    return "ring" if gathered_bytes > AUTO_RING_BYTES else "gather"
+
 
 # The exchange row's fixed columns (losses/common.py): error flag, rows, dim,
 # dtype, device, reduction.
