@@ -39,6 +39,9 @@ other N, W (3), k and dtypes (docs/plan.md).
   arriving), 7a from W = 3 (the previous block still alive during the shift);
   16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
   travel in their own dtype, their gradients in float32).
+- clip and info_nce with `strategy="ring"` (`PositiveRing`): only B·D and
+  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 3 T²·a
+  of tiles.
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
   nt_xent and siglip; plus 4 vectors of the columns' statistics (N floats)
@@ -56,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from wholebatch.losses.specs import SPECS
+from wholebatch.losses.specs import RING, SPECS
 
 __all__ = ["LOSS_STRATEGY", "STRATEGY_NAMES", "loss_memory"]
 
@@ -71,6 +74,30 @@ def _ring_per_bd(w: int, elem: int, acc: int) -> float:
     if elem < acc:
         return 4 * acc + 4 * elem if w == 1 else 5 * acc + (3 if w == 2 else 4) * elem
     return 4 * acc if w == 1 else (6 if w == 2 else 7) * acc
+
+
+def _positive_ring(
+    b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str]
+) -> float:
+    """`PositiveRing` (clip, info_nce with strategy="ring"): B·D and B·J·D buffers only.
+
+    Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3; tests/plan_memprobe.py,
+    docs/plan.md): float32 about 6a per B·J·D element at W = 2 and 7a from W = 3 (the
+    blocks held and arriving, the gradient accumulated and arriving, the candidates'
+    gradient, the scaled queries), 0.5a more with hard negatives (the [document |
+    negatives] row and its candidate-ordered copy); 16-bit inputs 4.5a per B·D + 5.5a per
+    B·J·D (the float32 copies of queries and blocks); each extra direction's ring
+    (query_to_query, doc_to_doc) 1.3a per B·J·D more. W = 1 (no block in flight): 4a.
+    """
+    j = 1 + k
+    bd, bjd = b * dim, b * j * dim
+    if elem < acc:
+        out = 4.5 * acc * bd + 5.5 * acc * bjd
+    else:
+        base = 4.0 if w == 1 else (6.0 if w == 2 else 7.0)
+        out = (base + (0.5 if k else 0.0)) * acc * bjd
+    extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
+    return out + 1.3 * acc * bjd * extra
 
 
 def _gather_keys(
@@ -139,7 +166,9 @@ def loss_memory(
     if strategy == "local":  # B x N logits per direction (open_clip's local_loss, DisCo-CLIP)
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
-    if strategy == "ring + tiled":
+    if strategy == "ring + tiled" and spec.kernel == "positive" and RING in spec.strategies:
+        return int(_positive_ring(b, dim, elem, acc, w, k, directions) + 3.0 * tiles)
+    if strategy == "ring + tiled":  # SigmoidRing's schedule (the comparison for other losses)
         width = spec.key_rows(k)  # key blocks of `width` x D per row
         buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers
         return int(_ring_per_bd(w, elem, acc) * width * b * dim + buffers * tiles)

@@ -45,6 +45,7 @@ __all__ = [
     "ddp_grad_traffic",
     "gather_traffic",
     "loss_traffic",
+    "positive_ring_traffic",
     "representative_ranks",
     "ring_traffic",
 ]
@@ -163,6 +164,7 @@ def loss_traffic(
     negatives: int = 0,
     directions: Sequence[str] = ("query_to_doc",),
     exchange: bool = True,
+    strategy: str = "gather",
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
@@ -176,6 +178,7 @@ def loss_traffic(
         negatives: info_nce's k hard negatives per query.
         directions: info_nce's directions (holding "query_to_doc").
         exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
+        strategy: "gather" or "ring" (resolved: what the loss runs; siglip always rings).
     """
     w = len(sizes)
     if w <= 1:
@@ -183,7 +186,12 @@ def loss_traffic(
     spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
     scalars = len(spec.scalars)
-    moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
+    stats: list[Collective]
+    if strategy == "ring" and spec.kernel == "positive":
+        moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
+        stats = []
+    else:
+        moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
     if exchange:
         row = exchange_row_elements(spec.exchange_options(), scalars)
@@ -231,6 +239,59 @@ def _moves(
             _gather("all_gather column gradients", bwd, sizes, rank, acc),
         ]
     return moves, stats
+
+
+def positive_ring_traffic(
+    what: str, sizes: Sequence[int], rank: int, width: int, elem: int, acc: int, columns: bool
+) -> list[Collective]:
+    """`PositiveRing`'s schedule (losses/ring.py) for key blocks of `width` elements per row.
+
+    Forward: W - 1 shifts of the blocks (the embeddings' dtype); with `columns`,
+    each followed by a shift of the block's column statistics (2 compute
+    elements per row), and one more that takes them home. Backward: W - 1
+    shifts of each block with its column coefficients, each followed by one of
+    its accumulated gradient (the compute dtype), and one more that returns each
+    gradient to its owner.
+    """
+    w = len(sizes)
+    steps, home = range(w - 1), range(w - 1, w)
+    stat = 2 * acc if columns else 0
+    out = [_ring(f"ring_shift {what}", "forward", sizes, rank, steps, width * elem)]
+    if columns:
+        out += [
+            _ring("ring_shift column statistics", "forward", sizes, rank, steps, stat),
+            _ring("ring_shift column statistics home", "forward", sizes, rank, home, stat),
+        ]
+    return [
+        *out,
+        _ring(f"ring_shift {what} (and column coefficients)", "backward", sizes, rank, steps,
+              width * elem + stat),
+        _ring("ring_shift accumulated key gradient", "backward", sizes, rank, steps, width * acc),
+        _ring("ring_shift key gradient home", "backward", sizes, rank, home, width * acc),
+    ]  # fmt: skip
+
+
+def _positive_rings(
+    spec: LossSpec,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    negatives: int,
+    directions: Sequence[str],
+) -> list[Collective]:
+    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py)."""
+    width = spec.key_rows(negatives) * dim
+    cols = spec.has_columns(directions)
+    out = positive_ring_traffic(spec.keys, sizes, rank, width, elem, acc, cols)
+    if "query_to_query" in directions:
+        out += positive_ring_traffic("queries", sizes, rank, dim, elem, acc, False)
+    if "doc_to_doc" in directions:
+        out += positive_ring_traffic(
+            f"{spec.keys} for doc_to_doc", sizes, rank, width, elem, acc, False
+        )
+    return out
 
 
 def ddp_grad_traffic(params: int, grad_elem: int, w: int) -> list[Collective]:
