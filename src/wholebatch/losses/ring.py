@@ -200,8 +200,12 @@ class PositiveRing(torch.autograd.Function):
                 nxt = RingShift([blk_BX, coef_B2], rows, group, peers)
             cand = _candidates(blk_BX, j, d, kdt)
             own = ctx.masks if step == 0 else ()
-            dcand = _grad_block(qs_BD, q, cand, post, acc, tile, own, coefs, coef_B2, uq_BD, buf)
-            _add_wire(dblk_BX, dcand, j, d)
+            # one key per row: the candidates are the wire layout, accumulate in place
+            dcand = dblk_BX if j == 1 else torch.zeros(cand.shape, dtype=acc, device=cand.device)
+            _grad_block(qs_BD, q, cand, post, acc, tile, own, coefs, coef_B2, uq_BD, dcand, buf)
+            if j > 1:
+                _add_wire(dblk_BX, dcand, j, d)
+            del cand, dcand
             if nxt is not None:
                 blk_BX, coef_B2 = nxt.wait()
                 (dblk_BX,) = _shift([dblk_BX], blk_BX.shape[0], group, peers)
@@ -267,16 +271,16 @@ def _grad_block(
     row_coefs: tuple[Tensor, Tensor],
     coef_B2: Tensor,
     uq_BD: Tensor,
+    dcand: Tensor,
     buf: Tensor,
-) -> Tensor:
-    """One block's tiles recomputed: adds the rows' gradient to `uq_BD`, returns the keys' (unscaled)."""
+) -> None:
+    """One block's tiles recomputed: adds the rows' gradient to `uq_BD`, the keys' to `dcand` (unscaled)."""
     sh_row, cf_row = row_coefs
     b, c = qs_BD.shape[0], cand.shape[0]
     n_cols = coef_B2.shape[0] if coef_B2.shape[1] else 0
     sh_col, cf_col = (coef_B2[:, 0], coef_B2[:, 1]) if n_cols else (coef_B2, coef_B2)
     bq = coef_B2.shape[0]
     masks = tuple(t * bq for t in own)
-    dcand = torch.zeros(cand.shape, dtype=acc, device=cand.device)
     for i0, i1, j0, j1 in _tiles(b, c, tile):
         s_TT = _logits(qs_BD[i0:i1], cand[j0:j1].T, post, acc)
         _mask_rows(s_TT, masks, i0 - j0)
@@ -289,7 +293,6 @@ def _grad_block(
             g_TT[:, : jc - j0].addcmul_(sc.sub_(sh_col[None, j0:jc]).exp_(), cf_col[None, j0:jc])
         uq_BD[i0:i1] += _mm(g_TT, cand[j0:j1], acc)
         dcand[j0:j1] += _mm(g_TT.T, q[i0:i1], acc)
-    return dcand
 
 
 def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:

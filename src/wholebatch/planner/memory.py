@@ -40,7 +40,7 @@ other N, W (3), k and dtypes (docs/plan.md).
   16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
   travel in their own dtype, their gradients in float32).
 - clip and info_nce with `strategy="ring"` (`PositiveRing`): only B·D and
-  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 3 T²·a
+  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 2.8 T²·a
   of tiles.
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
@@ -81,23 +81,24 @@ def _positive_ring(
 ) -> float:
     """`PositiveRing` (clip, info_nce with strategy="ring"): B·D and B·J·D buffers only.
 
-    Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3; tests/plan_memprobe.py,
-    docs/plan.md): float32 about 6a per B·J·D element at W = 2 and 7a from W = 3 (the
-    blocks held and arriving, the gradient accumulated and arriving, the candidates'
-    gradient, the scaled queries), 0.5a more with hard negatives (the [document |
-    negatives] row and its candidate-ordered copy); 16-bit inputs 4.5a per B·D + 5.5a per
-    B·J·D (the float32 copies of queries and blocks); each extra direction's ring
-    (query_to_query, doc_to_doc) 1.3a per B·J·D more. W = 1 (no block in flight): 4a.
+    Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and
+    1,024; tests/plan_memprobe.py, docs/plan.md): float32 4.7a per B·J·D element at
+    W = 2 and 5.8a from W = 3 (the block held and the one arriving, the gradient
+    accumulated and the one arriving, the scaled queries and their gradient), 0.9a
+    more with hard negatives (the [document | negatives] row and the candidate-ordered
+    copies); 16-bit inputs 3.3a per B·D + 4.75a per B·J·D at W = 2, 2.3a + 5.75a from
+    W = 3 (the float32 copies of queries and blocks); each extra direction's ring
+    (query_to_query, doc_to_doc) 1.15a per B·J·D more. W = 1 (nothing in flight, not
+    measured): 4a.
     """
-    j = 1 + k
-    bd, bjd = b * dim, b * j * dim
+    bd, bjd = b * dim, b * (1 + k) * dim
     if elem < acc:
-        out = 4.5 * acc * bd + 5.5 * acc * bjd
+        out = (3.3 * bd + 4.75 * bjd if w == 2 else 2.3 * bd + 5.75 * bjd) * acc
     else:
-        base = 4.0 if w == 1 else (6.0 if w == 2 else 7.0)
-        out = (base + (0.5 if k else 0.0)) * acc * bjd
+        base = 4.0 if w == 1 else (4.7 if w == 2 else 5.8)
+        out = (base + (0.9 if k else 0.0)) * acc * bjd
     extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
-    return out + 1.3 * acc * bjd * extra
+    return out + 1.15 * acc * bjd * extra
 
 
 def _gather_keys(
@@ -167,7 +168,7 @@ def loss_memory(
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
     if strategy == "ring + tiled" and spec.kernel == "positive" and RING in spec.strategies:
-        return int(_positive_ring(b, dim, elem, acc, w, k, directions) + 3.0 * tiles)
+        return int(_positive_ring(b, dim, elem, acc, w, k, directions) + 2.8 * tiles)
     if strategy == "ring + tiled":  # SigmoidRing's schedule (the comparison for other losses)
         width = spec.key_rows(k)  # key blocks of `width` x D per row
         buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers
