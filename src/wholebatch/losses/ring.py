@@ -38,7 +38,9 @@ from wholebatch.comm.collectives import ring_peers
 from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.comm.sizes import ring_block
+from wholebatch.losses import fused
 from wholebatch.losses.tiles import (
+    _accelerated,
     _finish,
     _logits,
     _mask_rows,
@@ -139,7 +141,8 @@ class PositiveRing(torch.autograd.Function):
         w, rank = get_world_size(group), get_rank(group)
         peers = ring_peers(group) if w > 1 else (0, 0)
         qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        kdt = keys_BX.dtype if post is not None else acc
+        fast = fused.use_fused(q_BD)
+        kdt = keys_BX.dtype if post is not None or fast else acc
         m_row = torch.full((b,), float("-inf"), dtype=acc, device=q_BD.device)
         l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
         # the (m, l) of the held block's columns, as one (Bq, 2) tensor that travels with it
@@ -153,7 +156,10 @@ class PositiveRing(torch.autograd.Function):
                 nxt = RingShift([blk_BX], ring_block(sizes, rank, step + 1), group, peers)
             cand = _candidates(blk_BX, j, d, kdt)
             own = masks if step == 0 else ()
-            _fold(qs_BD, cand, post, acc, tile, bq, own, m_row, l_row, stats_B2, buf)
+            if fast:
+                _fold_fused(q_BD, cand, scale, bq, own, m_row, l_row, stats_B2)
+            else:
+                _fold(qs_BD, cand, post, acc, tile, bq, own, m_row, l_row, stats_B2, buf)
             if nxt is not None:
                 (blk_BX,) = nxt.wait()
                 if columns:
@@ -185,9 +191,13 @@ class PositiveRing(torch.autograd.Function):
             coef_B2 = torch.stack(_softmax_coef(m_col, l_col, g_col_B), 1)
         else:
             coef_B2 = torch.zeros((b, 0), dtype=acc, device=q_BD.device)
-        qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        q = q_BD if post is not None else q_BD.to(acc)
-        kdt = keys_BX.dtype if post is not None else acc
+        fast = fused.use_fused(q_BD)
+        low = _accelerated(q_BD) and q_BD.dtype != acc
+        q = q_BD if low or fast else q_BD.to(acc)
+        # The scale is applied to each tile, not to a scaled copy of the queries: the
+        # backward sets the ring's peak, and that copy was one B x D buffer of it.
+        qs_BD, post = q, scale.detach().to(acc)
+        kdt = keys_BX.dtype if low or fast else acc
         uq_BD = torch.zeros((b, d), dtype=acc, device=q_BD.device)  # unscaled: dq = s·uq
         blk_BX = keys_BX.detach()
         dblk_BX = torch.zeros(keys_BX.shape, dtype=acc, device=keys_BX.device)
@@ -202,7 +212,10 @@ class PositiveRing(torch.autograd.Function):
             own = ctx.masks if step == 0 else ()
             # one key per row: the candidates are the wire layout, accumulate in place
             dcand = dblk_BX if j == 1 else torch.zeros(cand.shape, dtype=acc, device=cand.device)
-            _grad_block(qs_BD, q, cand, post, acc, tile, own, coefs, coef_B2, uq_BD, dcand, buf)
+            if fast:
+                _grad_block_fused(q, cand, scale, own, coefs, coef_B2, uq_BD, dcand)
+            else:
+                _grad_block(qs_BD, q, cand, post, acc, tile, own, coefs, coef_B2, uq_BD, dcand, buf)
             if j > 1:
                 _add_wire(dblk_BX, dcand, j, d)
             del cand, dcand
@@ -258,6 +271,50 @@ def _fold(
             e = buf[: sc.numel()].view(sc.shape)
             m_c, l_c = stats_B2[j0:jc, 0].clone(), stats_B2[j0:jc, 1].clone()
             stats_B2[j0:jc, 0], stats_B2[j0:jc, 1] = _running(m_c, l_c, sc, 0, e)
+
+
+def _fold_fused(
+    q_BD: Tensor,
+    cand: Tensor,
+    scale: Tensor,
+    bq: int,
+    own: tuple[int, ...],
+    m_row: Tensor,
+    l_row: Tensor,
+    stats_B2: Tensor,
+) -> None:
+    """`_fold` with the fused Triton kernels (`losses.fused`): the block's statistics, merged."""
+    masks = tuple(t * bq for t in own)
+    m_b, l_b = fused.row_stats(q_BD, cand, scale, 0, masks)
+    m_new, l_new = fused.merge(m_row, l_row, m_b.to(m_row.dtype), l_b.to(l_row.dtype))
+    m_row.copy_(m_new)
+    l_row.copy_(l_new)
+    if stats_B2.shape[0]:
+        m_c, l_c = fused.col_stats(q_BD, cand, scale, 0, masks, stats_B2.shape[0])
+        m2, l2 = fused.merge(
+            stats_B2[:, 0], stats_B2[:, 1], m_c.to(m_row.dtype), l_c.to(m_row.dtype)
+        )
+        stats_B2[:, 0], stats_B2[:, 1] = m2, l2
+
+
+def _grad_block_fused(
+    q: Tensor,
+    cand: Tensor,
+    scale: Tensor,
+    own: tuple[int, ...],
+    row_coefs: tuple[Tensor, Tensor],
+    coef_B2: Tensor,
+    uq_BD: Tensor,
+    dcand: Tensor,
+) -> None:
+    """`_grad_block` with the fused Triton kernels (`losses.fused`)."""
+    bq = coef_B2.shape[0]
+    none = coef_B2.new_zeros(0)
+    cols = (coef_B2[:, 0], coef_B2[:, 1]) if coef_B2.shape[1] else (none, none)
+    masks = tuple(t * bq for t in own)
+    uq, uk = fused.grads(q, cand, scale, 0, masks, row_coefs, cols)
+    uq_BD += uq
+    dcand += uk
 
 
 def _grad_block(
