@@ -52,7 +52,7 @@ class PlanConfig:
 
     known_sizes: bool = False
     """The loss is called with sizes= and check=False: no cross-rank metadata exchange
-    (default: the exchange runs, an all-gather of W + 7 to 10 float64 per rank)."""
+    (default: the exchange runs, an all-gather of 10 to 13 float64 per rank)."""
 
     dtype: str = "bf16"
     """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64

@@ -82,23 +82,23 @@ def _positive_ring(
     """`PositiveRing` (clip, info_nce with strategy="ring"): B·D and B·J·D buffers only.
 
     Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and
-    1,024; tests/plan_memprobe.py, docs/plan.md): float32 4.7a per B·J·D element at
-    W = 2 and 5.8a from W = 3 (the block held and the one arriving, the gradient
-    accumulated and the one arriving, the scaled queries and their gradient), 0.9a
-    more with hard negatives (the [document | negatives] row and the candidate-ordered
-    copies); 16-bit inputs 3.3a per B·D + 4.75a per B·J·D at W = 2, 2.3a + 5.75a from
-    W = 3 (the float32 copies of queries and blocks); each extra direction's ring
-    (query_to_query, doc_to_doc) 1.15a per B·J·D more. W = 1 (nothing in flight, not
-    measured): 4a.
+    1,024; tests/plan_memprobe.py, docs/plan.md): float32 3.7a per B·J·D element at
+    W = 2 and 4.8a from W = 3 (the block held and the one arriving, the gradient
+    accumulated and the one arriving, the queries' gradient; the scale is applied per
+    tile), 1.6a more with hard negatives (the [document | negatives] row and the
+    candidate-ordered copies); 16-bit inputs 2.36a per B·D + 4.72a per B·J·D at W = 2,
+    1.28a + 5.88a from W = 3 (the float32 copies of queries and blocks); each extra
+    direction's ring (query_to_query, doc_to_doc) 1.05a per B·J·D more. W = 1 (nothing
+    in flight, not measured): 3a.
     """
     bd, bjd = b * dim, b * (1 + k) * dim
     if elem < acc:
-        out = (3.3 * bd + 4.75 * bjd if w == 2 else 2.3 * bd + 5.75 * bjd) * acc
+        out = (2.36 * bd + 4.72 * bjd if w == 2 else 1.28 * bd + 5.88 * bjd) * acc
     else:
-        base = 4.0 if w == 1 else (4.7 if w == 2 else 5.8)
-        out = (base + (0.9 if k else 0.0)) * acc * bjd
+        base = 3.0 if w == 1 else (3.7 if w == 2 else 4.8)
+        out = (base + (1.6 if k else 0.0)) * acc * bjd
     extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
-    return out + 1.15 * acc * bjd * extra
+    return out + 1.05 * acc * bjd * extra
 
 
 def _gather_keys(
