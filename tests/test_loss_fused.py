@@ -150,3 +150,27 @@ def test_choice_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "available", lambda: False)
     with pytest.raises(WholebatchError, match="triton is not installed"):
         fused.use_fused(x)
+
+
+def test_a_kernel_that_fails_falls_back_to_the_pytorch_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chosen automatically (not forced), a kernel that does not build warns and the PyTorch tiles run."""
+    g = torch.Generator().manual_seed(5)
+    q, d = (torch.randn(9, 6, generator=g) for _ in range(2))
+    monkeypatch.setenv("WHOLEBATCH_TILES", "torch")
+    want = clip_loss(q, d, 3.0)
+    monkeypatch.delenv("WHOLEBATCH_TILES")
+
+    def broken(*args: object, **kw: object) -> None:
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(fused, "_FAILED", [])
+    monkeypatch.setattr(fused, "row_stats", broken)
+    monkeypatch.setattr(fused, "use_fused", lambda x: fused.forced() or not fused._FAILED)
+    with pytest.warns(RuntimeWarning, match="fused Triton tiles failed"):
+        got = clip_loss(q, d, 3.0)
+    torch.testing.assert_close(got, want, **TOL)
+    monkeypatch.setenv("WHOLEBATCH_TILES", "triton")  # forced: the failure is raised
+    with pytest.raises(RuntimeError, match="out of resources"):
+        clip_loss(q, d, 3.0)

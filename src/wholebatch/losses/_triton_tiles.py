@@ -16,18 +16,23 @@ __all__ = ["KERNELS"]
 
 @triton.jit
 def _logits(q_ptr, k_ptr, rows, cols, d, scale_ptr, BD: tl.constexpr):  # type: ignore[no-untyped-def]
-    offs_d = tl.arange(0, BD)
-    q = tl.load(
-        q_ptr + rows[:, None] * d + offs_d[None, :],
-        mask=(rows[:, None] >= 0) & (offs_d[None, :] < d),
-        other=0.0,
-    ).to(tl.float32)
-    k = tl.load(
-        k_ptr + cols[:, None] * d + offs_d[None, :],
-        mask=(cols[:, None] >= 0) & (offs_d[None, :] < d),
-        other=0.0,
-    ).to(tl.float32)
-    return tl.dot(q, tl.trans(k)) * tl.load(scale_ptr).to(tl.float32)
+    # D in chunks of at most 64: the operands of one dot stay small at any D
+    BK: tl.constexpr = 64 if BD > 64 else BD
+    s = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
+    for d0 in range(0, d, BK):
+        offs_d = d0 + tl.arange(0, BK)
+        q = tl.load(
+            q_ptr + rows[:, None] * d + offs_d[None, :],
+            mask=(rows[:, None] >= 0) & (offs_d[None, :] < d),
+            other=0.0,
+        ).to(tl.float32)
+        k = tl.load(
+            k_ptr + cols[:, None] * d + offs_d[None, :],
+            mask=(cols[:, None] >= 0) & (offs_d[None, :] < d),
+            other=0.0,
+        ).to(tl.float32)
+        s += tl.dot(q, tl.trans(k))
+    return s * tl.load(scale_ptr).to(tl.float32)
 
 
 @triton.jit

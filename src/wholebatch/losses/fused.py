@@ -16,8 +16,9 @@ logit:
   g_ij = exp(s_ij − sh_i)·cf_i + exp(s_ij − sh'_j)·cf'_j (the softmax over row
   i's negatives times its gradient, plus the column part), unscaled.
 
-Chosen automatically on CUDA when triton is installed (the `triton` extra),
-the PyTorch tiles otherwise; ``WHOLEBATCH_TILES=torch`` forces the PyTorch
+Chosen automatically on CUDA when triton is installed (the `triton` extra)
+and D <= `MAX_AUTO_DIM`, the PyTorch tiles otherwise (and for the rest of the
+process if a kernel fails to build or run: a warning says so); ``WHOLEBATCH_TILES=torch`` forces the PyTorch
 tiles, ``WHOLEBATCH_TILES=triton`` the fused ones (also on CPU under
 ``TRITON_INTERPRET=1``, how the tests check them against the PyTorch tiles).
 Logits are s·(q·k) in float32 from inputs of any float dtype.
@@ -37,7 +38,17 @@ from torch import Tensor
 
 from wholebatch.errors import WholebatchError
 
-__all__ = ["available", "col_stats", "grads", "merge", "row_stats", "use_fused"]
+__all__ = [
+    "MAX_AUTO_DIM",
+    "available",
+    "col_stats",
+    "disable",
+    "forced",
+    "grads",
+    "merge",
+    "row_stats",
+    "use_fused",
+]
 
 _ENV = "WHOLEBATCH_TILES"
 
@@ -68,7 +79,31 @@ def use_fused(x: Tensor) -> bool:
         if not available():
             raise WholebatchError(f"{_ENV}=triton but triton is not installed: pip install triton")
         return True
-    return x.is_cuda and available()
+    return x.is_cuda and x.shape[-1] <= MAX_AUTO_DIM and available() and not _FAILED
+
+
+# The backward keeps a BM x D float32 accumulator per program: chosen automatically up to
+# this D (larger D: the PyTorch tiles, unless WHOLEBATCH_TILES=triton).
+MAX_AUTO_DIM = 256
+_FAILED: list[str] = []
+
+
+def forced() -> bool:
+    """Whether ``WHOLEBATCH_TILES=triton`` asks for the kernels (then a failure is raised)."""
+    return os.environ.get(_ENV, "").strip().lower() == "triton"
+
+
+def disable(why: BaseException) -> None:
+    """Fall back to the PyTorch tiles for the rest of the process (a kernel failed to build or run)."""
+    import warnings
+
+    _FAILED.append(repr(why))
+    warnings.warn(
+        f"wholebatch: the fused Triton tiles failed ({why!r}); using the PyTorch tiles "
+        f"(set {_ENV}=torch to skip them, {_ENV}=triton to see the error)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _blocks(d: int) -> tuple[int, int, int]:

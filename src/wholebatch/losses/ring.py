@@ -157,8 +157,8 @@ class PositiveRing(torch.autograd.Function):
             cand = _candidates(blk_BX, j, d, kdt)
             own = masks if step == 0 else ()
             if fast:
-                _fold_fused(q_BD, cand, scale, bq, own, m_row, l_row, stats_B2)
-            else:
+                fast = _try(_fold_fused, q_BD, cand, scale, bq, own, m_row, l_row, stats_B2)
+            if not fast:
                 _fold(qs_BD, cand, post, acc, tile, bq, own, m_row, l_row, stats_B2, buf)
             if nxt is not None:
                 (blk_BX,) = nxt.wait()
@@ -213,8 +213,8 @@ class PositiveRing(torch.autograd.Function):
             # one key per row: the candidates are the wire layout, accumulate in place
             dcand = dblk_BX if j == 1 else torch.zeros(cand.shape, dtype=acc, device=cand.device)
             if fast:
-                _grad_block_fused(q, cand, scale, own, coefs, coef_B2, uq_BD, dcand)
-            else:
+                fast = _try(_grad_block_fused, q, cand, scale, own, coefs, coef_B2, uq_BD, dcand)
+            if not fast:
                 _grad_block(qs_BD, q, cand, post, acc, tile, own, coefs, coef_B2, uq_BD, dcand, buf)
             if j > 1:
                 _add_wire(dblk_BX, dcand, j, d)
@@ -271,6 +271,22 @@ def _fold(
             e = buf[: sc.numel()].view(sc.shape)
             m_c, l_c = stats_B2[j0:jc, 0].clone(), stats_B2[j0:jc, 1].clone()
             stats_B2[j0:jc, 0], stats_B2[j0:jc, 1] = _running(m_c, l_c, sc, 0, e)
+
+
+def _try(fn: Any, *args: Any) -> bool:
+    """Run a fused step; False (and the PyTorch tiles from now on) if its kernel fails here.
+
+    A kernel fails before it writes anything (it does not build, or does not launch),
+    so the PyTorch step that follows starts from the same state.
+    """
+    try:
+        fn(*args)
+    except Exception as failure:
+        if fused.forced():
+            raise
+        fused.disable(failure)
+        return False
+    return True
 
 
 def _fold_fused(

@@ -1,7 +1,7 @@
 """Ring vs gather for CLIP and InfoNCE on W CPU ranks: per-rank peak memory and time, side by side.
 
-    .venv/bin/python -m benchmarks.bench_ring                      # W = 4, N = 32,768, D = 256
-    .venv/bin/python -m benchmarks.bench_ring --n 8192 --rounds 1  # quicker
+    .venv/bin/python -m benchmarks.losses_ring                      # W = 4, N = 32,768, D = 256
+    .venv/bin/python -m benchmarks.losses_ring --n 8192 --rounds 1  # quicker
 
 Fresh gloo ranks (glibc's mmap threshold fixed, so RSS follows live memory);
 each round runs one forward + backward of each strategy, alternating, and
@@ -17,7 +17,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -99,13 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--losses", default="clip", help="comma-separated: clip,info_nce")
     a = p.parse_args(argv)
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "131072":  # RSS follows live memory
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-        os.execve(
-            sys.executable,
-            [sys.executable, "-m", "benchmarks.bench_ring", *(argv or sys.argv[1:])],
-            env,
-        )
+    # the spawned ranks start fresh: glibc reads these there, so RSS follows live memory
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     cfg = dict(n=a.n, d=a.d, k=a.k, tile=a.tile, rounds=a.rounds, losses=a.losses.split(","))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,7 @@
 """Small batches: one loss call of wholebatch against open_clip's exact configuration, on 2 CPU ranks.
 
-    .venv/bin/python -m benchmarks.bench_small              # 8 and 64 rows per rank
-    .venv/bin/python -m benchmarks.bench_small --profile    # + where wholebatch's forward goes
+    .venv/bin/python -m benchmarks.losses_small              # 8 and 64 rows per rank
+    .venv/bin/python -m benchmarks.losses_small --profile    # + where wholebatch's forward goes
 
 open_clip 3.3.0's own `ClipLoss` / `SigLipLoss` (tests/peers.py loads its
 loss.py; `gather_with_grad=True`, `local_loss=False`, the configuration its
