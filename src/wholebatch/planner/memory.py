@@ -19,15 +19,20 @@ other N, W (3), k and dtypes (docs/plan.md).
 
 - clip, info_nce without hard negatives (`PositiveLSE` over the all-gathered
   keys), W > 1: float32 inputs 2a·G (the gathered keys, their gradient, then
-  the reduce-scatter's receive buffer) + 3a·B (the scaled queries, their
-  gradient, one product for d scale); 16-bit inputs 11·G + 26·B bytes per
-  element (the float32 copies of keys and queries the CPU kernels make, and
-  the gradients cast back). At W = 1 the same less the gathered copy (e·B).
+  the reduce-scatter's receive buffer) + 2.3a·B (the queries' gradient, one
+  product for d scale; the scaled queries are freed with the tile loop);
+  16-bit inputs 10.2·G + 19.6·B bytes per element (the float32 copies of keys
+  and queries the CPU kernels make, and the gradients cast back). At W = 1
+  the same less the gathered copy (e·B). (Re-read at W = 2 and 4, N = 8,192
+  and 16,384, after the backward's tile loop became a function whose float32
+  copies are freed before the gradients are cast back: 3a·B and 11·G + 26·B
+  before.)
 - info_nce with k > 0 hard negatives: the candidates are a copy of the
   gathered [document | negatives] rows, so the larger of the forward (float32:
   2e·G + e·Bk + 2a·B: gathered rows, their candidate-ordered copy, the local
-  [document | negatives] row) and the backward (float32 (e + a)·G + 3a·B;
-  16-bit (2e + 2a)·G + 5a·B); at W = 1 no Bk term (the local row is the gathered one).
+  [document | negatives] row) and the backward (float32 (e + a)·G + 2.3a·B;
+  16-bit (e + 2a)·G + 5a·B: the float32 copy of the candidates is freed
+  before their gradient is cast back; (2e + 2a)·G before); at W = 1 no Bk term (the local row is the gathered one).
   Extra directions (measured together at W = 2, k = 1): query_to_query keeps
   the gathered queries (e·N·D); doc_to_doc sweeps the candidates once more,
   its key gradient accumulating beside the first (a·G).
@@ -109,16 +114,16 @@ def _gather_keys(
     g, bk = n * (1 + k) * dim, b * (1 + k) * dim
     bd = b * dim
     if k == 0:
-        alpha, beta = (11.0, 26.0) if narrow else (2.0 * a, 3.0 * a)
+        alpha, beta = (10.2, 19.6) if narrow else (2.0 * a, 2.3 * a)
         out = alpha * g + beta * bd if w > 1 else (alpha + beta - e) * bd
     else:
         local = e * bk if w > 1 else 0.0
         if narrow:
             fwd = (2 * e + a) * g + local + 3 * a * bd
-            bwd = (2 * e + 2 * a) * g + 5 * a * bd
+            bwd = (e + 2 * a) * g + 5 * a * bd
         else:
             fwd = 2 * e * g + local + 2 * a * bd
-            bwd = (e + a) * g + 3 * a * bd
+            bwd = (e + a) * g + 2.3 * a * bd
         out = max(fwd, bwd)
     if "query_to_query" in directions:
         out += e * n * dim

@@ -13,9 +13,10 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
   all-gather of one float64 row per rank, `exchange_row_elements` long
   (header, options, the sizes= fingerprint, scalars): the same length at any W;
-- the agreement: an all-reduce (max) of the scalars and the reduction code;
-  backward (when a scalar is learnable): one all-reduce of twice that (the
-  gradient and the tie count);
+- the agreement: after the exchange none in the forward (it checked the
+  scalars equal), backward one all-reduce of the scalars' gradients; without
+  it an all-reduce (max) of the scalars and the reduction code, backward one
+  all-reduce of twice that (the gradient and the tie count);
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
@@ -193,16 +194,19 @@ def loss_traffic(
     else:
         moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
-    if exchange:
+    if exchange:  # the exchange checks the scalars equal: no forward agreement
         row = exchange_row_elements(spec.exchange_options(), scalars)
         out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
-    out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
+    else:
+        out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
     out.append(_all_reduce("whole-batch loss (sum of shares)", fwd, 1, acc, w, 1))
     out.append(_all_reduce("its gradient", bwd, 1, acc, w, 1))
     out += [x for x in stats + moves if x.phase == bwd]
-    # the agreement's backward: the scalars' gradients and their tie counts, summed
-    out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
+    if exchange:  # the replicated scalars' gradients, averaged over ranks
+        out.append(_all_reduce("scalars' gradients (mean)", bwd, scalars, acc, w, 1))
+    else:  # the agreement's backward: the scalars' gradients and their tie counts, summed
+        out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
     return out
 
 
