@@ -118,6 +118,8 @@ def _gather_keys(
         out = alpha * g + beta * bd if w > 1 else (alpha + beta - e) * bd
     else:
         local = e * bk if w > 1 else 0.0
+        fwd: float
+        bwd: float
         if narrow:
             fwd = (2 * e + a) * g + local + 3 * a * bd
             bwd = (e + 2 * a) * g + 5 * a * bd
