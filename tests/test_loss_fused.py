@@ -7,7 +7,9 @@ and bfloat16 inputs, at shapes that are not multiples of the kernels' blocks
 ring, InfoNCE with hard negatives and every direction) with
 ``WHOLEBATCH_TILES=triton`` against ``WHOLEBATCH_TILES=torch``. A kernel that
 ignores the masks is rejected by the same comparison (the mutation). GPU
-speed is `make gpu`'s: not measured here.
+speed is `make gpu`'s: not measured here. The interpreter has no 16-bit dot, so
+there bf16 operands are widened before the product (the same products; on a GPU
+the kernels use the 16-bit dot with float32 accumulation, not checked here).
 """
 
 from __future__ import annotations

@@ -8,10 +8,17 @@ Legend: BM x BN the block of logits one program holds, BD the padded embedding d
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 __all__ = ["KERNELS"]
+
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no 16-bit dot: there the
+# operands are widened first, which gives the same products (a bf16 x bf16 product is
+# exact in float32); only the summation order can differ from the GPU's 16-bit dot.
+UPCAST: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "") == "1")
 
 
 @triton.jit
@@ -25,13 +32,16 @@ def _logits(q_ptr, k_ptr, rows, cols, d, scale_ptr, BD: tl.constexpr):  # type: 
             q_ptr + rows[:, None] * d + offs_d[None, :],
             mask=(rows[:, None] >= 0) & (offs_d[None, :] < d),
             other=0.0,
-        ).to(tl.float32)
+        )
         k = tl.load(
             k_ptr + cols[:, None] * d + offs_d[None, :],
             mask=(cols[:, None] >= 0) & (offs_d[None, :] < d),
             other=0.0,
-        ).to(tl.float32)
-        s += tl.dot(q, tl.trans(k))
+        )
+        if q.dtype == tl.float32 or UPCAST:  # exact float32 products: never TF32
+            s += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # 16-bit operands: exact products, float32 accumulation
+            s += tl.dot(q, tl.trans(k), out_dtype=tl.float32)
     return s * tl.load(scale_ptr).to(tl.float32)
 
 
@@ -127,7 +137,7 @@ def dq_kernel(  # type: ignore[no-untyped-def]
             k_ptr + cols[:, None] * d + offs_d[None, :],
             mask=(cols[:, None] < c) & (offs_d[None, :] < d), other=0.0,
         ).to(tl.float32)  # fmt: skip
-        acc += tl.dot(g, k)
+        acc += tl.dot(g, k, input_precision="ieee")
     tl.store(
         uq_ptr + rows[:, None] * d + offs_d[None, :], acc,
         mask=(rows[:, None] < b) & (offs_d[None, :] < d),
@@ -152,7 +162,7 @@ def dk_kernel(  # type: ignore[no-untyped-def]
             q_ptr + rows[:, None] * d + offs_d[None, :],
             mask=(rows[:, None] < b) & (offs_d[None, :] < d), other=0.0,
         ).to(tl.float32)  # fmt: skip
-        acc += tl.dot(tl.trans(g), q)
+        acc += tl.dot(tl.trans(g), q, input_precision="ieee")
     tl.store(
         uk_ptr + cols[:, None] * d + offs_d[None, :], acc,
         mask=(cols[:, None] < c) & (offs_d[None, :] < d),
