@@ -52,6 +52,9 @@ CASES = [
     Case(loss="clip", sizes=(16, 16), dtype="bf16", strategy="ring"),
     Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL, strategy="ring"),
     Case(loss="info_nce", sizes=(3, 17), dtype="bf16", k=2, strategy="ring", known_sizes=True),
+    # statistics past sizing.STATS_GATHER_BYTES: combined by two all-reduces, not one all-gather
+    Case(loss="clip", sizes=(2500, 0, 2600), dim=8),
+    Case(loss="nt_xent", sizes=(1500, 0, 1200), dim=8),
 ]
 # Large enough that payload dominates the socket bytes (the header check).
 SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256), Case(loss="siglip", sizes=(256,) * 3, dim=256),

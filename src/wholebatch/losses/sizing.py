@@ -17,10 +17,12 @@ __all__ = [
     "AUTO_RING_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
+    "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
     "auto_strategy",
     "exchange_row_elements",
     "sizes_fingerprint",
+    "stats_gathered",
     "tile_size_for",
 ]
 
@@ -40,6 +42,18 @@ AUTO_RING_BYTES = 2**30
 def auto_strategy(gathered_bytes: int) -> str:
     """What strategy="auto" runs when a gather would hold `gathered_bytes` of keys per rank."""
     return "ring" if gathered_bytes > AUTO_RING_BYTES else "gather"
+
+
+# Per-row (max, sum) statistics of every rank are combined with one all-gather of the
+# pairs while each rank would receive at most this many bytes, else with two
+# all-reduces (max, then the rescaled sums): at small batches a collective's latency,
+# not its bytes, sets the cost (benchmarks/RESULTS.md, small batches).
+STATS_GATHER_BYTES = 2**16
+
+
+def stats_gathered(rows: int, world: int, elem: int) -> bool:
+    """Whether `rows` (max, sum) pairs of `elem`-byte floats are combined by one all-gather."""
+    return (world - 1) * 2 * rows * elem <= STATS_GATHER_BYTES
 
 
 # The exchange row's fixed columns (losses/common.py): error flag, rows, dim,

@@ -54,7 +54,13 @@ from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_block
 from wholebatch.errors import WholebatchError
 from wholebatch.losses import fused
-from wholebatch.losses.sizing import ACCEL_TILE_BUDGET, CPU_TILE, TILE_BUFFERS, tile_size_for
+from wholebatch.losses.sizing import (
+    ACCEL_TILE_BUDGET,
+    CPU_TILE,
+    TILE_BUFFERS,
+    stats_gathered,
+    tile_size_for,
+)
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
@@ -204,9 +210,18 @@ def _running(
 
 
 def _combine(m_vec: Tensor, l_vec: Tensor, group: Any) -> tuple[Tensor, Tensor]:
-    """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled sums."""
+    """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled
+    sums; or, while the pairs are small (`sizing.stats_gathered`), one all-gather of them."""
     if not is_distributed(group):
         return m_vec, l_vec
+    w = get_world_size(group)
+    if stats_gathered(m_vec.numel(), w, m_vec.element_size()):
+        n = m_vec.numel()  # the same on every rank (N and the directions are agreed)
+        pairs = all_gather(torch.stack([m_vec, l_vec], 1), sizes=[n] * w, group=group, check=False)
+        m_WV, l_WV = pairs.view(w, -1, 2).unbind(2)  # every rank's, in rank order
+        m_all = m_WV.amax(0)
+        safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+        return m_all, (l_WV * (m_WV - safe).exp()).sum(0)
     m_all = m_vec.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))

@@ -37,7 +37,7 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import exchange_row_elements
+from wholebatch.losses.sizing import exchange_row_elements, stats_gathered
 from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = [
@@ -222,7 +222,7 @@ def _moves(
 ) -> tuple[list[Collective], list[Collective]]:
     """(the embeddings' own traffic, the kernels' log-sum-exp statistics and their gradients)."""
     w, n = len(sizes), sum(sizes)
-    fwd, bwd = "forward", "backward"
+    bwd = "backward"
     width = spec.key_rows(negatives) * dim
     if spec.kernel == "sigmoid":
         return ring_traffic(spec.keys, sizes, rank, width, elem, acc), []
@@ -231,7 +231,7 @@ def _moves(
     if spec.kernel == "symmetric":
         m = spec.views * n
         stats = [
-            _all_reduce("combine row log-sum-exps (max, sum)", fwd, m, acc, w, 2),
+            _combine_stats("combine row log-sum-exps (max, sum)", m, rank, acc, w),
             _all_reduce("row log-sum-exp gradient", bwd, m, acc, w, 1),
         ]
     if "query_to_query" in directions:
@@ -239,10 +239,17 @@ def _moves(
     if spec.has_columns(directions):
         # column statistics combined over ranks; their gradients all-gathered (B floats each)
         stats = [
-            _all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2),
+            _combine_stats("combine column log-sum-exps (max, sum)", n, rank, acc, w),
             _gather("all_gather column gradients", bwd, sizes, rank, acc),
         ]
     return moves, stats
+
+
+def _combine_stats(name: str, rows: int, rank: int, acc: int, w: int) -> Collective:
+    """`tiles._combine`: one all-gather of the (max, sum) pairs while small, else 2 all-reduces."""
+    if stats_gathered(rows, w, acc):
+        return _gather(name, "forward", [rows] * w, rank, 2 * acc)
+    return _all_reduce(name, "forward", rows, acc, w, 2)
 
 
 def positive_ring_traffic(
