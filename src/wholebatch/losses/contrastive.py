@@ -74,7 +74,7 @@ def clip_loss(
     every text column its rows touch: O(B·N·D) work, one B x N sweep in the
     forward, one in the backward. ``strategy="gather"`` (default) all-gathers
     the texts and combines the column statistics across ranks (2 all-reduces
-    of N floats); ``"ring"`` passes each rank's text block around the ring
+    of N floats, or one all-gather of the pairs while small); ``"ring"`` passes each rank's text block around the ring
     with its columns' statistics (`wholebatch.losses.ring.PositiveRing`),
     keeping nothing N-sized; ``"auto"`` rings when the gathered texts would
     pass `wholebatch.losses.sizing.AUTO_RING_BYTES` (1 GiB) per rank.
@@ -230,7 +230,7 @@ def nt_xent_loss(
     its columns). Panel pairs of the upper triangle are dealt to the ranks from
     N and W alone (ranks may use different tile sizes): O(N²·D / W) work per
     rank, half that of every rank sweeping its 2B rows against all 2N. The
-    partial statistics are combined across ranks (2 all-reduces of 2N floats).
+    partial statistics are combined across ranks (2 all-reduces of 2N floats, or one all-gather of the pairs while small).
     Each row's loss is softplus(lse over its negatives − its positive logit).
 
     Backward (gradient contract): with the default ``grad_reduction="mean"``,
