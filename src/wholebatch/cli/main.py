@@ -44,6 +44,7 @@ BENCHMARKS = (
     "bench_st",
     "bench_plan",
     "bench_lint",
+    "bench_mesh",
 )
 
 

@@ -102,7 +102,13 @@ class Rows:
 
     def total(self, name: str) -> float:
         """The sum over ranks of the scalar field `name`, added in rank order (the same on every rank)."""
-        return math.fsum(self[name]) if self.table_WF.dtype.is_floating_point else sum(self[name])
+        values = self[name]
+        if not self.table_WF.dtype.is_floating_point:
+            return sum(values)
+        try:  # exactly rounded, so the result does not depend on the order of ranks
+            return math.fsum(values)
+        except (ValueError, OverflowError):  # inf + -inf (nan) or an overflowing sum (±inf)
+            return float(sum(values))
 
     def ranks_where(self, name: str) -> list[int]:
         """The ranks whose scalar field `name` is nonzero (a flag set)."""
