@@ -169,6 +169,56 @@ def published_table() -> None:
         )
 
 
+# Inf-CL Table 2: the largest batch their method trains (with data offload), CLIP ViT-L/14.
+INF_CL_TABLE_2 = [(8, 4096), (32, 12288)]  # (GPUs, batch in k)
+
+
+def ring_table() -> None:
+    """wholebatch's ring CLIP (strategy="ring") against Inf-CL's ring rows of Table 1, and its
+    largest batch against Table 2: loss memory only (fp16 features, D = 768), tile 512 (as
+    Inf-CL's kernels) and the tile the losses choose on an accelerator."""
+    from wholebatch.losses.sizing import tile_size_for
+    from wholebatch.planner import PlanConfig, plan
+    from wholebatch.planner.memory import loss_memory
+
+    print(
+        "| GPUs | batch | Inf-CL ring GB | wholebatch ring GiB, T = 512 | vs Inf-CL | default tile GiB |"
+    )
+    print("|---|---|---|---|---|---|")
+    for w, method, k, published in INF_CL_TABLE_1:
+        if method != "ring + tiled":
+            continue
+        n = k * 1024
+        b = n // w
+        kw: dict[str, Any] = dict(n=n, b=b, dim=768, elem=2, acc=4, w=w, strategy="ring + tiled")
+        ours = loss_memory("clip", tile=512, **kw)
+        tile = tile_size_for("cuda", b, b)
+        ours_t = loss_memory("clip", tile=tile, **kw)
+        print(
+            f"| {w} | {k}k | {published:.2f} | {ours / 2**30:.3f} | {ours / 2**30 / published:.2f}x | "
+            f"{ours_t / 2**30:.2f} (T = {tile:,}) |"
+        )
+    print(
+        "\n| GPUs | Inf-CL largest batch | wholebatch ring, largest batch (80 GiB, T = 512) | gather |"
+    )
+    print("|---|---|---|---|")
+    for w, k in INF_CL_TABLE_2:
+        common: dict[str, Any] = dict(
+            loss="clip",
+            dim=768,
+            dtype="fp16",
+            world=w,
+            batch=w * 1024,
+            tile=512,
+            act_mib=0,
+            params=4.28e8,
+            memory_gib=80,
+        )
+        ring = plan(PlanConfig(strategy="ring", **common)).max_batch
+        gather = plan(PlanConfig(strategy="gather", **common)).max_batch
+        print(f"| {w} | {k:,}k | {ring:,} ({(ring or 0) / (k * 1024):.1f}x) | {gather:,} |")
+
+
 def speed_table() -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     from wholebatch.planner import PlanConfig, plan
@@ -229,10 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--only", choices=["memory", "bytes", "speed", "published"], action="append"
+        "--only", choices=["memory", "bytes", "speed", "published", "ring"], action="append"
     )
     args = parser.parse_args(argv)
-    only = set(args.only or ["memory", "bytes", "speed", "published"])
+    only = set(args.only or ["memory", "bytes", "speed", "published", "ring"])
     print(f"load: {os.getloadavg()}")
     if "memory" in only:
         print(
@@ -253,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
             "wholebatch clip, default tile |\n|---|---|---|---|---|---|---|---|"
         )
         published_table()
+    if "ring" in only:
+        print()
+        ring_table()
     print(f"load: {os.getloadavg()}")
 
 

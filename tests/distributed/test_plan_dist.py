@@ -33,7 +33,7 @@ from tests.support.harness import run_ranks
 from tests.support.plan_cases import DTYPES, Case, call, inputs, planned
 from tests.support.plan_counting import Counter, count_collectives, wchar
 from tests.support.plan_memprobe import case_of
-from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
+from wholebatch.planner.memory import LOSS_STRATEGY, STRATEGY_NAMES, loss_memory
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CASES = [
@@ -47,9 +47,18 @@ CASES = [
     Case(loss="info_nce", sizes=(3, 17), dtype="bf16", k=2),
     Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL),
     Case(loss="info_nce", sizes=(7, 0, 5), directions=("query_to_doc", "doc_to_query")),
+    # the ring forms (strategy="ring")
+    Case(loss="clip", sizes=(37, 0, 21), strategy="ring"),
+    Case(loss="clip", sizes=(16, 16), dtype="bf16", strategy="ring"),
+    Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL, strategy="ring"),
+    Case(loss="info_nce", sizes=(3, 17), dtype="bf16", k=2, strategy="ring", known_sizes=True),
+    # statistics past sizing.STATS_GATHER_BYTES: combined by two all-reduces, not one all-gather
+    Case(loss="clip", sizes=(2500, 0, 2600), dim=8),
+    Case(loss="nt_xent", sizes=(1500, 0, 1200), dim=8),
 ]
 # Large enough that payload dominates the socket bytes (the header check).
-SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256), Case(loss="siglip", sizes=(256,) * 3, dim=256)]  # fmt: skip
+SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256), Case(loss="siglip", sizes=(256,) * 3, dim=256),
+          Case(loss="clip", sizes=(300, 200, 0), dim=256, strategy="ring")]  # fmt: skip
 
 
 def _count(case: Case) -> dict[str, Any]:
@@ -147,14 +156,19 @@ MEMORY = [
     "siglip:4608:256:256:fp32",
     "nt_xent:4608:256:256:bf16",
     "info_nce:4608:256:256:bf16:1:q2d+d2q",
+    # the ring forms (coefficients read at W = 2 and 4, k = 0 and 2)
+    "clip/ring:4608:256:256:fp32",
+    "info_nce/ring:4608:256:256:bf16:1:q2d+d2q",
+    "info_nce/ring:4608:256:256:fp32:1:q2d+q2q+d2d",
 ]
 
 
 def _planned_memory(spec: str, world: int) -> int:
     c = case_of(spec, world)
     elem = DTYPES[c.dtype].itemsize
+    strategy = STRATEGY_NAMES[c.strategy] if c.loss != "siglip" else LOSS_STRATEGY[c.loss]
     return loss_memory(
-        c.loss, strategy=LOSS_STRATEGY[c.loss], n=sum(c.sizes),
+        c.loss, strategy=strategy, n=sum(c.sizes),
         b=c.sizes[0], dim=c.dim, elem=elem, acc=max(4, elem), tile=c.tile or 512, w=world,
         negatives=c.k, directions=c.directions,
     )  # fmt: skip

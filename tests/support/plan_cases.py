@@ -41,6 +41,8 @@ class Case:
     known_sizes: bool = False
     """Pass `sizes=` and `check=False`: no metadata exchange."""
     tile: int | None = None
+    strategy: str = "gather"
+    """clip, info_nce: "gather" or "ring"."""
 
     @property
     def world(self) -> int:
@@ -50,6 +52,7 @@ class Case:
         parts = [self.loss, "-".join(map(str, self.sizes)), self.dtype]
         if self.loss == "info_nce":
             parts += [f"k{self.k}", "+".join(d.replace("_to_", "2") for d in self.directions)]
+        parts += ["ring"] if self.strategy == "ring" else []
         return " ".join(parts + (["known-sizes"] if self.known_sizes else []))
 
 
@@ -73,6 +76,8 @@ def call(case: Case, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     kw: dict[str, Any] = {"tile_size": case.tile}
     if case.known_sizes:
         kw.update(sizes=list(case.sizes), check=False)
+    if case.strategy != "gather":
+        kw.update(strategy=case.strategy)
     if case.loss == "clip":
         return clip_loss(*args, **kw)
     if case.loss == "siglip":
@@ -103,6 +108,7 @@ def planned(case: Case, rank: int) -> dict[str, tuple[dict[str, int], dict[str, 
     rows = loss_traffic(
         case.loss, list(case.sizes), rank, case.dim, elem, max(4, elem), negatives=case.k,
         directions=case.directions, exchange=not case.known_sizes,
+        strategy="ring" if case.loss == "siglip" else case.strategy,
     )  # fmt: skip
     out = {}
     for phase in ("forward", "backward"):

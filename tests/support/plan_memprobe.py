@@ -52,12 +52,14 @@ def case_of(spec: str, world: int) -> Case:
     """`LOSS:N:D:TILE:DTYPE[:K[:DIRS]]` -> the `Case` with N // W rows on each of `world` ranks.
 
     DIRS: InfoNCE's directions joined by "+", short names (q2d+d2q+q2q+d2d).
+    LOSS may end in "/ring" (clip, info_nce: `strategy="ring"`).
     """
     loss, n, d, t, dt, *rest = spec.split(":")
+    loss, _, strategy = loss.partition("/")
     dirs = tuple(_SHORT[x] for x in rest[1].split("+")) if len(rest) > 1 else ("query_to_doc",)
     return Case(
         loss=loss, sizes=(int(n) // world,) * world, dim=int(d), tile=int(t), dtype=dt,
-        k=int(rest[0]) if rest else 0, directions=dirs,
+        k=int(rest[0]) if rest else 0, directions=dirs, strategy=strategy or "gather",
     )  # fmt: skip
 
 
