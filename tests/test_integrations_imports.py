@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-MODULES = ["open_clip", "lightly", "huggingface", "lightning"]
+MODULES = ["open_clip", "lightly", "huggingface", "lightning", "trl"]
 PEERS = (
     "open_clip",
     "open_clip_train",
