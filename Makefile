@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The test suite also compares against the peer libraries (the `peers` extra).
 $(VENV)/.peers: $(VENV)/.installed
-	@echo "==> .venv: peer libraries for the tests (transformers, accelerate, sentence-transformers, lightning, trl, open_clip, lightly)"
+	@echo "==> .venv: peer libraries for the tests (transformers, accelerate, sentence-transformers, lightning, trl, deepspeed, open_clip, lightly)"
 	@$(PIP) -e ".[dev,demo,peers]" "$(TORCH_PIN)"
 	@$(PIP) --no-deps $(NODEPS_PEERS)
 	@touch $@

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-MODULES = ["open_clip", "lightly", "huggingface", "lightning", "trl"]
+MODULES = ["open_clip", "lightly", "huggingface", "lightning", "trl", "deepspeed"]
 PEERS = (
     "open_clip",
     "open_clip_train",
