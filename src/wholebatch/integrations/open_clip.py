@@ -474,7 +474,7 @@ def train_one_epoch(
             _log_step(
                 args, epoch, step, batch_count, num_batches_per_epoch, rows, accum,
                 sample_digits, dataloader.num_samples, losses, losses_m, batch_time_m,
-                data_time_m, float(inner.logit_scale.exp()), optimizer, tb_writer,
+                data_time_m, float(inner.logit_scale.detach().exp()), optimizer, tb_writer,
             )  # fmt: skip
     # A window left short here is dropped, as open_clip_train's loop drops it.
 
