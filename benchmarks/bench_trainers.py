@@ -6,14 +6,16 @@
 Each case runs in 2 fresh spawned processes (one torch thread each) joined in a
 gloo group; within them the unfixed and the fixed trainer alternate, order
 reversed every other round (benchmarks._common.interleaved_times), round 0 a
-warm-up. Reported: median seconds per optimizer step of each and the median of
-the per-round ratios (fixed / unfixed), rank 0's clock.
+warm-up. Reported: median wall seconds per optimizer step of each (rank 0's
+clock), the median of the per-round wall ratios (fixed / unfixed), and the
+median of the per-round ratios of CPU seconds (both ranks summed: the work done,
+which a loaded machine's scheduling delays do not inflate).
 
 - lightning: `Trainer.fit` of 24 batches, accumulate_grad_batches=3 (8 steps), a
   token model; plain Lightning with a token mean vs `WholeBatchAccumulation`.
 - open_clip: open_clip_train 3.3.0's real `train_one_epoch` (tests.peers) with
   open_clip's `ClipLoss(gather_with_grad=True)` vs wholebatch's, accum_freq=2,
-  4 steps of 2 x 64 rows per rank.
+  8 steps of 2 x 128 rows per rank (two-layer towers, 256 wide).
 - trl: `SFTTrainer` vs `WholeBatchSFTTrainer`, GPT-2 (2 layers, 64 wide), K = 4 x 4 ragged
   sequences, 4 steps; `train()` timed (the trainer and its dataset built outside the clock).
 - deepspeed: a ZeRO-2 engine on the CPU accelerator; DeepSpeed's documented loop
@@ -38,10 +40,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks._common import free_port, interleaved_times
+from benchmarks._common import free_port
 
 CASES = ("lightning", "open_clip", "trl", "deepspeed")
 IGNORE = -100
+Times = dict[str, dict[str, list[float]]]  # clock ("wall", "cpu") -> mode -> seconds per round
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def interleaved(modes: tuple[str, ...], run: Callable[[str], Any], rounds: int) -> Times:
+    """Wall and CPU seconds of `run(mode)` per round for every mode, order reversed every other round.
+
+    benchmarks._common.interleaved_times with this process's CPU time beside the
+    wall clock: on a loaded 2-core machine a rank waits for the scheduler, which
+    the wall clock counts and CPU time does not.
+    """
+    times: Times = {"wall": {m: [] for m in modes}, "cpu": {m: [] for m in modes}}
+    for r in range(rounds):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            w0, c0 = _clocks()
+            run(m)
+            w1, c1 = _clocks()
+            times["wall"][m].append(w1 - w0)
+            times["cpu"][m].append(c1 - c0)
+    return times
 
 
 def _tokens(seed: int, rows: int, length: int, vocab: int) -> dict[str, Tensor]:
@@ -72,7 +97,7 @@ def _ce_sum(logits: Tensor, y: Tensor) -> Tensor:
 # -- the cases (run on every rank; return {mode: seconds per step} lists) ------------------
 
 
-def case_lightning(rounds: int) -> tuple[dict[str, list[float]], int]:
+def case_lightning(rounds: int) -> tuple[Times, int]:
     from tests.test_integrations_lightning import _lightning
     from wholebatch.integrations.lightning import WholeBatchAccumulation
 
@@ -99,10 +124,10 @@ def case_lightning(rounds: int) -> tuple[dict[str, list[float]], int]:
         cbs = [WholeBatchAccumulation(log_name=None)] if mode == "ours" else []
         trainer(cbs, k).fit(LM(mode == "ours"), DataLoader(data, batch_size=None))
 
-    return interleaved_times(("peer", "ours"), run, rounds + 1), batches // k
+    return interleaved(("peer", "ours"), run, rounds + 1), batches // k
 
 
-def case_open_clip(rounds: int) -> tuple[dict[str, list[float]], int]:
+def case_open_clip(rounds: int) -> tuple[Times, int]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.peers import load_open_clip_loss, load_open_clip_train
@@ -112,7 +137,7 @@ def case_open_clip(rounds: int) -> tuple[dict[str, list[float]], int]:
     if peer_loop is None or peer_loss is None:
         raise SystemExit("open-clip-torch is not installed (make .venv/.peers)")
     rank, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    d_in, d, rows, accum, steps = 256, 128, 64, 2, 4
+    d_in, d, rows, accum, steps = 256, 256, 128, 2, 8
 
     class Towers(nn.Module):
         def __init__(self) -> None:
@@ -152,10 +177,10 @@ def case_open_clip(rounds: int) -> tuple[dict[str, list[float]], int]:
         loop = peer_loop.train_one_epoch if mode == "peer" else ours.train_one_epoch
         loop(model, data, loss, 0, opt, None, None, None, args)
 
-    return interleaved_times(("peer", "ours"), run, rounds + 1), steps
+    return interleaved(("peer", "ours"), run, rounds + 1), steps
 
 
-def case_trl(rounds: int) -> tuple[dict[str, list[float]], int]:
+def case_trl(rounds: int) -> tuple[Times, int]:
     import transformers
     import trl
     from datasets import Dataset
@@ -174,7 +199,7 @@ def case_trl(rounds: int) -> tuple[dict[str, list[float]], int]:
     ]  # fmt: skip
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4)
 
-    times: dict[str, list[float]] = {"peer": [], "ours": []}
+    times: Times = {"wall": {"peer": [], "ours": []}, "cpu": {"peer": [], "ours": []}}
     for r in range(rounds + 1):  # the trainer is built outside the clock: only train() is timed
         for mode in ("peer", "ours") if r % 2 == 0 else ("ours", "peer"):
             cls = trl.SFTTrainer if mode == "peer" else WholeBatchSFTTrainer
@@ -189,13 +214,15 @@ def case_trl(rounds: int) -> tuple[dict[str, list[float]], int]:
                     model=transformers.GPT2LMHeadModel(cfg), args=args,
                     train_dataset=Dataset.from_list(rows), processing_class=tokenizer(),
                 )  # fmt: skip
-                t0 = time.perf_counter()
+                w0, c0 = _clocks()
                 trainer.train()
-                times[mode].append(time.perf_counter() - t0)
+                w1, c1 = _clocks()
+                times["wall"][mode].append(w1 - w0)
+                times["cpu"][mode].append(c1 - c0)
     return times, steps
 
 
-def case_deepspeed(rounds: int) -> tuple[dict[str, list[float]], int]:
+def case_deepspeed(rounds: int) -> tuple[Times, int]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
@@ -233,10 +260,10 @@ def case_deepspeed(rounds: int) -> tuple[dict[str, list[float]], int]:
                 eng.backward(_ce_sum(eng(b["x"]), b["y"]) / (b["y"] != IGNORE).sum())
                 eng.step()
 
-    return interleaved_times(("peer", "ours"), run, rounds + 1), steps
+    return interleaved(("peer", "ours"), run, rounds + 1), steps
 
 
-CASE_FNS: dict[str, Callable[[int], tuple[dict[str, list[float]], int]]] = {
+CASE_FNS: dict[str, Callable[[int], tuple[Times, int]]] = {
     "lightning": case_lightning, "open_clip": case_open_clip, "trl": case_trl,
     "deepspeed": case_deepspeed,
 }  # fmt: skip
@@ -258,31 +285,43 @@ def _rank_main(rank: int, world: int, port: int, case: str, rounds: int, out_pat
     )
     try:
         times, steps = CASE_FNS[case](rounds)
-        if rank == 0:
-            peer, ours = times["peer"][1:], times["ours"][1:]  # round 0 warms up
-            result = {
-                "case": case,
-                "peer_s_per_step": statistics.median(peer) / steps,
-                "ours_s_per_step": statistics.median(ours) / steps,
-                "ratio": statistics.median(o / p for o, p in zip(ours, peer, strict=True)),
-                "rounds": len(peer),
-            }
-            with open(out_path, "w") as f:
-                json.dump(result, f)
+        with open(f"{out_path}.{rank}", "w") as f:
+            json.dump({"times": times, "steps": steps}, f)
     finally:
+        dist.barrier()  # no rank tears down while a peer's last collective is in flight
         dist.destroy_process_group()
 
 
+def _median_ratio(ours: list[float], peer: list[float]) -> float:
+    return statistics.median(o / p for o, p in zip(ours, peer, strict=True))
+
+
 def run_case(case: str, rounds: int) -> dict[str, Any]:
+    """Both ranks' clocks; round 0 (a warm-up) dropped. CPU: the two ranks' CPU seconds summed."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
+        out = os.path.join(tmp, "result")
         mp.spawn(_rank_main, args=(2, free_port(), case, rounds, out), nprocs=2, join=True)
-        with open(out) as f:
-            result: dict[str, Any] = json.load(f)
-    return result
+        per_rank = []
+        for r in range(2):
+            with open(f"{out}.{r}") as f:
+                per_rank.append(json.load(f))
+    steps = per_rank[0]["steps"]
+    wall = {m: per_rank[0]["times"]["wall"][m][1:] for m in ("peer", "ours")}
+    cpu = {
+        m: [a + b for a, b in zip(*(pr["times"]["cpu"][m][1:] for pr in per_rank), strict=True)]
+        for m in ("peer", "ours")
+    }
+    return {
+        "case": case,
+        "peer_s_per_step": statistics.median(wall["peer"]) / steps,
+        "ours_s_per_step": statistics.median(wall["ours"]) / steps,
+        "ratio": _median_ratio(wall["ours"], wall["peer"]),
+        "cpu_ratio": _median_ratio(cpu["ours"], cpu["peer"]),
+        "rounds": len(wall["peer"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -294,13 +333,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     with open("/proc/loadavg") as f:
         print(f"# load average before: {' '.join(f.read().split()[:3])}", file=sys.stderr)
-    print(f"{'trainer':<10} {'unfixed s/step':>15} {'fixed s/step':>13} {'ratio':>7}")
+    print(f"{'trainer':<10} {'unfixed s/step':>15} {'fixed s/step':>13} {'wall':>7} {'cpu':>7}")
     for case in a.only or CASES:
         t0 = time.perf_counter()
         r = run_case(case, a.rounds)
         print(
             f"{case:<10} {r['peer_s_per_step']:>15.4f} {r['ours_s_per_step']:>13.4f} "
-            f"{r['ratio']:>6.3f}x   ({time.perf_counter() - t0:.0f} s)",
+            f"{r['ratio']:>6.3f}x {r['cpu_ratio']:>6.3f}x   ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
 
