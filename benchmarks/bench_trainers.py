@@ -19,7 +19,8 @@ which a loaded machine's scheduling delays do not inflate).
 - trl: `SFTTrainer` vs `WholeBatchSFTTrainer`, GPT-2 (2 layers, 64 wide), K = 4 x 4 ragged
   sequences, 4 steps; `train()` timed (the trainer and its dataset built outside the clock).
 - deepspeed: a ZeRO-2 engine on the CPU accelerator; DeepSpeed's documented loop
-  (a token mean, backward and step per micro-batch) vs `DeepSpeedAccumulator`, K = 3, 4 steps.
+  (a token mean, backward and step per micro-batch) vs `DeepSpeedAccumulator`, K = 3
+  micro-batches of 16 x 64 tokens, 4 steps (both engines built outside the clock).
 """
 
 from __future__ import annotations
@@ -229,12 +230,12 @@ def case_deepspeed(rounds: int) -> tuple[Times, int]:
     from wholebatch.integrations.deepspeed import DeepSpeedAccumulator
 
     rank, k, steps = torch.distributed.get_rank(), 3, 4
-    data = [[_tokens(1000 * rank + 10 * s + j, 8, 32, 512) for j in range(k)] for s in range(steps)]
+    data = [[_tokens(1000 * rank + 10 * s + j, 16, 64, 512) for j in range(k)] for s in range(steps)]
 
     def engine() -> Any:
         net = TokenMLP()
         cfg = {
-            "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": k,
+            "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": k,
             "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }  # fmt: skip

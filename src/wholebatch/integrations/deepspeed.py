@@ -184,13 +184,21 @@ class DeepSpeedAccumulator:
             loss_sum += loss.detach().to(torch.float64).cpu()
         engine.step()  # the boundary: ZeRO's reduction (stage 1), clipping, the optimizer
         self.steps += 1
-        total = sum(row[0] for row in self._gather([float(loss_sum), 0.0]))
+        total = self._sum(float(loss_sum))
         return DeepSpeedStepStats(
             loss=total / n if n > 0 else math.nan,
             items=n,
             items_per_rank=per_rank,
             micro_batches=k,
         )
+
+    def _sum(self, value: float) -> float:
+        """`value` summed over the ranks (one all-reduce of one float64; for the reported loss)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=comm_device(self.group))
+        torch.distributed.all_reduce(t, group=self.group)
+        return float(t.cpu())
 
     def _gather(self, row: list[float]) -> list[list[float]]:
         """Every rank's `row`, in rank order (one small all-gather)."""
