@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # Peers installed without their dependencies: both pull torchvision, whose PyPI
 # build cannot load beside the CPU torch; the tests load only their loss modules.
+# open-clip-torch also ships open_clip_train (its training CLI): the package imports,
+# but its `main` and `train` modules import open_clip (so torchvision); the tests run
+# open_clip_train/train.py from its installed file (tests/peers.py).
 NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
 # -qq: pip's errors only; the lines below say what the bootstrap is doing.
 PIP := $(PY) -m pip install -qq --disable-pip-version-check
