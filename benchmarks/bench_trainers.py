@@ -230,7 +230,9 @@ def case_deepspeed(rounds: int) -> tuple[Times, int]:
     from wholebatch.integrations.deepspeed import DeepSpeedAccumulator
 
     rank, k, steps = torch.distributed.get_rank(), 3, 4
-    data = [[_tokens(1000 * rank + 10 * s + j, 16, 64, 512) for j in range(k)] for s in range(steps)]
+    data = [
+        [_tokens(1000 * rank + 10 * s + j, 16, 64, 512) for j in range(k)] for s in range(steps)
+    ]
 
     def engine() -> Any:
         net = TokenMLP()
