@@ -12,6 +12,8 @@ this file in one call, each a real `Trainer.fit` under `DDPStrategy`:
   the docs show): the mutation, which the same assertion must reject;
 - `wholebatch.GradCache` inside a LightningModule (CLIP loss over both ranks,
   K = 2 micro-batches per rank, uneven rows), against one process's whole batch;
+- the token fit under FSDP2 (Lightning's `ModelParallelStrategy`, `fully_shard`
+  in `configure_model`): the parameters after its three steps, fixed and plain;
 - the errors, the same on both ranks.
 
 Reference: plain torch in this process (no Lightning), SGD steps on the window's
@@ -240,7 +242,39 @@ def lightning_world() -> dict[str, Any]:
 
     # 4. GradCache inside a LightningModule
     out.update(gradcache_case(pl, trainer, rank))
+
+    # 5. FSDP2: Lightning's ModelParallelStrategy, `fully_shard` in configure_model
+    for fixed in (True, False):
+        out[f"fsdp_{'fixed' if fixed else 'plain'}"] = fsdp_case(pl, trainer, rank, fixed)
     return out
+
+
+def fsdp_case(pl: Any, trainer: Any, rank: int, fixed: bool) -> dict[str, Tensor]:
+    """The token fit under FSDP2 (sharded parameters and gradients); the full parameters after it."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from wholebatch.integrations.lightning import WholeBatchAccumulation
+
+    base = type(_token_module(pl, "sum" if fixed else "mean"))
+
+    class Sharded(base):  # type: ignore[misc, valid-type]
+        def configure_model(self) -> None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    module = Sharded()
+    env = type(trainer([], 1).strategy.cluster_environment)()  # the harness's group
+    pl.Trainer(
+        accelerator="cpu", devices=W, num_nodes=1, max_epochs=1, plugins=[env],
+        strategy=ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1),
+        accumulate_grad_batches=K, logger=False, use_distributed_sampler=False,
+        callbacks=[WholeBatchAccumulation(log_name=None)] if fixed else [],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, _loader(rank))  # fmt: skip
+    return {
+        k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for k, p in module.net.named_parameters()
+    }
 
 
 # -- GradCache inside a LightningModule ------------------------------------------------
@@ -351,6 +385,34 @@ def test_mutation_plain_lightning_is_rejected(world: list[dict[str, Any]]) -> No
                 err = float((g[name] - r[name]).abs().max() / r[name].abs().max())
                 worst = max(worst, err)
     assert worst > 1e-3, "plain Lightning matched the whole batch: the test could not fail"
+
+
+def _reference_params() -> dict[str, Tensor]:
+    """The parameters after the reference's three SGD steps."""
+    net = TokenNet()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for g in reference_token_steps()[0]:
+        for k, p in net.named_parameters():
+            p.grad = g[k]
+        opt.step()
+    return {k: p.detach() for k, p in net.named_parameters()}
+
+
+def _update_error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
+    init = {k: p.detach() for k, p in TokenNet().named_parameters()}
+    return max(
+        float(((got[k] - init[k]) - (want[k] - init[k])).norm() / (want[k] - init[k]).norm())
+        for k in want
+    )
+
+
+def test_fsdp2_accumulation_is_the_whole_batch(world: list[dict[str, Any]]) -> None:
+    # ModelParallelStrategy + fully_shard: the callback rescales each rank's gradient shard.
+    want = _reference_params()
+    for rank, out in enumerate(world):
+        err = _update_error(out["fsdp_fixed"], want)
+        assert err <= 1e-10, f"rank {rank}: FSDP2 update off by {err:.3g}"
+    assert _update_error(world[0]["fsdp_plain"], want) > 1e-3  # the mutation: plain Lightning
 
 
 def test_errors_name_the_fix_on_every_rank(world: list[dict[str, Any]]) -> None:

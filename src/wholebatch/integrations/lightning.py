@@ -8,7 +8,8 @@ Change two lines (docs/integrations/lightning.md):
         ...
         return {"loss": token_losses.sum(), "items": n_tokens}    # 2: a sum and its count
 
-With it, every optimizer step's gradient (after DDP's or FSDP's mean) is that of
+With it, every optimizer step's gradient (after DDP's or FSDP's mean; FSDP2 through
+Lightning's ModelParallelStrategy is tested too) is that of
 (sum of every item loss) / N, N the number of items in the whole window: the
 step's micro-batches on every rank, the epoch's short last window included.
 The logged `train_loss` is that window's whole-batch mean, the same on every rank.
