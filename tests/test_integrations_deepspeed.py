@@ -6,7 +6,7 @@ micro-batches per rank with a different number of target tokens in each, two
 optimizer steps (SGD), after which the parameters are compared with ONE process
 that took the same two steps on each step's whole batch (every rank's micro-batches).
 
-Mutations, through the same comparison: the loop DeepSpeed's docs show (a token
+A rank with a different K gets the same error as its peer. Mutations, through the same comparison: the loop DeepSpeed's docs show (a token
 mean per micro-batch, `engine.backward(loss)`, `engine.step()` every micro-batch)
 and a hand-written accumulation without the boundary flag.
 
@@ -110,6 +110,7 @@ def deepspeed_world() -> dict[str, Any]:
          "LOCAL_WORLD_SIZE": str(w), "MASTER_ADDR": "127.0.0.1"}
     )  # fmt: skip
     os.environ.setdefault("MASTER_PORT", "29500")
+    from wholebatch.errors import WholebatchError
     from wholebatch.integrations.deepspeed import DeepSpeedAccumulator
 
     out: dict[str, Any] = {}
@@ -122,6 +123,12 @@ def deepspeed_world() -> dict[str, Any]:
         ]
         out[f"fixed{stage}"] = _params(engine)
         out[f"stats{stage}"] = [(st.loss, st.items, st.micro_batches) for st in stats]
+    # Ranks with different K: the same error on both, agreed before any backward.
+    try:
+        acc.step([token_batch(r, 0, j) for j in range(2 + r)], loss_sum, count)
+        out["k_error"] = None
+    except WholebatchError as exc:
+        out["k_error"] = str(exc)
     # The mutations: DeepSpeed's documented loop with a token mean; by-hand accumulation.
     for stage in (2,):
         engine = _engine(stage, K)
@@ -169,3 +176,9 @@ def test_mutation_deepspeed_loops_are_rejected(world: list[dict[str, Any]], case
     ref = reference_params()
     err = _close(world[0][case], ref)
     assert err > 100 * RTOL, f"{case} matched the whole batch ({err:.3g}): the test could not fail"
+
+
+def test_different_k_is_the_same_error_on_every_rank(world: list[dict[str, Any]]) -> None:
+    msgs = {out["k_error"] for out in world}
+    assert len(msgs) == 1 and (msg := msgs.pop()) is not None
+    assert "micro_batches per rank {0: 2, 1: 3}" in msg

@@ -20,13 +20,16 @@ What `step` does instead (the DESIGN's counting pass: index tensors only, no for
 
 1. `count_fn` on every micro-batch, then ONE small all-gather of every rank's
    [items, K]: N, the step's global item count, agreed before any backward
-   (and K, which must be the same on every rank: ZeRO reduces on the boundary);
+   (and K, which must be the same on every rank: ZeRO reduces on the boundary).
+   It runs while micro-batch 0's forward does (asynchronous), so the step does not
+   start by waiting for the slowest rank;
 2. each micro-batch: `engine.set_gradient_accumulation_boundary(last)`,
    `loss_fn`, `engine.backward(loss_sum · W / N, scale_wrt_gas=False)`: no
    division by the accumulation steps, W for ZeRO's mean over ranks;
 3. ONE `engine.step()` after the last (DeepSpeed's clipping, loss scaling and
-   optimizer as configured). The engine's boundary flag stays set by `step`:
-   drive every step of the engine through it.
+   optimizer as configured), while the reported loss's all-reduce (one float64)
+   runs. The engine's boundary flag stays set by `step`: drive every step of the
+   engine through it.
 
 After it, every rank's parameters have taken one step on d(sum of item losses / N)/dθ.
 This needs nothing of DeepSpeed's internals: only its public engine methods.
@@ -46,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import all_gather, comm_device, get_world_size, is_distributed
+from wholebatch.comm import comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = ["DeepSpeedAccumulator", "DeepSpeedStepStats"]
@@ -155,7 +158,42 @@ class DeepSpeedAccumulator:
         mbs = list(micro_batches)
         k = len(mbs)
         counts = [_count(op, count_fn(mb), i) for i, mb in enumerate(mbs)]
-        table = self._gather([sum(counts), float(k)])
+        # The count's all-gather runs while micro-batch 0's forward does (its backward
+        # needs N, its forward does not): the step's start is not a wait for the slowest rank.
+        pending = self._start([sum(counts), float(k)])
+        engine = self.engine
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        factor, n = math.nan, 0.0
+        per_rank: tuple[float, ...] = ()
+        for i, mb in enumerate(mbs):
+            engine.set_gradient_accumulation_boundary(i == k - 1)  # before its forward
+            loss = loss_fn(engine, mb)
+            if i == 0:
+                per_rank, n = self._agree(op, pending)
+                factor = self.world_size / n
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise WholebatchTypeError(
+                    f"{op}: loss_fn(engine, micro_batches[{i}]) must return the sum of its "
+                    f"item losses as a one-element Tensor, got {type(loss).__name__}"
+                )
+            engine.backward(loss.reshape(()) * factor, scale_wrt_gas=False)
+            loss_sum += loss.detach().to(torch.float64).cpu()
+        if k == 0:  # every rank raises the same error, agreed
+            self._agree(op, pending)
+        reported = self._start([float(loss_sum)], op="sum")  # overlaps engine.step()
+        engine.step()  # the boundary: ZeRO's reduction (stage 1), clipping, the optimizer
+        self.steps += 1
+        total = self._finish(reported)[0][0]
+        return DeepSpeedStepStats(
+            loss=total / n if n > 0 else math.nan,
+            items=n,
+            items_per_rank=per_rank,
+            micro_batches=k,
+        )
+
+    def _agree(self, op: str, pending: tuple[Tensor, Any]) -> tuple[tuple[float, ...], float]:
+        """Every rank's [items, K] from the count's all-gather; the same error on every rank."""
+        table = self._finish(pending)
         ks = {r: int(row[_K]) for r, row in enumerate(table)}
         if len(set(ks.values())) > 1 or ks[0] == 0:
             raise WholebatchError(
@@ -169,42 +207,25 @@ class DeepSpeedAccumulator:
                 f"{op}: the step holds {dict(enumerate(per_rank))} items per rank (none in all); "
                 "its mean is undefined. Skip such steps in the data"
             )
-        factor = self.world_size / n
-        engine = self.engine
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(mbs):
-            engine.set_gradient_accumulation_boundary(i == k - 1)  # before its forward
-            loss = loss_fn(engine, mb)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise WholebatchTypeError(
-                    f"{op}: loss_fn(engine, micro_batches[{i}]) must return the sum of its "
-                    f"item losses as a one-element Tensor, got {type(loss).__name__}"
-                )
-            engine.backward(loss.reshape(()) * factor, scale_wrt_gas=False)
-            loss_sum += loss.detach().to(torch.float64).cpu()
-        engine.step()  # the boundary: ZeRO's reduction (stage 1), clipping, the optimizer
-        self.steps += 1
-        total = self._sum(float(loss_sum))
-        return DeepSpeedStepStats(
-            loss=total / n if n > 0 else math.nan,
-            items=n,
-            items_per_rank=per_rank,
-            micro_batches=k,
-        )
+        return per_rank, n
 
-    def _sum(self, value: float) -> float:
-        """`value` summed over the ranks (one all-reduce of one float64; for the reported loss)."""
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=comm_device(self.group))
-        torch.distributed.all_reduce(t, group=self.group)
-        return float(t.cpu())
-
-    def _gather(self, row: list[float]) -> list[list[float]]:
-        """Every rank's `row`, in rank order (one small all-gather)."""
-        if self.world_size == 1:
-            return [row]
+    def _start(self, row: list[float], *, op: str = "gather") -> tuple[Tensor, Any]:
+        """Start the all-gather of every rank's `row` (or, with op="sum", its all-reduce)."""
         mine = torch.tensor(row, dtype=torch.float64, device=comm_device(self.group))
-        w, m = self.world_size, len(row)
-        rows = all_gather(mine, sizes=[m] * w, group=self.group, check=False)
-        return [[float(x) for x in r] for r in rows.view(w, m).tolist()]
+        if self.world_size == 1:
+            return mine.view(1, -1), None
+        if op == "sum":
+            return mine.view(1, -1), torch.distributed.all_reduce(
+                mine, group=self.group, async_op=True
+            )
+        out = torch.empty(self.world_size * len(row), dtype=torch.float64, device=mine.device)
+        work = torch.distributed.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
+        return out.view(self.world_size, len(row)), work
+
+    @staticmethod
+    def _finish(pending: tuple[Tensor, Any]) -> list[list[float]]:
+        """Wait for a `_start`ed collective: its rows, in rank order."""
+        out, work = pending
+        if work is not None:
+            work.wait()
+        return [[float(x) for x in r] for r in out.cpu().tolist()]
