@@ -11,8 +11,8 @@ clock), the median of the per-round wall ratios (fixed / unfixed), and the
 median of the per-round ratios of CPU seconds (both ranks summed: the work done,
 which a loaded machine's scheduling delays do not inflate).
 
-- lightning: `Trainer.fit` of 24 batches, accumulate_grad_batches=3 (8 steps), a
-  token model; plain Lightning with a token mean vs `WholeBatchAccumulation`.
+- lightning: `Trainer.fit` of 24 batches of 16 x 64 tokens, accumulate_grad_batches=3
+  (8 steps), a token model; plain Lightning with a token mean vs `WholeBatchAccumulation`.
 - open_clip: open_clip_train 3.3.0's real `train_one_epoch` (tests.peers) with
   open_clip's `ClipLoss(gather_with_grad=True)` vs wholebatch's, accum_freq=2,
   8 steps of 2 x 128 rows per rank (two-layer towers, 256 wide).
@@ -104,7 +104,7 @@ def case_lightning(rounds: int) -> tuple[Times, int]:
 
     pl, _, _, trainer = _lightning()
     rank, k, batches = torch.distributed.get_rank(), 3, 24
-    data = [_tokens(1000 * rank + j, 8, 32, 512) for j in range(batches)]
+    data = [_tokens(1000 * rank + j, 16, 64, 512) for j in range(batches)]
 
     class LM(pl.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self, fixed: bool) -> None:
