@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_accumulate            # 30 timed steps per method
     python -m benchmarks.bench_accumulate --quick    # 8 timed steps per method
+    python -m benchmarks.bench_accumulate --normalize  # Normalize modes vs "token", same data
 
 Every method trains its own copy of the same small language-model-like network
 (embedding -> MLP -> vocabulary logits, float32) on the same ragged batches
@@ -19,6 +20,12 @@ Methods:
 - naive: mean of per-micro-batch means / K, no `no_sync` (K all-reduces a step);
 - Accumulator fp16 / bf16 / powersgd: `grad_compression=...` (PyTorch's DDP hooks;
   PowerSGD rank 4, plain all-reduce for its first 2 steps).
+
+With `--normalize` the methods are `Accumulator.step(..., normalize=Normalize(mode))`
+for mode token (the after-backward rescale, no pre-pass), sequence, group and
+constant (per-token cross-entropy, mask = targets != IGNORE, one sequence id per
+row, groups of 4 sequences), "vs hand" and "paired" then against "token": the
+cost of the counting pass and its all-gather.
 
 Reported per method: median step time, ratio to hand-written, gradient all-reduces
 per step and bytes each rank puts into them (counted in the DDP comm hook), and for
@@ -47,11 +54,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from benchmarks._common import free_port
 from wholebatch.train.accumulate import Accumulator
 from wholebatch.train.compression import GradCompression
+from wholebatch.train.normalize import Normalize
 
 W, K = 2, 4
 VOCAB, DIM, HIDDEN = 1000, 128, 512
 IGNORE = -100
-MicroBatch = tuple[Tensor, Tensor]  # (tokens_ST, targets_ST)
+MicroBatch = tuple[Tensor, ...]  # (tokens_ST, targets_ST), and seq_ST with --normalize
 
 
 class LM(nn.Module):
@@ -74,6 +82,31 @@ def loss_sum(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         logits_STV.flatten(0, 1), targets_ST.flatten(), ignore_index=IGNORE, reduction="sum"
     )
     return loss, (targets_ST != IGNORE).sum()
+
+
+def per_token(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """Per-token cross-entropy [S, T] (0 on padding), for `normalize=`."""
+    tokens_ST, targets_ST = mb[0], mb[1]
+    logits_STV = model(tokens_ST)
+    out: Tensor = F.cross_entropy(
+        logits_STV.transpose(1, 2), targets_ST, ignore_index=IGNORE, reduction="none"
+    )
+    return out
+
+
+def items(mb: MicroBatch) -> dict[str, Tensor]:
+    """Index tensors only: the mask, one sequence id per row, groups of 4 sequences."""
+    seq_ST = mb[2]
+    return {"mask": mb[1] != IGNORE, "sequence": seq_ST, "group": seq_ST // 4}
+
+
+def with_ids(mbs: list[MicroBatch], step: int, rank: int) -> list[MicroBatch]:
+    """`mbs` with global sequence ids (one per row) for the normalisation modes."""
+    out, first = [], (1000 * step + rank) * 100
+    for i, (tokens_ST, targets_ST) in enumerate(mbs):
+        rows = torch.arange(tokens_ST.shape[0]) + first + 10 * i
+        out.append((tokens_ST, targets_ST, rows[:, None].expand_as(tokens_ST).contiguous()))
+    return out
 
 
 def micro_batches(step: int, rank: int) -> list[MicroBatch]:
@@ -112,7 +145,7 @@ _counting_allreduce.__annotations__ = {}  # DDP accepts only runtime annotations
 
 
 def hand_written_step(ddp: DDP, opt: torch.optim.Optimizer, mbs: list[MicroBatch]) -> None:
-    n = torch.tensor([float(sum(int((t != IGNORE).sum()) for _, t in mbs))])
+    n = torch.tensor([float(sum(int((mb[1] != IGNORE).sum()) for mb in mbs))])
     dist.all_reduce(n)  # the global token count, before any backward
     for i, mb in enumerate(mbs):
         ctx = ddp.no_sync() if i < len(mbs) - 1 else _null()
@@ -158,6 +191,13 @@ def _method(name: str) -> tuple[DDP, Callable[[list[MicroBatch]], None], Any]:
         return ddp, lambda mbs: _ignore(acc.step(mbs, loss_sum)), acc.comm_stats
     counter = Counter()
     ddp.register_comm_hook(counter, _counting_allreduce)
+    if name.startswith("Normalize "):
+        mode = name.split()[1]
+        norm = Normalize(
+            mode, items=items, constant=96.0 * 6 * K * W if mode == "constant" else None
+        )  # type: ignore[arg-type]
+        acc_n = Accumulator(ddp, opt, max_grad_norm=1.0)
+        return ddp, lambda mbs: _ignore(acc_n.step(mbs, per_token, normalize=norm)), counter
     if name == "Accumulator":
         plain = Accumulator(ddp, opt, max_grad_norm=1.0)
         return ddp, lambda mbs: _ignore(plain.step(mbs, loss_sum)), counter
@@ -175,6 +215,13 @@ def _counts(stat: Any) -> tuple[int, int]:
 def _ignore(_: object) -> None:
     return None
 
+
+NORMALIZE_METHODS = [
+    "Normalize token",
+    "Normalize sequence",
+    "Normalize group",
+    "Normalize constant",
+]
 
 METHODS = [
     "hand-written",
@@ -201,19 +248,35 @@ def _grad_after_step(
     return captured[0]
 
 
-def _worker(rank: int, port: int, steps: int, out: Any) -> None:
+def _compression_errors(rows: list[dict[str, Any]], methods: dict[str, Any], rank: int) -> None:
+    """Each compression's gradient error against the exact gradient, same params and data."""
+    mbs = micro_batches(10_000, rank)
+    exact_ddp, exact_step, _ = _method("Accumulator")
+    for row in rows:
+        if row["name"] in COMPRESSION:
+            ddp, step, _ = methods[row["name"]]
+            exact_ddp.module.load_state_dict(ddp.module.state_dict())
+            g_exact = _grad_after_step(exact_ddp, exact_step, mbs)
+            g = _grad_after_step(ddp, step, mbs)
+            row["rel_err"] = float((g - g_exact).norm() / g_exact.norm())
+
+
+def _worker(rank: int, port: int, steps: int, out: Any, names: list[str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    methods = {name: _method(name) for name in METHODS}
-    times: dict[str, list[float]] = {name: [] for name in METHODS}
+    methods = {name: _method(name) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    base = names[0]
     start: dict[str, tuple[int, int]] = {}
     for s in range(steps + 2):  # 2 warm-up steps (also PowerSGD's plain all-reduce phase)
         if s == 2:
             start = {name: _counts(stat) for name, (_, _, stat) in methods.items()}
         mbs = micro_batches(s, rank)
+        if base != "hand-written":
+            mbs = with_ids(mbs, s, rank)
         # Rotate the order every step so no method always runs first (or after another).
-        order = METHODS[s % len(METHODS) :] + METHODS[: s % len(METHODS)]
+        order = names[s % len(names) :] + names[: s % len(names)]
         for name in order:
             step = methods[name][1]
             dist.barrier()
@@ -230,40 +293,54 @@ def _worker(rank: int, port: int, steps: int, out: Any) -> None:
             dict(
                 name=name,
                 median_ms=1e3 * statistics.median(times[name]),
-                # Per-step ratio to the hand-written loop on the same batch, then the
-                # median: pairs out the slow drifts of a shared machine.
+                # Per-step ratio to the baseline (hand-written, or "token") on the same
+                # batch, then the median: pairs out the slow drifts of a shared machine.
                 paired=statistics.median(
-                    t / h for t, h in zip(times[name], times["hand-written"], strict=True)
+                    t / h for t, h in zip(times[name], times[base], strict=True)
                 ),
                 allreduces=(calls - start[name][0]) / steps,
                 bytes=(nbytes - start[name][1]) / steps,
             )
         )
     # Gradient error of each compression against the exact gradient, same params and data.
-    mbs = micro_batches(10_000, rank)
-    exact_ddp, exact_step, _ = _method("Accumulator")
-    for row in rows:
-        if row["name"] in COMPRESSION:
-            ddp, step, _ = methods[row["name"]]
-            exact_ddp.module.load_state_dict(ddp.module.state_dict())
-            g_exact = _grad_after_step(exact_ddp, exact_step, mbs)
-            g = _grad_after_step(ddp, step, mbs)
-            row["rel_err"] = float((g - g_exact).norm() / g_exact.norm())
+    if any(row["name"] in COMPRESSION for row in rows):
+        _compression_errors(rows, methods, rank)
     if rank == 0:
         out.put(rows)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def prepass_ms(repeats: int = 200) -> dict[str, float]:
+    """Median time of `Accumulator._begin` per mode, one process (no collective): the counting pass."""
+    model = LM()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    mbs = with_ids(micro_batches(0, 0), 0, 0)
+    times: dict[str, list[float]] = {name: [] for name in NORMALIZE_METHODS}
+    for _ in range(repeats):
+        for name in NORMALIZE_METHODS:
+            mode = name.split()[1]
+            norm = Normalize(mode, items=items, constant=1.0 if mode == "constant" else None)  # type: ignore[arg-type]
+            t0 = time.perf_counter()
+            acc._begin(mbs, norm)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 timed steps instead of 30")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30)")
+    parser.add_argument(
+        "--normalize", action="store_true", help="the Normalize modes against 'token'"
+    )
     args = parser.parse_args()
-    steps = 8 if args.quick else 30
+    steps = args.steps or (8 if args.quick else 30)
+    names = NORMALIZE_METHODS if args.normalize else METHODS
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, steps, queue)) for r in range(W)]
+    procs = [ctx.Process(target=_worker, args=(r, port, steps, queue, names)) for r in range(W)]
     for p in procs:
         p.start()
     rows = None
@@ -277,11 +354,16 @@ def main() -> None:
                 ) from None
     for p in procs:
         p.join()
-    base = next(r for r in rows if r["name"] == "hand-written")
+    base = next(r for r in rows if r["name"] == names[0])
     print(f"W={W} K={K}, {steps} timed steps, model {VOCAB}x{DIM}x{HIDDEN} fp32, AdamW, clip 1.0")
     print(
-        f"{'method':<22} {'median ms':>10} {'vs hand':>8} {'paired':>7} {'allreduce/step':>15} {'grad bytes/step':>16} {'vs fp32':>8} {'grad rel err':>13}"
+        f"{'method':<22} {'median ms':>10} {'vs ' + names[0].split()[-1][:4]:>8} {'paired':>7} {'allreduce/step':>15} {'grad bytes/step':>16} {'vs fp32':>8} {'grad rel err':>13}"
     )
+    if args.normalize:
+        torch.set_num_threads(1)
+        pre = prepass_ms()
+        print("Accumulator._begin (agree K + counting pass + weights), one process, median ms:")
+        print("  " + "  ".join(f"{name.split()[1]} {ms:.3f}" for name, ms in pre.items()))
     for r in rows:
         err = "" if r.get("rel_err") is None else f"{r['rel_err']:.2e}"
         print(

@@ -10,7 +10,8 @@ Throughput: the lint of this checkout, `ast.parse` alone over the same files (a 
 no AST linter can beat), and the lint of an earlier revision (`--baseline`, default
 `BASELINE_REV`: the linter before it followed calls across functions), each in its own
 process, taking turns for `--rounds` rounds, so that the ratios compare runs of one
-machine at one load. The earlier revision is read from git (`git archive`) into a
+machine at one load; wall time and the lint process's CPU time (which a shared,
+loaded machine inflates least) are both printed. The earlier revision is read from git (`git archive`) into a
 temporary folder; nothing is checked out here.
 
 Start-up (`--startup`, issue 10): wall time of `wholebatch lint FILE` on a 100-line file
@@ -58,11 +59,12 @@ PEERS: dict[str, tuple[str, ...]] = {
 _WORKER = """
 import json, sys, time
 from wholebatch.lint import lint_paths
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 findings, n = lint_paths(sys.argv[1:])
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 import wholebatch.lint as L
-print(json.dumps({"files": n, "findings": len(findings), "seconds": dt, "src": L.__file__}))
+print(json.dumps({"files": n, "findings": len(findings), "seconds": dt, "cpu": cpu,
+                  "src": L.__file__}))
 """
 
 
@@ -143,16 +145,20 @@ def throughput(paths: list[Path], rounds: int, baseline: str | None) -> None:
         base_src = _export(baseline, Path(tmp)) if baseline else None
         now: list[float] = []
         then: list[float] = []
+        cpu_now: list[float] = []
+        cpu_then: list[float] = []
         parse: list[float] = []
         n_now = n_then = 0
         for _ in range(rounds):
             row = _lint_in_process(paths, None)
             now.append(row["seconds"])
+            cpu_now.append(row["cpu"])
             n_now = int(row["findings"])
             if base_src is not None:
                 row = _lint_in_process(paths, base_src)
                 assert str(base_src) in str(row["src"]), row  # the old linter really ran
                 then.append(row["seconds"])
+                cpu_then.append(row["cpu"])
                 n_then = int(row["findings"])
             parse.append(_parse_only(files))
     n = len(files)
@@ -165,6 +171,9 @@ def throughput(paths: list[Path], rounds: int, baseline: str | None) -> None:
         print(f"now/{baseline}    {t_now / t_then:.2f}x the time (target: <= 2x)")
         paired = ", ".join(f"{a / b:.2f}" for a, b in zip(now, then, strict=True))
         print(f"  per round    {paired}  (each: this lint / {baseline}'s, run back to back)")
+        # CPU time of the lint process: what a loaded machine inflates least.
+        c_now, c_then = statistics.median(cpu_now), statistics.median(cpu_then)
+        print(f"cpu time       {c_now:.2f} s against {c_then:.2f} s: {c_now / c_then:.2f}x")
     print(f"parse only     {t_parse:.2f} s  ({n / t_parse:.0f} files/s)")
     print(f"lint/parse     {t_now / t_parse:.2f}x")
 

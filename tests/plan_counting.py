@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import wholebatch.comm._c10d as _c10d
 import wholebatch.comm.collectives as collectives
 
 __all__ = ["Counter", "count_collectives", "wchar"]
@@ -66,6 +67,7 @@ def count_collectives(counter: Counter) -> Iterator[Counter]:
     rank, w = dist.get_rank(), dist.get_world_size()
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
     real_ar, real_ag = dist.all_reduce, getattr(collectives, "all_gather_single")  # noqa: B009
+    real_c10d = getattr(_c10d, "all_gather_single")  # noqa: B009
 
     def a2a(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, **kw: Any) -> Any:  # fmt: skip
@@ -100,9 +102,11 @@ def count_collectives(counter: Counter) -> Iterator[Counter]:
     dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p  # type: ignore[assignment]
     dist.all_reduce = all_reduce  # type: ignore[assignment]
     setattr(collectives, "all_gather_single", all_gather)  # noqa: B010
+    setattr(_c10d, "all_gather_single", all_gather)  # noqa: B010 (agree_rows' gather)
     try:
         yield counter
     finally:
         dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_p2p
         dist.all_reduce = real_ar
         setattr(collectives, "all_gather_single", real_ag)  # noqa: B010
+        setattr(_c10d, "all_gather_single", real_c10d)  # noqa: B010

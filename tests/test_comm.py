@@ -9,14 +9,14 @@ d(sum_r l_r)/d(input); the reference computes exactly that in one process.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import Tensor
 
 import wholebatch as wb
@@ -514,3 +514,26 @@ def test_world_of_one_still_validates() -> None:
         wb.all_gather([1, 2])  # type: ignore[arg-type]
     with pytest.raises(wb.WholebatchError, match="wire_dtype needs a floating input"):
         wb.all_gather(torch.zeros(2, dtype=torch.int64), wire_dtype=torch.bfloat16)
+
+
+def test_agree_rows_names_fields_and_totals_in_one_process() -> None:
+    from wholebatch.comm.agree import agree_rows
+
+    rows = agree_rows({"loss": torch.tensor(2.5), "items": 3, "shape": [4, 5], "bad": False})
+    assert rows["loss"] == (2.5,) and rows.ints("items") == (3,)
+    assert rows.vectors("shape") == ((4.0, 5.0),) and rows.ranks_where("bad") == []
+    assert rows.total("items") == 3 and rows.same("shape")
+    rows.error("op", None, flag="bad")  # no flag set: nothing raised
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        rows["nope"]
+    # Totals of non-finite values do not raise (fsum refuses inf + -inf and overflow).
+    inf = agree_rows({"x": [float("inf"), float("-inf")]})
+    assert inf.vectors("x") == ((float("inf"), float("-inf")),)
+    from wholebatch.comm.agree import Rows
+
+    table = Rows(
+        torch.tensor([[float("inf")], [float("-inf")]], dtype=torch.float64), {"x": (0, 1)}, None
+    )
+    assert math.isnan(table.total("x"))
+    big = Rows(torch.tensor([[1e308], [1e308]], dtype=torch.float64), {"x": (0, 1)}, None)
+    assert big.total("x") == float("inf")

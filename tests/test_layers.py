@@ -24,6 +24,7 @@ PKG = Path(wholebatch.__file__).parent
 # `lint` stands apart: it may import only `errors` and itself (and never torch).
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "conventions": 0,
     "_lazy": 0,
     "comm": 1,
     "losses": 2,
@@ -195,3 +196,54 @@ def test_wholebatch_lints_its_own_source_clean() -> None:
     findings, files = lint_paths([PKG])
     assert files > 40
     assert not findings, "\n".join(f"{f.path}:{f.line}: {f.code} {f.message}" for f in findings)
+
+
+def test_subpackages_load_on_attribute_access() -> None:
+    """`import wholebatch as wb; wb.losses.clip_loss` works: the namespaces load like the names."""
+    code = (
+        "import sys, wholebatch as wb\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(wb.losses.clip_loss.__module__, wb.train.checkpoint.__name__, wb.lint.__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == [
+        "wholebatch.losses.contrastive",
+        "wholebatch.train.checkpoint",
+        "wholebatch.lint",
+    ]
+    for pkg in ("comm", "losses", "train", "verify", "planner", "integrations", "lint", "cli"):
+        assert pkg in wholebatch.__all__, pkg
+
+
+def test_lazy_table_is_read_from_the_type_checking_imports() -> None:
+    from wholebatch._lazy import type_checking_imports
+
+    src = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from wholebatch import losses as losses\n"
+        "    from wholebatch.losses.contrastive import clip_loss as clip_loss\n"
+        "from wholebatch.errors import WholebatchError\n"  # outside the block: not exported
+    )
+    assert type_checking_imports(src, "wholebatch") == {
+        "losses": "wholebatch.losses",
+        "clip_loss": "wholebatch.losses.contrastive",
+    }
+    # A renamed export would make the user-facing name differ from the defined one.
+    renamed = "if TYPE_CHECKING:\n    from wholebatch.losses import clip_loss as clip\n"
+    with pytest.raises(ImportError, match="renames"):
+        type_checking_imports(renamed)
+
+
+def test_no_function_in_the_package_is_over_100_lines() -> None:
+    """Long functions hide the decisions they make (CONTRIBUTING.md, "Style")."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 100:
+                    long.append(f"{path.relative_to(PKG)}:{node.name} ({lines} lines)")
+    assert not long, long

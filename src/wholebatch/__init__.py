@@ -19,137 +19,101 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from wholebatch._lazy import lazy_attributes
+from wholebatch._lazy import lazy_package
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it. A name equal to its module's last
-# component (`checkpoint`) is the module itself.
-_LAZY: dict[str, str] = {
-    "WholebatchError": "wholebatch.errors",
-    "WholebatchTypeError": "wholebatch.errors",
-    "all_gather": "wholebatch.comm.collectives",
-    "all_reduce": "wholebatch.comm.collectives",
-    "all_to_all": "wholebatch.comm.collectives",
-    "broadcast": "wholebatch.comm.collectives",
-    "reduce_scatter": "wholebatch.comm.collectives",
-    "ring_shift": "wholebatch.comm.collectives",
-    "debug_enabled": "wholebatch.comm.debug",
-    "set_debug": "wholebatch.comm.debug",
-    "all_ranks_agree": "wholebatch.comm.groups",
-    "any_rank": "wholebatch.comm.groups",
-    "checks_enabled": "wholebatch.comm.groups",
-    "get_rank": "wholebatch.comm.groups",
-    "get_world_size": "wholebatch.comm.groups",
-    "init_process_group": "wholebatch.comm.groups",
-    "set_checks": "wholebatch.comm.groups",
-    "clip_loss": "wholebatch.losses.contrastive",
-    "nt_xent_loss": "wholebatch.losses.contrastive",
-    "siglip_loss": "wholebatch.losses.contrastive",
-    "info_nce_loss": "wholebatch.losses.info_nce",
-    "ClipLoss": "wholebatch.losses.modules",
-    "InfoNCELoss": "wholebatch.losses.modules",
-    "NTXentLoss": "wholebatch.losses.modules",
-    "SigLipLoss": "wholebatch.losses.modules",
-    "Accumulator": "wholebatch.train.accumulate",
-    "AccumulatorConfig": "wholebatch.train.accumulate",
-    "CachedStep": "wholebatch.train.cache",
-    "checkpoint": "wholebatch.train.checkpoint",
-    "CommStats": "wholebatch.train.compression",
-    "GradCompression": "wholebatch.train.compression",
-    "GradCache": "wholebatch.train.gradcache",
-    "NonFiniteStepError": "wholebatch.train.stepping",
-    "StepConfig": "wholebatch.train.stepping",
-    "StepFinisher": "wholebatch.train.stepping",
-    "StepStats": "wholebatch.train.stepping",
-    "sync_context": "wholebatch.train.stepping",
-    "plan": "wholebatch.planner.core",
-    "Plan": "wholebatch.planner.core",
-    "PlanConfig": "wholebatch.planner.config",
-}
-
-# Written out (not computed) so mypy and IDEs read it; a test keeps it equal to _LAZY.
-__all__ = [
-    "Accumulator",
-    "AccumulatorConfig",
-    "CachedStep",
-    "ClipLoss",
-    "CommStats",
-    "GradCache",
-    "GradCompression",
-    "InfoNCELoss",
-    "NTXentLoss",
-    "NonFiniteStepError",
-    "Plan",
-    "PlanConfig",
-    "SigLipLoss",
-    "StepConfig",
-    "StepFinisher",
-    "StepStats",
-    "WholebatchError",
-    "WholebatchTypeError",
-    "__version__",
-    "all_gather",
-    "all_ranks_agree",
-    "all_reduce",
-    "all_to_all",
-    "any_rank",
-    "broadcast",
-    "checkpoint",
-    "checks_enabled",
-    "clip_loss",
-    "debug_enabled",
-    "get_rank",
-    "get_world_size",
-    "info_nce_loss",
-    "init_process_group",
-    "nt_xent_loss",
-    "plan",
-    "reduce_scatter",
-    "ring_shift",
-    "set_checks",
-    "set_debug",
-    "siglip_loss",
-    "sync_context",
-]
-
-if TYPE_CHECKING:  # what mypy and IDEs see; at run time `__getattr__` below loads these
+if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these imports,
+    # and `lazy_package` builds `_LAZY`, `__all__` and the PEP 562 hooks from them
+    from wholebatch import (
+        cli as cli,
+        comm as comm,
+        conventions as conventions,
+        errors as errors,
+        integrations as integrations,
+        lint as lint,
+        losses as losses,
+        planner as planner,
+        testing as testing,
+        train as train,
+        verify as verify,
+    )
     from wholebatch.comm.collectives import (
-        all_gather,
-        all_reduce,
-        all_to_all,
-        broadcast,
-        reduce_scatter,
-        ring_shift,
+        all_gather as all_gather,
+        all_reduce as all_reduce,
+        all_to_all as all_to_all,
+        broadcast as broadcast,
+        reduce_scatter as reduce_scatter,
+        ring_shift as ring_shift,
     )
-    from wholebatch.comm.debug import debug_enabled, set_debug
+    from wholebatch.comm.debug import (
+        debug_enabled as debug_enabled,
+        set_debug as set_debug,
+    )
     from wholebatch.comm.groups import (
-        all_ranks_agree,
-        any_rank,
-        checks_enabled,
-        get_rank,
-        get_world_size,
-        init_process_group,
-        set_checks,
+        all_ranks_agree as all_ranks_agree,
+        any_rank as any_rank,
+        checks_enabled as checks_enabled,
+        get_rank as get_rank,
+        get_world_size as get_world_size,
+        init_process_group as init_process_group,
+        set_checks as set_checks,
     )
-    from wholebatch.errors import WholebatchError, WholebatchTypeError
-    from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
-    from wholebatch.losses.info_nce import info_nce_loss
-    from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
-    from wholebatch.planner.config import PlanConfig
-    from wholebatch.planner.core import Plan, plan
-    from wholebatch.train import checkpoint
-    from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
-    from wholebatch.train.cache import CachedStep
-    from wholebatch.train.compression import CommStats, GradCompression
-    from wholebatch.train.gradcache import GradCache
+    from wholebatch.comm.mesh import (
+        MeshSplit as MeshSplit,
+    )
+    from wholebatch.errors import (
+        WholebatchError as WholebatchError,
+        WholebatchTypeError as WholebatchTypeError,
+    )
+    from wholebatch.losses.contrastive import (
+        clip_loss as clip_loss,
+        nt_xent_loss as nt_xent_loss,
+        siglip_loss as siglip_loss,
+    )
+    from wholebatch.losses.info_nce import (
+        info_nce_loss as info_nce_loss,
+    )
+    from wholebatch.losses.modules import (
+        ClipLoss as ClipLoss,
+        InfoNCELoss as InfoNCELoss,
+        NTXentLoss as NTXentLoss,
+        SigLipLoss as SigLipLoss,
+    )
+    from wholebatch.planner.config import (
+        PlanConfig as PlanConfig,
+    )
+    from wholebatch.planner.core import (
+        Plan as Plan,
+        plan as plan,
+    )
+    from wholebatch.train import checkpoint as checkpoint
+    from wholebatch.train.accumulate import (
+        Accumulator as Accumulator,
+        AccumulatorConfig as AccumulatorConfig,
+    )
+    from wholebatch.train.cache import (
+        CachedStep as CachedStep,
+    )
+    from wholebatch.train.compression import (
+        CommStats as CommStats,
+        GradCompression as GradCompression,
+    )
+    from wholebatch.train.gradcache import (
+        GradCache as GradCache,
+    )
+    from wholebatch.train.normalize import (
+        Normalize as Normalize,
+    )
+    from wholebatch.train.pipeline import (
+        PipelineAccumulator as PipelineAccumulator,
+    )
     from wholebatch.train.stepping import (
-        NonFiniteStepError,
-        StepConfig,
-        StepFinisher,
-        StepStats,
-        sync_context,
+        NonFiniteStepError as NonFiniteStepError,
+        StepConfig as StepConfig,
+        StepFinisher as StepFinisher,
+        StepStats as StepStats,
+        sync_context as sync_context,
     )
 
-
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+_LAZY, __all__, __getattr__, __dir__ = lazy_package(globals())

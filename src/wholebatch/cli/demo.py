@@ -11,7 +11,8 @@ every parameter the gradient of the loss on all 1,024 pairs at once.
 
 Before training, rank 0 checks the first step's split gradient (every
 parameter, `logit_scale` included) against one process computing the plain
-N x N CLIP loss on the whole batch in float64, and measures activation memory
+N x N CLIP loss on the whole batch in float64 (the split step runs in float32, so
+the error shown is float32 round-off), and measures activation memory
 (tensors autograd saves for backward) of that one pass against the cached
 step on one rank. Retrieval on 397 held-out digits (find the right half of
 each left half among all 397; chance 0.25% top-1, 1.26% top-5) is measured
@@ -156,7 +157,7 @@ def _micro_batches(
 def _gradient_check(
     ddp: nn.Module, inner: DemoModel, mbs: list[tuple[Tensor, Tensor]], whole: tuple[Tensor, Tensor]
 ) -> dict[str, Any]:
-    """The first step's split gradient vs one process on the whole batch (float64); memory of each."""
+    """The first step's split gradient (float32) vs one process on the whole batch (float64); memory of each."""
     import torch.distributed as dist
 
     from wholebatch.losses.contrastive import clip_loss
@@ -226,7 +227,8 @@ def _rank_main(config: DemoConfig) -> dict[str, Any] | None:
         b = len(torch.tensor_split(first, w * k)[0])
         print(
             f"wholebatch demo: {w} processes x {k} micro-batches x ~{b} rows = whole batch of {n}\n"
-            f"gradient check, first step, split vs one process on the whole batch (float64):\n"
+            f"gradient check, first step: the split step (float32) vs one process on the whole batch "
+            f"(float64), so the error is float32 round-off:\n"
             f"  max relative error over {len(check['per_param_rel_err'])} parameters: "
             f"{check['max_rel_err']:.1e} (logit_scale: {check['per_param_rel_err']['logit_scale']:.1e})\n"
             f"activation memory saved for backward: one process, whole batch, N x N logits: "

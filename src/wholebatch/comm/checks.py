@@ -16,12 +16,20 @@ in the fingerprint and its text exchanged in a second round, then raised on all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.groups import comm_device, get_world_size
+from wholebatch.comm.agree import (
+    Rows,
+    agree_rows,
+    errors_text,
+    exchange_text,
+    gather_errors,
+    per_rank,
+)
+from wholebatch.comm.groups import get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
@@ -39,8 +47,6 @@ __all__ = [
 
 _MAGIC = 0x57424348  # "WBCH": a row without it came from something that is not a wholebatch op
 MAX_DIMS = 16
-_HEADER = 12
-_MSG_BYTES = 480
 
 _OP_CODES = {
     "all_gather": 1,
@@ -87,10 +93,6 @@ def _device_name(code: int) -> str:
     return _DEVICE_TYPES[code - 1] if 1 <= code <= len(_DEVICE_TYPES) else "other"
 
 
-# Header slots of a fingerprint row.
-_MAGIC_I, _OP_I, _ARG_I, _DTYPE_I, _DEVICE_I, _NDIM_I, _DIM_I, _ERR_I, _WIRE_I, _NVEC_I = range(10)
-
-
 @dataclasses.dataclass(frozen=True)
 class Fingerprints:
     """Every rank's fingerprint for one call, identical on every rank after `exchange`."""
@@ -106,7 +108,7 @@ class Fingerprints:
         return [s[self.dim] if s else 0 for s in self.shapes]
 
 
-def _encode(
+def _fingerprint(
     op: str,
     x: torch.Tensor,
     dim: int,
@@ -116,65 +118,29 @@ def _encode(
     vec_a: Sequence[int] | None,
     vec_b: Sequence[int] | None,
     error: bool,
-) -> list[int]:
-    width = _HEADER + MAX_DIMS + 2 * world_size
-    row = [0] * width
-    row[_MAGIC_I] = _MAGIC
-    row[_OP_I] = _OP_CODES[op]
-    row[_ARG_I] = arg
-    row[_DTYPE_I] = _dtype_code(x.dtype)
-    row[_DEVICE_I] = _device_code(x.device)
-    row[_NDIM_I] = x.dim()
-    row[_DIM_I] = dim
-    row[_ERR_I] = int(error)
-    row[_WIRE_I] = wire_code
-    row[_NVEC_I] = (1 if vec_a is not None else 0) + (2 if vec_b is not None else 0)
-    for i, s in enumerate(x.shape[:MAX_DIMS]):
-        row[_HEADER + i] = s
-    base = _HEADER + MAX_DIMS
-    for i, v in enumerate(list(vec_a or [])[:world_size]):
-        row[base + i] = int(v)
-    for i, v in enumerate(list(vec_b or [])[:world_size]):
-        row[base + world_size + i] = int(v)
-    return row
+) -> dict[str, int | list[int]]:
+    """This rank's fingerprint row (named fields; every rank's has the same layout)."""
 
+    def padded(values: Sequence[int] | None, n: int) -> list[int]:
+        out = [int(v) for v in list(values or [])[:n]]
+        return out + [0] * (n - len(out))
 
-def _all_gather_rows(row: list[int], group: ProcessGroup | None) -> list[list[int]]:
-    from wholebatch.comm._c10d import all_gather_single
-
-    world_size = get_world_size(group)
-    device = comm_device(group)
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    table = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
-    all_gather_single(table, mine, group=group)
-    flat = table.tolist()
-    return [flat[r * len(row) : (r + 1) * len(row)] for r in range(world_size)]
-
-
-def exchange_text(
-    msg: str, group: ProcessGroup | None = None, *, max_bytes: int = _MSG_BYTES
-) -> list[str]:
-    """Every rank's `msg` (UTF-8, cut to `max_bytes`), in rank order; every rank must call it.
-
-    Text travels as a fixed-size uint8 tensor: no pickle (unlike `all_gather_object`).
-    """
-    from wholebatch.comm._c10d import all_gather_single
-
-    world_size = get_world_size(group)
-    if world_size == 1:
-        return [msg.encode("utf-8")[:max_bytes].decode("utf-8", "ignore")]
-    device = comm_device(group)
-    data = msg.encode("utf-8")[:max_bytes]
-    buf = torch.zeros(max_bytes, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(world_size * max_bytes, dtype=torch.uint8, device=device)
-    all_gather_single(out, buf.to(device), group=group)
-    raw = bytes(out.cpu().tolist())
-    return [
-        raw[r * max_bytes : (r + 1) * max_bytes].rstrip(b"\0").decode("utf-8", "ignore")
-        for r in range(world_size)
-    ]
+    return {
+        "magic": _MAGIC,
+        "op": _OP_CODES[op],
+        "arg": arg,
+        "dtype": _dtype_code(x.dtype),
+        "device": _device_code(x.device),
+        "ndim": x.dim(),
+        "dim": dim,
+        "error": int(error),
+        "wire": wire_code,
+        "has_a": int(vec_a is not None),
+        "has_b": int(vec_b is not None),
+        "shape": padded(x.shape, MAX_DIMS),
+        "vec_a": padded(vec_a, world_size),
+        "vec_b": padded(vec_b, world_size),
+    }
 
 
 def exchange(
@@ -197,7 +163,7 @@ def exchange(
     are the caller's, on the returned table, which is identical on every rank.
     """
     world_size = get_world_size(group)
-    row = _encode(
+    row = _fingerprint(
         op,
         x,
         dim,
@@ -208,55 +174,39 @@ def exchange(
         vec_b,
         local_error is not None,
     )
-    rows = _all_gather_rows(row, group)
-    if any(r[_ERR_I] for r in rows):
-        bad = gather_errors(local_error, [bool(r[_ERR_I]) for r in rows], group)
-        raise WholebatchError(f"{op}: {errors_text(bad)}")
+    rows = agree_rows(row, group=group, dtype=torch.int64)
+    rows.error(op, local_error)
     _check_common(op, rows)
-    shapes = [tuple(r[_HEADER : _HEADER + r[_NDIM_I]]) for r in rows]
-    base = _HEADER + MAX_DIMS
-    vec_as = [r[base : base + world_size] if r[_NVEC_I] & 1 else None for r in rows]
-    vec_bs = [
-        r[base + world_size : base + 2 * world_size] if r[_NVEC_I] & 2 else None for r in rows
+    return Fingerprints(
+        op=op,
+        shapes=_shapes(rows),
+        dim=dim,
+        vec_a=_vectors(rows, "vec_a", "has_a"),
+        vec_b=_vectors(rows, "vec_b", "has_b"),
+    )
+
+
+def _vectors(rows: Rows, name: str, given: str) -> list[list[int] | None]:
+    return [
+        [int(x) for x in v] if has else None
+        for v, has in zip(rows.vectors(name), rows[given], strict=True)
     ]
-    return Fingerprints(op=op, shapes=shapes, dim=dim, vec_a=vec_as, vec_b=vec_bs)
 
 
-def gather_errors(
-    local_error: str | None,
-    flagged: Sequence[bool],
-    group: ProcessGroup | None = None,
-    *,
-    max_bytes: int = _MSG_BYTES,
-) -> dict[int, str]:
-    """The error text of every rank whose `flagged` entry is set (every rank must call it).
-
-    `flagged` is the same on every rank (it came from an exchange); one text
-    all-gather carries the messages, so every rank can raise the same error.
-    """
-    msgs = exchange_text(local_error or "", group, max_bytes=max_bytes)
-    return {r: m for r, m in enumerate(msgs) if flagged[r]}
+def _shapes(rows: Rows) -> list[tuple[int, ...]]:
+    return [
+        tuple(int(s) for s in shape[: int(n)])
+        for shape, n in zip(rows.vectors("shape"), rows["ndim"], strict=True)
+    ]
 
 
-def errors_text(bad: Mapping[int, str]) -> str:
-    """One message for rank -> error: the text and its ranks if they agree, else each rank's."""
-    if len(set(bad.values())) == 1:
-        return f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"
-    return "; ".join(f"rank {r}: {m}" for r, m in bad.items())
-
-
-def per_rank(values: Sequence[object]) -> str:
-    """`{0: a, 1: b}` — how errors show a per-rank value."""
-    return "{" + ", ".join(f"{r}: {v}" for r, v in enumerate(values)) + "}"
-
-
-def _check_common(op: str, rows: list[list[int]]) -> None:
-    if any(r[_MAGIC_I] != _MAGIC for r in rows):
+def _check_common(op: str, rows: Rows) -> None:
+    if any(m != _MAGIC for m in rows["magic"]):
         raise WholebatchError(
             f"{op}: a peer sent something that is not a wholebatch fingerprint; "
             "every rank must call the same wholebatch op at the same point"
         )
-    ops = [r[_OP_I] for r in rows]
+    ops = rows.ints("op")
     if len(set(ops)) > 1:
         names = [_OP_NAMES.get(o, "?") for o in ops]
         raise WholebatchError(
@@ -264,29 +214,28 @@ def _check_common(op: str, rows: list[list[int]]) -> None:
             f"wholebatch: ranks called different collectives {per_rank(names)}; "
             "every rank must call the same op in the same order"
         )
-    dtypes = [r[_DTYPE_I] for r in rows]
+    dtypes = rows.ints("dtype")
     if len(set(dtypes)) > 1:
         raise WholebatchTypeError(
             f"{op}: dtypes differ across ranks {per_rank([_dtype_name(d) for d in dtypes])}; "
             "cast every rank's input to one dtype"
         )
-    devices = [r[_DEVICE_I] for r in rows]
+    devices = rows.ints("device")
     if len(set(devices)) > 1:
         raise WholebatchTypeError(
             f"{op}: device types differ across ranks {per_rank([_device_name(d) for d in devices])}; "
             "move every rank's input to the same kind of device"
         )
-    ndims = [r[_NDIM_I] for r in rows]
-    if len(set(ndims)) > 1:
-        shapes = [tuple(r[_HEADER : _HEADER + r[_NDIM_I]]) for r in rows]
+    if not rows.same("ndim"):
+        shapes = _shapes(rows)
         raise WholebatchError(
             f"{op}: inputs have different numbers of dimensions across ranks {per_rank(shapes)}"
         )
     arg_name = _ARG_NAMES.get(op, "argument")
-    for slot, what in ((_ARG_I, arg_name), (_DIM_I, "dim"), (_WIRE_I, "wire_dtype")):
-        vals = [r[slot] for r in rows]
+    for field, what in (("arg", arg_name), ("dim", "dim"), ("wire", "wire_dtype")):
+        vals = rows.ints(field)
         if len(set(vals)) > 1:
-            shown = [_dtype_name(v) for v in vals] if slot == _WIRE_I else vals
+            shown: Sequence[object] = [_dtype_name(v) for v in vals] if field == "wire" else vals
             raise WholebatchError(
                 f"{op}: {what} differs across ranks {per_rank(shown)}; pass the same on every rank"
             )

@@ -8,11 +8,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import all_gather, comm_device, get_rank, get_world_size, is_distributed
+from wholebatch.comm import agree_rows, get_rank, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = ["check_rank_args", "require_peer", "scalar_numel_one"]
@@ -50,12 +49,11 @@ def check_rank_args(op: str, rank: int, world_size: int, group: ProcessGroup | N
                 f"with torchrun --nproc-per-node {world_size}, or leave rank and world_size out"
             )
         return
-    mine = torch.tensor([rank, world_size], dtype=torch.float64, device=comm_device(group))
-    table = all_gather(mine, sizes=[2] * w, group=group, check=False).view(w, 2).tolist()
+    rows = agree_rows({"rank": rank, "world_size": world_size}, group=group)
     bad = {
-        r: (int(a), int(b))
-        for r, (a, b) in enumerate(table)
-        if (int(a), int(b)) not in ((0, 1), (r, w))
+        r: (a, b)
+        for r, (a, b) in enumerate(zip(rows.ints("rank"), rows.ints("world_size"), strict=True))
+        if (a, b) not in ((0, 1), (r, w))
     }
     if bad:
         shown = ", ".join(f"rank {r}: rank={a}, world_size={b}" for r, (a, b) in bad.items())

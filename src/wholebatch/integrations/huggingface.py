@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from wholebatch.comm import all_gather, comm_device, get_world_size, is_distributed
+from wholebatch.comm import agree_rows, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
 from wholebatch.integrations._common import require_peer
 
@@ -217,34 +217,37 @@ class WholeBatchTrainerMixin:
                 break
         items, has_empty, unknown = self._counts(batch_samples)
         probe = self._probe_model_loss(batch_samples) if self._must_probe() else _UNDECIDED
-        row = [float(items), float(len(batch_samples)), float(has_empty), float(unknown), probe]
-        w = get_world_size()
-        table = [row]
-        if is_distributed():
-            mine = torch.tensor(row, dtype=torch.float64, device=comm_device())
-            table = all_gather(mine, sizes=[5] * w, check=False).view(w, 5).tolist()
-        self._agree_probe([int(t[4]) for t in table])
-        ks = [int(t[1]) for t in table]
+        rows = agree_rows(
+            {
+                "items": items,
+                "micro_batches": len(batch_samples),
+                "has_empty": has_empty,
+                "unknown": unknown,
+                "probe": probe,
+            }
+        )
+        self._agree_probe(list(rows.ints("probe")))
+        ks = rows.ints("micro_batches")
         if len(set(ks)) > 1:
             raise WholebatchError(
                 f"WholeBatchTrainer: ranks hold different numbers of micro-batches for this step "
                 f"{dict(enumerate(ks))}; every rank must run the same gradient_accumulation_steps "
                 "(keep accelerate's even_batches=True)"
             )
-        if any(t[3] for t in table):
+        if unknown_ranks := rows.ranks_where("unknown"):
             raise WholebatchError(
                 "WholeBatchTrainer: count_items() returned None for a micro-batch on ranks "
-                f"{[r for r, t in enumerate(table) if t[3]]} (no `labels`?); override "
+                f"{unknown_ranks} (no `labels`?); override "
                 "count_items(inputs) to return the number of items your loss uses"
             )
-        if any(t[2] for t in table) and not self._loss_takes_count():
+        if (empty_ranks := rows.ranks_where("has_empty")) and not self._loss_takes_count():
             raise WholebatchError(
                 "WholeBatchTrainer: a micro-batch has no items (all labels ignored) on ranks "
-                f"{[r for r, t in enumerate(table) if t[2]]}, and this model returns a mean "
+                f"{empty_ranks}, and this model returns a mean "
                 "loss that would be NaN there; use a model whose forward accepts "
                 "num_items_in_batch, or a compute_loss_func"
             )
-        return batch_samples, ItemShare(int(sum(t[0] for t in table)), w)
+        return batch_samples, ItemShare(int(rows.total("items")), rows.world_size)
 
     def _check_gradients_are_synchronised(self) -> None:
         """Refuse to train data-parallel without DDP: every rank would step on its own gradient.

@@ -48,9 +48,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import all_gather, broadcast, comm_device, get_world_size, is_distributed
+from wholebatch.comm import (
+    Field,
+    agree_rows,
+    all_gather,
+    broadcast,
+    comm_device,
+    get_world_size,
+    is_distributed,
+)
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses import GradReduction, nt_xent_loss, tile_size_for
+from wholebatch.losses import nt_xent_loss, tile_size_for
 from wholebatch.losses.tiles import cpu_tile_threads
 
 __all__ = ["NTXentLoss"]
@@ -121,10 +130,7 @@ class NTXentLoss(nn.Module):
                 f"NTXentLoss: temperature={temperature}; |temperature| must be >= {_EPS} "
                 "(logits are divided by it)"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"NTXentLoss: grad_reduction={grad_reduction!r} must be 'mean' (DDP) or 'sum'"
-            )
+        check_grad_reduction("NTXentLoss", grad_reduction)
         self.temperature = float(temperature)
         self.gather_distributed = gather_distributed
         self.group = group
@@ -181,31 +187,34 @@ class NTXentLoss(nn.Module):
             rows = max(1, min(tile, tile * tile // max(1, len(bank_KD))))
             loss_B: Tensor = _BankNTXent.apply(out0, out1, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]
             local = loss_B.sum()
-            row = [0.0, float(local.detach()), float(out0.shape[0]), float(update)]
+            row: dict[str, Field] = {
+                "error": 0,
+                "loss": local.detach(),
+                "rows": out0.shape[0],
+                "update": update,
+            }
         else:
             self._shared_bank()  # the broadcast every rank joins on the first call
-            row = [1.0, 0.0, 0.0, 0.0]
+            row = {"error": 1, "loss": 0.0, "rows": 0, "update": False}
         # One all-gather of 4 numbers per rank: errors, loss sums, row counts, update flags.
-        table = self._exchange(row, w)
-        if any(t[0] for t in table):
-            bad = sorted(r for r, t in enumerate(table) if t[0])
+        table = agree_rows(row, group=self.group)
+        if bad := table.ranks_where("error"):
             raise WholebatchError(
                 f"NTXentLoss: bad embeddings on ranks {bad}"
                 + (f" (here: {err})" if err else "")
                 + "; pass out0 and out1 of shape (rows, bank dim) on every rank"
             )
-        flags = {bool(t[3]) for t in table}
-        if len(flags) > 1:
+        if not table.same("update"):
             raise WholebatchError(
                 "NTXentLoss: out0 requires grad on some ranks and not on others "
-                f"({ {r: bool(t[3]) for r, t in enumerate(table)} }); the shared memory bank "
+                f"({ {r: bool(v) for r, v in enumerate(table['update'])} }); the shared memory bank "
                 "is updated only when training, so every rank must be in the same mode"
             )
-        sizes = [int(t[2]) for t in table]
+        sizes = list(table.ints("rows"))
         n = sum(sizes)
         if n == 0:
             raise WholebatchError("NTXentLoss: the whole batch has 0 rows; pass at least one row")
-        total = sum(t[1] for t in table)
+        total = table.total("loss")
         factor = w if self.grad_reduction == "mean" else 1
         # The value is the whole batch's mean; the gradient is this rank's rows' own
         # (the bank is constant), times W so that DDP's mean leaves exactly dL.
@@ -216,13 +225,6 @@ class NTXentLoss(nn.Module):
                 z1_ND = all_gather(z1, sizes=sizes, group=self.group, check=False)
                 self._enqueue(z1_ND)
         return loss
-
-    def _exchange(self, row: list[float], w: int) -> list[list[float]]:
-        if not is_distributed(self.group):
-            return [row]
-        mine = torch.tensor(row, dtype=torch.float64, device=comm_device(self.group))
-        out = all_gather(mine, sizes=[len(row)] * w, group=self.group, check=False)
-        return [list(map(float, r)) for r in out.view(w, len(row)).tolist()]
 
     @torch.no_grad()
     def _shared_bank(self) -> Tensor:

@@ -68,9 +68,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError
 from wholebatch.integrations._common import check_rank_args, require_peer, scalar_numel_one
-from wholebatch.losses import GradReduction, clip_loss, siglip_loss
+from wholebatch.losses import clip_loss, siglip_loss
 from wholebatch.train import GradCache
 
 __all__ = ["ClipLoss", "SigLipLoss", "main", "train_one_epoch", "whole_batch_loss"]

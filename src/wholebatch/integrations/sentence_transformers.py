@@ -45,11 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.checks import exchange_text
-from wholebatch.comm.collectives import all_reduce
-from wholebatch.comm.groups import comm_device, is_distributed
+from wholebatch.comm.agree import agree_rows, exchange_text
+from wholebatch.comm.groups import is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.common import GradReduction
 from wholebatch.losses.info_nce import DIRECTIONS, Direction, PartitionMode, info_nce_loss
 from wholebatch.train.gradcache import GradCache
 
@@ -112,14 +111,13 @@ def _agree_count(op: str, error: str | None, count: int, group: ProcessGroup | N
         if error is not None:
             raise WholebatchError(f"{op}: {error}")
         return count
-    row = torch.tensor([float(error is not None), float(count)], device=comm_device(group))
-    top = all_reduce(row, "max", group=group, check=False).tolist()
-    if top[0]:
+    rows = agree_rows({"error": error is not None, "count": count}, group=group)
+    if rows.ranks_where("error"):
         texts = exchange_text(error or "", group)
         raise WholebatchError(
             f"{op}: " + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t)
         )
-    return int(top[1])
+    return max(rows.ints("count"))
 
 
 class _WholeBatchMNRL(nn.Module):
@@ -178,10 +176,7 @@ class _WholeBatchMNRL(nn.Module):
                 "by the whole-batch loss; pass hardness_mode=None, or keep sentence-transformers' "
                 "own loss for hardness weighting"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"{op}: grad_reduction={grad_reduction!r}; expected 'mean' (DDP) or 'sum'"
-            )
+        check_grad_reduction(op, grad_reduction)
         self.model = model
         self.scale = float(scale)
         self._kind = similarity_kind(similarity_fct, op)

@@ -17,15 +17,32 @@ Tags:
     ``qa:NAME:ID``  parameter NAME all-gathered (a ``q`` tag where NAME is a gradient);
     ``G:base`` derived from ``base.grad``;
     ``V``      a mean over a data-dependent number of items (``ignore_index``, a
-               Hugging Face ``outputs.loss``, a division by ``mask.sum()``);
+               division by ``mask.sum()``, a token count);
+    ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
+               a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
+               token mean for a language model, a row mean for a contrastive loss;
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
-    ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of).
+    ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
+    ``n:NAME:ID``  parameter NAME all-gathered inside a function that runs under
+               `@torch.no_grad()`: no gradient if the caller passes a trainable value
+               (then it becomes a ``g`` tag there), harmless for a no-grad one (MoCo's
+               momentum keys);
+    ``N:NAME:ID``  an ``n`` tag that met a similarity product in the helper's callee;
+    ``m:ID``   a trainable value all-gathered by such a helper: it becomes a ``g`` tag
+               where it meets a similarity product (`q @ k_all.T`, `einsum`, `mm`), the
+               loss of local rows against all; used otherwise (token ids gathered to pick
+               negatives) it needs no gradient;
+    ``D``      computed with gradient recording off (under `torch.no_grad()`) or detached;
+    ``T``      the output of a forward pass: a call of a module held in a variable or an
+               attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
+               (a batch's raw inputs, token ids and labels do not).
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -45,6 +62,11 @@ _REDUCERS = frozenset(
 _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
 # Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
 _COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
+_BUILTINS = frozenset(dir(builtins))
+# What a tag becomes where it meets a similarity product (see `m:` and `N:`).
+_MET = {"m:": "g:", "n:": "N:"}
+# Similarity products: where gathered keys meet this rank's queries.
+_PRODUCTS = frozenset({"matmul", "mm", "bmm", "einsum", "cosine_similarity", "cdist", "linear"})
 _GATHER_OUT_KW = ("tensor_list", "output_tensor", "output_tensor_list", "output")
 _GATHER_IN_KW = ("tensor", "input_tensor")
 
@@ -61,9 +83,16 @@ def _sum_reduction(call: ast.Call) -> bool:
     return isinstance(red, ast.Constant) and red.value in ("sum", "none")
 
 
+def _to_number(func: ast.expr) -> bool:
+    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd."""
+    if isinstance(func, ast.Name):
+        return func.id in ("float", "int", "bool")
+    return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqaV" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvT" and not t.startswith("G:"))
 
 
 class Flow:
@@ -84,19 +113,21 @@ class Flow:
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
         node = scope.node
+        self.params: set[str] = set()
         if not isinstance(node, ast.Module):
             a = node.args
             extra = [x for x in (a.vararg, a.kwarg) if x is not None]
             for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, *extra):
                 if arg.arg not in ("self", "cls", "ctx"):
                     self.t[arg.arg] = {"p", f"a:{arg.arg}"}
+                    self.params.add(arg.arg)
 
     # -- reading ------------------------------------------------------------------------
 
     def tags(self, expr: ast.AST) -> set[str]:
         """The tags of the value of `expr` under the current bindings."""
         out: set[str] = set()
-        rank = reducer = False
+        rank = reducer = product = False
         stack: list[ast.AST] = [expr]
         while stack:
             n = stack.pop()
@@ -106,6 +137,10 @@ class Flow:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
                     continue
+                if _to_number(n.func):
+                    continue  # `float(x)`, `x.item()`: a Python number, no gradient
+                if self._forward_call(n.func):
+                    out.add("T")
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self.t.get(n.id, set())
@@ -118,10 +153,13 @@ class Flow:
                 elif n.attr == "loss" and not (
                     isinstance(n.value, ast.Name) and n.value.id == "self"
                 ):
-                    out.add("V")  # Hugging Face `outputs.loss`: a mean over non-ignored tokens
+                    out.add("v")  # Hugging Face `outputs.loss`: a mean over its items
             elif isinstance(n, ast.Call):
                 name = last_name(n.func)
                 reducer = reducer or name in _REDUCERS
+                if name == "detach":
+                    out.add("D")
+                product = product or name in _PRODUCTS
                 if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
                     out.add("V")
                 d = dotted(n.func)
@@ -130,14 +168,17 @@ class Flow:
             elif isinstance(n, ast.Subscript):
                 s = n.slice
                 if isinstance(s, ast.Constant) and s.value == "loss":
-                    out.add("V")
+                    out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
             elif isinstance(n, ast.BinOp):
+                product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
                 elif isinstance(n.op, ast.Div) and self._counts_items(n.right):
                     out.add("V")
         out.discard("C")
+        if product and any(t[:2] in ("m:", "n:") for t in out):
+            out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
         if rank:
             # `torch.cat(gathered[:rank] + [local] + gathered[rank + 1:])`: the local slice
             # is put back with its gradient, the classic partial fix; not "no gradient".
@@ -174,6 +215,10 @@ class Flow:
                 new = self.origins.moved(tag, kind, id(call), hop)
                 out.add(new)
                 self.entered.setdefault(new, self._st.path if self._st else ())
+            elif kind in ("n", "N"):
+                name, _, oid = rest.partition(":")
+                for value in args.get(name, ()):
+                    out |= self._nograd_gathered(value, f"g:{oid}", call, hop, met=kind == "N")
             elif kind == "qa":
                 name, _, oid = rest.partition(":")
                 for value in args.get(name, ()):
@@ -183,9 +228,48 @@ class Flow:
                         if any(t.startswith("G:") for t in vt):
                             out.add(new)
                         out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
-            elif tag == "V":
-                out.add("V")
+            elif tag in ("V", "v"):
+                out.add(tag)
         return out
+
+    def _forward_call(self, func: ast.expr) -> bool:
+        """Is this the call of a module (a forward pass): a variable that is not an
+        import, a function or class of the file, nor a builtin (`model(x)`), or an
+        attribute of `self` (`self.encoder(x)`, `self.visual.proj(x)`)?"""
+        if isinstance(func, ast.Name):
+            ctx, name = self.ctx, func.id
+            return not (
+                name in ctx.imports.aliases
+                or name in ctx.imports.relative
+                or name in ctx.module_functions
+                or name in ctx.class_by_name
+                or name in _BUILTINS
+            )
+        root = func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return root is not func and isinstance(root, ast.Name) and root.id == "self"
+
+    def _nograd_gathered(
+        self, value: ast.expr, gtag: str, call: ast.Call, hop: Hop, *, met: bool = False
+    ) -> set[str]:
+        """The tags of `value` all-gathered by a `@torch.no_grad()` helper (`call`): no
+        gradient for a trainable value; nothing lost for a no-grad or detached one; a
+        parameter passed on as it is leaves the question to this function's callers."""
+        vt = self.tags(value)
+        if "D" in vt:
+            return set()
+        if isinstance(value, ast.Name) and value.id in self.params:
+            # (normalised on the way, perhaps: `k = normalize(k)`)
+            moved = self.origins.moved(gtag, "g", id(call), hop)[2:]
+            return {f"{'N' if met else 'n'}:{value.id}:{moved}"}
+        if (self._st is not None and self._st.nograd) or self.scope.nograd:
+            return set()  # called under no_grad here: the missing gradient is asked for
+        if "T" not in vt:
+            return set()  # inputs, ids, labels: nothing that needs a gradient
+        new = self.origins.moved(gtag, "g", id(call), hop)
+        self.entered.setdefault(new, self._st.path if self._st else ())
+        return {new if met else f"m:{new[2:]}"}
 
     @staticmethod
     def _counts_items(node: ast.expr) -> bool:
@@ -302,6 +386,8 @@ class Flow:
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
+        if self._st is not None and self._st.nograd:
+            tags.add("D")  # computed with gradient recording off
         if isinstance(value, ast.Call):
             if last_name(value.func) in _IGNORE_CRITERIA and _kwarg(value, ("ignore_index",)):
                 tags.add("C")
@@ -344,11 +430,16 @@ class Flow:
                 return
             short = q.replace("torch.distributed.distributed_c10d.", "torch.distributed.")
             out_tags: set[str] = set()
+            in_tags = self.tags(inp) if inp is not None else set()
             # Under no_grad the missing gradient is what the author asked for (MoCo keys,
-            # memory banks, metrics): no `g` tag there.
+            # memory banks, metrics): no `g` tag there. A `@torch.no_grad()` helper that
+            # gathers its argument leaves it to the callers: harmless for momentum keys,
+            # the bug for trainable features (`n` tag).
             if not ((self._st is not None and self._st.nograd) or self.scope.nograd):
                 out_tags.add(self._origin("g", call, key, f"{short} fills `{key}`"))
-            in_tags = self.tags(inp) if inp is not None else set()
+            elif self.scope.nograd:
+                g = self._origin("g", call, key, f"{short} fills `{key}` (under no_grad)")
+                out_tags.update(f"n:{t[2:]}:{g[2:]}" for t in in_tags if t.startswith("a:"))
             if any(t.startswith("G:") for t in in_tags):
                 out_tags.add(self._origin("q", call, key, "all-gathers gradients"))
             for t in in_tags:
@@ -358,6 +449,21 @@ class Flow:
             self.t[key] = out_tags
             return
         func = call.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "pop"
+            and call.args
+            and any(is_rank_ref(x) for x in ast.walk(call.args[0]))
+        ):
+            # `parts.pop(rank)`, then `torch.cat([local, *parts])`: this rank's slice is
+            # taken out to be put back with its gradient (the local rows first), the
+            # same convention as `parts[rank] = local`.
+            key = dotted(func.value)
+            if key is not None and key in self.t:
+                self.t[key] = {
+                    t for t in self.t[key] if not (t.startswith("g:") and self._restored(t))
+                }
+            return
         if isinstance(func, ast.Attribute) and func.attr in (
             "append",
             "extend",

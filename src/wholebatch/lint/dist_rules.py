@@ -29,7 +29,7 @@ from wholebatch.lint.rules import Finding, Hop, format_trace
 from wholebatch.lint.scope import FileContext, Scope
 from wholebatch.lint.scope import finding as _finding
 
-__all__ = ["check_dist"]
+__all__ = ["check_dist", "layer_uses"]
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -88,13 +88,17 @@ def _path(trace: tuple[Hop, ...], path: str) -> str:
 
 
 def check_dist(ctx: FileContext) -> Iterator[Finding]:
-    """Run WB102, WB104 and WB105 over the file."""
-    if "all_gather" in ctx.source:
+    """Run WB102, WB104 and WB105 (those of them `ctx.runs`) over the file."""
+    if ctx.runs("WB102"):
         yield from _gather_layers(ctx)
+    branches, exits = ctx.runs("WB104"), ctx.runs("WB105")
+    if not (branches or exits):
+        return
     for scope in ctx.scopes:
         if _calls_collective(ctx, scope):
-            yield from _rank_branches(ctx, scope)
-            if scope.has_exit:
+            if branches:
+                yield from _rank_branches(ctx, scope)
+            if exits and scope.has_exit:
                 yield from _early_exits(ctx, scope)
 
 
@@ -102,6 +106,7 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 
 
 def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
+    text = "all_gather" in ctx.source  # else only a helper of another file can gather
     for cls in ctx.classes:
         if not any(last_name(b) == "Function" for b in cls.bases):
             continue
@@ -113,8 +118,11 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
             continue
         fwd_scope = ctx.scope_of.get(id(fwd))
         via: tuple[Hop, ...] = ()
-        if not any(
-            isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
+        if not (
+            text
+            and any(
+                isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
+            )
         ):
             if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
                 continue
@@ -140,15 +148,92 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
                     reduces = True
                     break
         if not reduces:
+            uses = [local for name, local in _applies(ctx) if name == cls.name]
+            if uses and not any(uses):
+                # Every use gathers all of its inputs and the loss reads only gathered
+                # rows: every rank computes the same whole-batch loss, and its own slice
+                # of that loss's gradient is exactly 1/W of the whole (a learning-rate
+                # scale), the convention `gathered[rank] = local` is accepted for.
+                continue
             f = _finding(
                 ctx,
                 bwd,
                 "WB102",
                 f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
                 "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                f"other ranks' terms are lost{_path(via, ctx.path)}",
+                f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
             )
+            if not uses:
+                ctx.layers[f.line] = cls.name  # the uses may be in other files
             yield replace(f, trace=via)
+
+
+def _local_use(uses: list[bool]) -> str:
+    if any(uses):
+        return " (a use pairs this rank's own rows with the gathered ones)"
+    return ""
+
+
+def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
+    """(class name as written, local use) for each `Name.apply(...)` of the file: a use is
+    local when a name it passes is read again after the gather without being rebound
+    (`all_z = cat(Layer.apply(z)); logits = z @ all_z.T`), so the loss pairs this rank's
+    rows with everyone's; when every input is rebound to (or left for) the gathered
+    value, every rank computes the same loss of the whole batch."""
+    hit = ctx.applies
+    if hit is None:
+        hit = ctx.applies = []
+        for scope in ctx.scopes:
+            for st in scope.stmts:
+                for n in st.walk():
+                    if (
+                        isinstance(n, ast.Call)
+                        and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "apply"
+                        and isinstance(n.func.value, ast.Name)
+                    ):
+                        hit.append((n.func.value.id, _reads_again(scope, st.node, n)))
+    return hit
+
+
+def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
+    """Is a name passed to `call` (in `stmt`) read after `stmt`, before it is rebound?"""
+    passed = {a.id for a in call.args if isinstance(a, ast.Name)}
+    if isinstance(stmt, ast.Assign):
+        for t in stmt.targets:
+            passed -= names_in(t)
+    after = stmt.end_lineno or stmt.lineno
+    for st in scope.stmts:
+        if not passed:
+            return False
+        node = st.node
+        if node.lineno <= after:
+            continue
+        reads = st.walk() if not isinstance(node, ast.Assign) else ast.walk(node.value)
+        if any(
+            isinstance(x, ast.Name) and x.id in passed and isinstance(x.ctx, ast.Load)
+            for x in reads
+        ):
+            return True
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                passed -= names_in(t)
+    return False
+
+
+def layer_uses(ctx: FileContext) -> list[tuple[str, bool]]:
+    """The file's `Layer.apply(...)` uses of imported classes, by absolute name (for
+    `facts.ModuleFacts.applies`)."""
+    r = ctx.resolver
+    if r is None or ".apply(" not in ctx.source:
+        return []
+    out: list[tuple[str, bool]] = []
+    for name, local in _applies(ctx):
+        if name not in ctx.class_by_name:
+            full = r.absolute(name)
+            if full is not None:
+                out.append((full, local))
+    return out
 
 
 def _gathering_call(ctx: FileContext, scope: Scope) -> tuple[Hop, ...]:
@@ -341,7 +426,51 @@ def _first_after(
             rest += owner.body  # later iterations are skipped too
         rest += outer[j + 1 :]
     found = _collectives(ctx, rest, scope, skip=the_if)
+    if found:
+        # What the exiting rank knows on its way out (`if not fsdp and not is_rank0:
+        # return`: fsdp is off); a collective guarded by the opposite (`if fsdp:`) is one
+        # that no rank reaches on that path, so skipping it hangs nobody.
+        exiting = set(_holds(the_if.test, jump in the_if.body[-1:]))
+        if exiting:
+            guards: dict[int, tuple[tuple[str, bool], ...]] = {}
+            _guarded(rest, (), guards)
+            found = [
+                c
+                for c in found
+                if not any((t, not v) in exiting for t, v in guards.get(id(c[1]), ()))
+            ]
     if not found:
         return None
     found.sort(key=lambda qc: (qc[1].lineno, qc[1].col_offset))
     return found[0]
+
+
+def _holds(test: ast.expr, value: bool) -> list[tuple[str, bool]]:
+    """(condition text, truth) pairs that hold when `test` evaluates to `value`."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _holds(test.operand, not value)
+    if isinstance(test, ast.BoolOp):
+        if isinstance(test.op, ast.And) == value:  # `a and b` true, `a or b` false
+            return [h for v in test.values for h in _holds(v, value)]
+        return []
+    return [(ast.unparse(test), value)]
+
+
+def _guarded(
+    stmts: list[ast.stmt],
+    holds: tuple[tuple[str, bool], ...],
+    out: dict[int, tuple[tuple[str, bool], ...]],
+) -> None:
+    """id(node) -> the conditions known to hold where it runs, for the nodes of `stmts`
+    (an `if`'s body knows its test true, its `else` false)."""
+    for st in stmts:
+        if isinstance(st, _DEFS):
+            continue
+        for n in walk_local(st):
+            out[id(n)] = holds
+        if isinstance(st, ast.If):
+            _guarded(st.body, (*holds, *_holds(st.test, True)), out)
+            _guarded(st.orelse, (*holds, *_holds(st.test, False)), out)
+        else:
+            for sub in _sub_blocks(st):
+                _guarded(sub, holds, out)

@@ -11,6 +11,7 @@ followed within itself.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import os
 import re
@@ -18,7 +19,7 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from wholebatch.lint.dist_rules import check_dist
+from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.loop_rules import check_loops
@@ -47,15 +48,14 @@ _NOQA_RE = re.compile(
     r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.IGNORECASE
 )
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
-# Cheap gates: a check whose words do not occur in the file cannot fire there.
+# Each rule's gate words are its own (`rules.Rule.words`); the engine maps a rule's
+# `check` family to the function that runs it.
 _Check = Callable[[FileContext], Iterable[Finding]]
-_CHECKS: tuple[tuple[_Check, tuple[str, ...]], ...] = (
-    # a collective needs torch.distributed (imported, or the conventional `dist.`) or wholebatch
-    (check_dist, ("distributed", "dist.", "wholebatch")),
-    (check_flow, ("all_gather", ".grad", "loss")),
-    (check_loops, ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")),
-)
-_ANY_WORD = tuple(dict.fromkeys(w for _, words in _CHECKS for w in words))
+_CHECKERS: dict[str, _Check] = {"dist": check_dist, "flow": check_flow, "loops": check_loops}
+_ANY_WORD = tuple(dict.fromkeys(w for r in RULES.values() for w in r.words))
+# A rule without words is never gated, so a file may hold something for it whatever
+# its text says.
+_UNGATED = any(r.check and not r.words for r in RULES.values())
 
 
 class UsageError(ValueError):
@@ -117,6 +117,8 @@ def lint_tree(
     source: str,
     path: str = "<string>",
     codes: frozenset[str] | None = None,
+    *,
+    gate: bool = True,
 ) -> list[Finding]:
     """Run the enabled rules over an already parsed module (no `# noqa` handling); calls
     are followed within the module.
@@ -126,8 +128,11 @@ def lint_tree(
         source: its text, used only to skip rules whose words do not occur in it.
         path: the name reported in findings.
         codes: the enabled rule codes (default: all).
+        gate: skip the rules whose gate words (`Rule.words`) do not occur in `source`;
+            False runs every enabled rule, which finds the same when the words are right
+            (tests/test_lint_rules.py compares the two).
     """
-    return _lint_module(tree, source, path, codes, None, "", False)[0]
+    return _lint_module(tree, source, path, codes, None, "", False, gate=gate)[0]
 
 
 def _lint_module(
@@ -141,13 +146,14 @@ def _lint_module(
     follows: bool = False,
     *,
     report: bool = True,
+    gate: bool = True,
 ) -> tuple[list[Finding], ModuleFacts | None]:
     """Findings for one module, and its summaries for the files that import it.
 
     `follows`: it imports a module whose summaries are worth following, so it is read
     even if none of the rules' words occur in it. `report=False`: summaries only."""
     enabled = codes if codes is not None else frozenset(RULES)
-    words = any(w in source for w in _ANY_WORD)
+    words = not gate or _UNGATED or any(w in source for w in _ANY_WORD)
     if not words and not follows:
         # Most of a large package: parsed (for WB000), nothing more to do but keep what
         # its imports bind, so that a re-export (`from .loss import f` in an
@@ -160,12 +166,9 @@ def _lint_module(
     attach(resolver)
     resolver.link()
     # A call followed into another file brings that file's events with it, so every
-    # check may apply even when this file's own text has none of its words.
-    active = [
-        check
-        for check, ws in _CHECKS
-        if report and (resolver.cross or any(w in source for w in ws))
-    ]
+    # rule may apply even when this file's own text has none of its words.
+    ctx.codes = _open_codes(enabled, source, not gate or resolver.cross) if report else frozenset()
+    active = [check for name, check in _CHECKERS.items() if _family(name) & ctx.codes]
     seen: set[tuple[str, int, int, str]] = set()
     out: list[Finding] = []
     for check in active:
@@ -176,11 +179,33 @@ def _lint_module(
                 out.append(f)
     out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
     facts = resolver.export() if program is not None else None
+    if facts is not None:
+        if program is not None and program.open_layers:
+            facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
+        facts.layers = dict(ctx.layers)
     # The resolver and the file point at each other: cut the cycle so the file's syntax
     # tree is freed now, by reference counting, not by a full garbage collection later
     # (which, over a package, costs a fifth of the run).
     resolver.close()
     return out, facts
+
+
+def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
+    """The enabled rules whose gate `source` opens (`every`: all enabled rules)."""
+    return frozenset(
+        c
+        for c in enabled
+        if c in RULES and RULES[c].check and (every or RULES[c].gate_open(source))
+    )
+
+
+def _family(name: str) -> frozenset[str]:
+    return _FAMILIES.get(name, frozenset())
+
+
+_FAMILIES: dict[str, frozenset[str]] = {
+    name: frozenset(c for c, r in RULES.items() if r.check == name) for name in _CHECKERS
+}
 
 
 def _import_names(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:
@@ -371,6 +396,68 @@ def _add_context(
             known.add(names[hit][0])
 
 
+_RELATIVE_RE = re.compile(r"^[ \t]*from[ \t]+\.", re.MULTILINE)
+
+
+def _relative(sources: dict[Path, str]) -> set[Path]:
+    """The files that import relatively (so they sit in a package)."""
+    return {f for f, text in sources.items() if _RELATIVE_RE.search(text)}
+
+
+class _LayerUses:
+    """WB102 across files: a layer whose own-slice backward is only ever used for a loss
+    of the whole batch (every use in the run gathers all its inputs) gives each rank
+    exactly 1/W of the gradient, the convention accepted for `gathered[rank] = local`;
+    its finding, made in its own file before the uses were read, is dropped."""
+
+    def __init__(self) -> None:
+        self.uses: dict[str, list[bool]] = {}
+        self.open: dict[tuple[str, int], str] = {}
+
+    def note(self, program: Program, module: str, facts: ModuleFacts) -> None:
+        for name, local in facts.applies:
+            self.uses.setdefault(program.canonical(name), []).append(local)
+        if module:
+            for line, cls in facts.layers.items():
+                self.open[(facts.path, line)] = f"{module}.{cls}"
+                program.open_layers = True
+
+    def settled(self, program: Program, f: Finding) -> bool:
+        name = self.open.get((f.path, f.line))
+        if name is None:
+            return False
+        uses = self.uses.get(program.canonical(name), [])
+        return bool(uses) and not any(uses)
+
+
+def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
+    """Module name -> file of the run, for the names file `f` imports."""
+    return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
+
+
+@contextlib.contextmanager
+def _aliases(
+    program: Program, modules: ModuleMap, hits: dict[str, Path], by_file: dict[Path, ModuleFacts]
+) -> Iterator[None]:
+    """While one file is linted, the names it imports mean the files it imports: a
+    sibling `utils.py` rather than another file named `utils`, a module under a folder
+    without `__init__.py` by the dotted name the file uses for it."""
+    saved: dict[str, ModuleFacts | None] = {}
+    for name, g in hits.items():
+        facts = by_file.get(g)
+        if facts is not None and modules.name.get(g) != name:
+            saved[name] = program.modules.get(name)
+            program.modules[name] = facts
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                program.modules.pop(name, None)
+            else:
+                program.modules[name] = old
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -406,33 +493,42 @@ def lint_paths(
                 )
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
-    named = ModuleMap(list(sources))
+    named = ModuleMap(list(sources), _relative(sources))
     names = {f: (n, named.package[f]) for f, n in named.name.items()}
     _add_context(sources, names, cache)
-    modules = ModuleMap(list(sources)) if len(sources) > len(run) else named
+    modules = ModuleMap(list(sources), _relative(sources)) if len(sources) > len(run) else named
     imports = {f: _imports(sources, f, names, cache) for f in sources}
-    deps = {f: modules.files_of(names) for f, names in imports.items()}
+    resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
+    deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.roots = {name.split(".")[0] for name in modules.file}
+    program.roots = {name.split(".")[0] for name in modules.own.values()}
+    program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
+    by_file: dict[Path, ModuleFacts] = {}
+    layers = _LayerUses()
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
-        module = modules.name.get(f, "")
-        follows = bool(module) and any(
-            program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
-        )
-        found, facts = _lint_text(
-            source,
-            str(f),
-            codes,
-            program,
-            module,
-            modules.package.get(f, False),
-            follows,
-            report=str(f) in run,
-        )
+        module = modules.own.get(f, "")
+        with _aliases(program, modules, resolved[f], by_file):
+            follows = bool(module) and any(
+                program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
+            )
+            found, facts = _lint_text(
+                source,
+                str(f),
+                codes,
+                program,
+                module,
+                modules.package.get(f, False),
+                follows,
+                report=str(f) in run,
+            )
+        if facts is not None:
+            layers.note(program, module, facts)
         if facts is not None and module and (facts.functions or facts.classes or facts.names):
-            program.add(module, facts)
+            by_file[f] = facts
+            if f in modules.name:  # a name no other file of the run shares
+                program.add(module, facts)
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
@@ -447,6 +543,8 @@ def lint_paths(
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
+            continue
+        if hit.code == "WB102" and layers.settled(program, hit):
             continue
         seen.add(key)
         kept.append(hit)

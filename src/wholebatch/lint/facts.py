@@ -69,7 +69,7 @@ class Facts:
     @property
     def interesting(self) -> bool:
         """Worth keeping for other files: it does something a rule follows."""
-        return bool(self.effects or self.collective or self.gathers or self.reduces)
+        return bool(self.effects or self.collective or self.gathers or self.reduces or self.returns)
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
         """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either
@@ -150,12 +150,19 @@ class ModuleFacts:
         functions: `f` and `Class.method` -> facts, for those worth keeping.
         classes: class name -> its bases as absolute dotted names (or as written).
         names: names bound by imports -> the absolute dotted name they refer to.
+        applies: (the autograd.Function's name as this file imports it, absolute;
+            whether the use pairs local rows with the gathered ones) for each
+            `Layer.apply(x)` of an imported class (WB102, `dist_rules.layer_uses`).
+        layers: line of a WB102 finding -> its class name, for the findings that no
+            use in their own file settles (the uses in other files may).
     """
 
     path: str
     functions: dict[str, Facts] = field(default_factory=dict)
     classes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
+    applies: list[tuple[str, bool]] = field(default_factory=list)
+    layers: dict[int, str] = field(default_factory=dict)
 
 
 class Program:
@@ -167,6 +174,7 @@ class Program:
         self.modules: dict[str, ModuleFacts] = {}
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
+        self.open_layers = False  # a WB102 finding waits on uses in other files
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""
@@ -187,6 +195,20 @@ class Program:
             owner = self.modules.get(mod_name)
             return owner is not None and any(k.startswith(f"{cls}.") for k in owner.functions)
         return False
+
+    def canonical(self, name: str, depth: int = 0) -> str:
+        """`name` with re-exports followed (`pkg.Layer`, bound in `pkg/__init__.py` by
+        `from .gather import Layer`, is `pkg.gather.Layer`)."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            mod = self.modules.get(".".join(parts[:i]))
+            if mod is None:
+                continue
+            head = parts[i]
+            if head in mod.names and depth < 6:
+                return self.canonical(".".join([mod.names[head], *parts[i + 1 :]]), depth + 1)
+            return name
+        return name
 
     def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
         """The facts of the function an absolute dotted name refers to; a class gives its

@@ -46,6 +46,27 @@ def _is_loss_function(scope: Scope) -> bool:
     )
 
 
+def _returned_losses(value: ast.expr, loss_fn: bool) -> list[ast.expr]:
+    """The parts of a returned value that are a loss: all of it in a loss function;
+    elsewhere (a model's `forward`, a step helper) a name `*loss*`, the `*loss*` values of
+    a dict, or the `*loss*=` fields of an output object (`Output(loss=..., logits=...)`)."""
+    if loss_fn:
+        return [value]
+    if isinstance(value, ast.Name):
+        return [value] if "loss" in value.id.lower() else []
+    if isinstance(value, ast.Dict):
+        return [
+            v
+            for k, v in zip(value.keys, value.values, strict=True)
+            if isinstance(k, ast.Constant)
+            and isinstance(k.value, str)
+            and "loss" in k.value.lower()
+        ]
+    if isinstance(value, ast.Call):
+        return [kw.value for kw in value.keywords if kw.arg and "loss" in kw.arg.lower()]
+    return []
+
+
 def _param_vars(scope: Scope) -> set[str]:
     """Loop variables bound to parameters: `for p in model.parameters()`, `for n, p in ...`."""
     out: set[str] = set()
@@ -160,13 +181,14 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                         if tag.startswith("g:"):
                             hop = _loss_hop(scope, sub, f"reaches {_short(sub)}", ctx.path)
                             to_loss.setdefault(tag, hop)
-        if loss_fn and isinstance(node, ast.Return) and node.value is not None:
-            tags = flow.tags(node.value)
-            if "p" in tags:  # combined with this rank's (differentiable) inputs
-                for tag in tags:
-                    if tag.startswith("g:"):
-                        hop = _loss_hop(scope, node, "returned as the loss", ctx.path)
-                        to_loss.setdefault(tag, hop)
+        if isinstance(node, ast.Return) and node.value is not None:
+            for value in _returned_losses(node.value, loss_fn):
+                tags = flow.tags(value)
+                if "p" in tags:  # combined with this rank's (differentiable) inputs
+                    for tag in tags:
+                        if tag.startswith("g:"):
+                            hop = _loss_hop(scope, node, "returned as the loss", ctx.path)
+                            to_loss.setdefault(tag, hop)
         for tag in _grad_store_tags(flow, node):
             if tag.startswith("q:"):
                 to_grad.setdefault(tag, _loss_hop(scope, node, "stored as .grad", ctx.path))
@@ -301,22 +323,44 @@ def _mean_over_steps(
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
-        if _is_accum_count(node.value, periods) and "V" in flow.tags(node.target):
-            yield _finding(ctx, node, "WB301", _msg301(node.target, node.value))
+        if _is_accum_count(node.value, periods):
+            msg = _msg301(ctx, flow.tags(node.target), node.target, node.value)
+            if msg:
+                yield _finding(ctx, node, "WB301", msg)
         return
     for sub in st.walk():
         if (
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods)
-            and "V" in flow.tags(sub.left)
         ):
-            yield _finding(ctx, sub, "WB301", _msg301(sub.left, sub.right))
+            msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
+            if msg:
+                yield _finding(ctx, sub, "WB301", msg)
 
 
-def _msg301(loss: ast.expr, steps: ast.expr) -> str:
+_FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")
+
+
+def _msg301(ctx: FileContext, tags: set[str], loss: ast.expr, steps: ast.expr) -> str:
+    """The WB301 message for a loss with these tags divided by the step count; "" for none.
+
+    A mean over a count the code shows to vary (`V`) is always reported. The `loss`
+    field of a model's output (`v`) is a mean over items the linter cannot count: exact
+    when every micro-batch has the same item count, so it is left alone where the file
+    builds fixed-size batches (`drop_last=True`), and reported with that condition
+    otherwise."""
+    if "V" in tags:
+        return (
+            f"`{_text(loss)}` is a mean over a data-dependent number of items (tokens, "
+            f"ignore_index) divided by `{_text(steps)}`: micro-batches with fewer items weigh "
+            "more, so the sum is not the whole-batch mean"
+        )
+    if "v" not in tags or _FIXED_SIZE_RE.search(ctx.source):
+        return ""
     return (
-        f"`{_text(loss)}` is a mean over a data-dependent number of items (tokens, "
-        f"ignore_index) divided by `{_text(steps)}`: micro-batches with fewer items weigh "
-        "more, so the sum is not the whole-batch mean"
+        f"`{_text(loss)}` is a model's mean loss over the items of its micro-batch (tokens "
+        f"or rows) divided by `{_text(steps)}`: exact only if every micro-batch has the same "
+        "item count (fixed-size batches, no padding tokens); where the count varies, "
+        "micro-batches with fewer items weigh more"
     )

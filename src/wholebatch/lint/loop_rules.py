@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from wholebatch.lint.names import dotted, last_name, names_in, walk_local
@@ -59,15 +59,14 @@ def _line(ev: Event) -> int:
 
 
 def check_loops(ctx: FileContext) -> Iterator[Finding]:
-    """Run the training-call-order rules over every scope of the file."""
+    """Run the training-call-order rules (those of them `ctx.runs`) over every scope."""
+    on_events = [check for code, check in _ON_EVENTS.items() if ctx.runs(code)]
+    no_sync = ctx.runs("WB302")
     for scope in ctx.scopes:
         if scope.events:
-            yield from _never_zeroed(ctx, scope)
-            yield from _zero_between(ctx, scope)
-            yield from _step_without_backward(ctx, scope)
-            yield from _clip_before_unscale(ctx, scope)
-            yield from _zero_every_micro_batch(ctx, scope)
-        if scope.withs and "no_sync" in ctx.source:
+            for check in on_events:
+                yield from check(ctx, scope)
+        if no_sync and scope.withs:
             yield from _no_sync_without_forward(ctx, scope)
 
 
@@ -130,7 +129,7 @@ def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     seq = [e for e in scope.events if not e.jumpy]
     stepped = {e.recv for e in seq if e.kind == STEP and e.certain}
     for i, zero in enumerate(seq):
-        if zero.kind != ZERO or not zero.certain:
+        if zero.kind != ZERO or not zero.certain or _selective(zero):
             continue
         before = next(
             (
@@ -172,6 +171,13 @@ def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             f"zero gradients{_path(zero, ctx)}",
         )
         yield replace(f, trace=zero.via)
+
+
+def _selective(ev: Event) -> bool:
+    """`p.grad = None` under an `if` inside its loop over the parameters (SwAV's
+    `if "prototypes" in name: p.grad = None`): some parameters are held still for this
+    step, the others keep their gradients; that is not zeroing before the step."""
+    return not isinstance(ev.node, ast.Call) and bool(ev.loops) and bool(ev.conds)
 
 
 def _callee(ev: Event) -> str:
@@ -333,6 +339,17 @@ def _zero_every_micro_batch(ctx: FileContext, scope: Scope) -> Iterator[Finding]
             f"`{step.recv}` steps only at line {_line(step)}: all micro-batches but the last "
             "are thrown away",
         )
+
+
+_ScopeCheck = Callable[[FileContext, Scope], Iterator[Finding]]
+# Rule code -> its check, for the rules that look at a scope's training events.
+_ON_EVENTS: dict[str, _ScopeCheck] = {
+    "WB201": _never_zeroed,
+    "WB202": _zero_between,
+    "WB203": _step_without_backward,
+    "WB303": _clip_before_unscale,
+    "WB304": _zero_every_micro_batch,
+}
 
 
 # -- WB302 ------------------------------------------------------------------------------

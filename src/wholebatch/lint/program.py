@@ -3,7 +3,8 @@ an order in which every file comes after the files it imports, so that a module'
 summaries (`summaries.ModuleFacts`) exist before the files that use them are linted.
 
 Module names come from the folders alone: a file's package is the chain of parent
-folders that hold an `__init__.py` (`src/pkg/sub/mod.py` -> `pkg.sub.mod`); a file
+folders that hold an `__init__.py` (`src/pkg/sub/mod.py` -> `pkg.sub.mod`), a folder
+without one inside such a chain counting as a namespace sub-package; a file
 outside any package is a top-level module named after its stem, as when it is run as
 a script next to its helpers. The import order is read with a regular expression over
 the source text (no parse, nothing imported); an import it misses, or a cycle, only
@@ -37,18 +38,30 @@ class ModuleMap:
 
     Args:
         files: the files of the run.
+        relative: those of them that use relative imports (`from . import x`): they sit
+            in a package, through a folder without `__init__.py` if need be.
     """
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    def __init__(
+        self, files: Sequence[Path], relative: set[Path] | frozenset[Path] = frozenset()
+    ) -> None:
         self.name: dict[Path, str] = {}
+        self.own: dict[Path, str] = {}  # every file's name from its folders, shared or not
         self.package: dict[Path, bool] = {}
+        self._files = set(files)
+        # (folder, module) -> (file, its path as module parts), for `_by_path`
+        self._by_tail: dict[tuple[str, str], list[tuple[Path, tuple[str, ...]]]] = {}
         by_name: dict[str, list[Path]] = {}
         has_init: dict[Path, bool] = {}
         for f in files:
-            name, package = module_name(f, has_init)
+            parts = f.parent.parts if f.stem == "__init__" else (*f.parent.parts, f.stem)
+            if len(parts) >= 2:
+                self._by_tail.setdefault((parts[-2], parts[-1]), []).append((f, parts))
+            name, package = module_name(f, has_init, namespace=f in relative)
             if not name or not all(p.isidentifier() for p in name.split(".")):
                 continue  # `my-script.py`: not importable by name
             self.name[f] = name
+            self.own[f] = name
             self.package[f] = package
             by_name.setdefault(name, []).append(f)
         # Two files with one name (scripts in different folders): neither is importable
@@ -69,12 +82,42 @@ class ModuleMap:
         """The files of the run that these module names are (unknown names dropped)."""
         return [hit for n in names if (hit := self.file.get(n)) is not None]
 
+    def resolve(self, f: Path, name: str) -> Path | None:
+        """The file of the run that module `name`, as imported by file `f`, is (None:
+        not in the run).
 
-def module_name(f: Path, has_init: dict[Path, bool] | None = None) -> tuple[str, bool]:
+        A file outside any package runs as a script, and Python puts the script's own
+        folder first on `sys.path`: a module beside it (`utils.py`, or `models/loss.py`
+        under a folder without `__init__.py`, a namespace package) wins over any other
+        file of that name, such as a `utils.py` in a sub-folder.
+        """
+        if "." not in self.own.get(f, "."):
+            rel = Path(*name.split("."))
+            for cand in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py"):
+                if cand in self._files:
+                    return cand
+        hit = self.file.get(name)
+        return hit if hit is not None else self._by_path(name)
+
+    def _by_path(self, name: str) -> Path | None:
+        """The one file of the run whose path ends as `name` spells it (`a/b/c.py`, or
+        `a/b/c/__init__.py`): a module under folders without `__init__.py`."""
+        parts = tuple(name.split("."))
+        if len(parts) < 2:
+            return None
+        n = len(parts)
+        hits = [f for f, fp in self._by_tail.get(parts[-2:], ()) if fp[-n:] == parts]  # type: ignore[arg-type]
+        return hits[0] if len(hits) == 1 else None
+
+
+def module_name(
+    f: Path, has_init: dict[Path, bool] | None = None, *, namespace: bool = False
+) -> tuple[str, bool]:
     """(dotted module name, is a package's `__init__`) of a file, from its folders.
 
     `has_init`: which folders hold an `__init__.py`, filled as they are looked at
-    (one dict per run: a run reads each folder once).
+    (one dict per run: a run reads each folder once). `namespace`: the file imports
+    relatively, so it sits in a package even where its folder has no `__init__.py`.
     """
     seen = {} if has_init is None else has_init
 
@@ -86,7 +129,15 @@ def module_name(f: Path, has_init: dict[Path, bool] | None = None) -> tuple[str,
 
     parts = [] if f.stem == "__init__" else [f.stem]
     folder = f.parent
-    while is_package(folder) and folder.name.isidentifier():
+    # `namespace`: a folder without `__init__.py` inside a package is a namespace
+    # sub-package of it (`grad_cache/pytorch_lightning/pl_gradcache.py`, which imports
+    # `..grad_cache`, is grad_cache.pytorch_lightning.pl_gradcache).
+    entered = False  # met a folder with `__init__.py`: only such folders count above it
+    while folder.name.isidentifier():
+        if is_package(folder):
+            entered = True
+        elif entered or not (namespace and is_package(folder.parent)):
+            break
         parts.insert(0, folder.name)
         if folder.parent == folder:
             break

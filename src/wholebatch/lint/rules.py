@@ -26,12 +26,25 @@ class Rule:
         name: short kebab-case name, e.g. ``"loss-on-all-gather"``.
         summary: the one-line message shown in the rule table.
         fix: one line saying what to write instead.
+        check: the family of checks that runs it (``"dist"``, ``"flow"``, ``"loops"``;
+            ``""`` for the linter's own WB000), one of `engine`'s checkers.
+        words: its gate: the rule can fire in a file only if one of these occurs in the
+            file's text (or a call of the file is followed into another file, which
+            brings that file's events); ``()`` means no gate, it always runs. Every
+            snippet that triggers the rule must contain one of them
+            (tests/test_lint_rules.py checks it on every wrong example).
     """
 
     code: str
     name: str
     summary: str
     fix: str
+    check: str = ""
+    words: tuple[str, ...] = ()
+
+    def gate_open(self, source: str) -> bool:
+        """Can this rule fire in a file with this text (ignoring calls followed out)?"""
+        return not self.words or any(w in source for w in self.words)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +108,13 @@ class Finding:
     trace: tuple[Hop, ...] = ()
 
 
+# Gate words shared by a family of rules. A collective needs torch.distributed (imported,
+# or the conventional `dist.`) or wholebatch; a value rule needs a gather, a gradient or
+# a loss; a loop rule needs one of the training calls it orders.
+_DIST = ("distributed", "dist.", "wholebatch")
+_FLOW = ("all_gather", ".grad", "loss")
+_LOOPS = ("backward(", ".step(", "zero_grad", "no_sync", "clip_grad")
+
 _ALL = (
     Rule(
         code="WB000",
@@ -108,6 +128,8 @@ _ALL = (
         summary="loss depends on torch.distributed.all_gather output, which carries no gradient",
         fix="use wholebatch.all_gather (backward: reduce-scatter, sum), or "
         "torch.distributed.nn.functional.all_gather",
+        check="flow",
+        words=_FLOW,
     ),
     Rule(
         code="WB102",
@@ -115,12 +137,16 @@ _ALL = (
         summary="autograd.Function all-gathers in forward but its backward never sums across ranks",
         fix="the backward of all_gather is reduce-scatter (sum): use wholebatch.all_gather, or "
         "all_reduce the stacked grads before taking this rank's slice",
+        check="dist",
+        words=("all_gather",),
     ),
     Rule(
         code="WB103",
         name="all-gather-of-gradients",
         summary="gradients are all-gathered (concatenated) where a sum across ranks was meant",
         fix="use torch.distributed.all_reduce(grad) (then divide by the world size for a mean)",
+        check="flow",
+        words=_FLOW,
     ),
     Rule(
         code="WB104",
@@ -129,6 +155,8 @@ _ALL = (
         "and hang",
         fix="call the collective on every rank (outside the `if`); keep only printing or saving "
         "under `if rank == 0:`",
+        check="dist",
+        words=_DIST,
     ),
     Rule(
         code="WB105",
@@ -137,6 +165,8 @@ _ALL = (
         "ranks hang",
         fix="agree on the condition first (wholebatch.all_ranks_agree / any_rank, or an "
         "all_reduce of a flag) so every rank takes the same path",
+        check="dist",
+        words=_DIST,
     ),
     Rule(
         code="WB201",
@@ -144,6 +174,8 @@ _ALL = (
         summary="training loop calls backward and optimizer.step but never zeroes gradients",
         fix="call optimizer.zero_grad() after each optimizer.step() (or before each step's "
         "first backward)",
+        check="loops",
+        words=_LOOPS,
     ),
     Rule(
         code="WB202",
@@ -151,24 +183,32 @@ _ALL = (
         summary="zero_grad between backward and step: the step sees zero gradients",
         fix="order the step as zero_grad(), backward(), step() (or backward(), step(), "
         "zero_grad())",
+        check="loops",
+        words=_LOOPS,
     ),
     Rule(
         code="WB203",
         name="step-without-backward",
         summary="optimizer.step() with no backward: a loss is computed but never backpropagated",
         fix="call loss.backward() (or scaler.scale(loss).backward()) before optimizer.step()",
+        check="loops",
+        words=_LOOPS,
     ),
     Rule(
         code="WB204",
         name="manual-update-outside-no-grad",
         summary="parameter updated in place by hand outside torch.no_grad()",
         fix="wrap the update in `with torch.no_grad():` (or use a torch.optim optimizer)",
+        check="flow",
+        words=_FLOW,
     ),
     Rule(
         code="WB205",
         name="manual-update-through-data",
         summary="parameter updated through .data, which hides the update from autograd",
         fix="update the parameter itself inside `with torch.no_grad():` instead of through .data",
+        check="flow",
+        words=_FLOW,
     ),
     Rule(
         code="WB301",
@@ -177,6 +217,8 @@ _ALL = (
         "micro-batch varies",
         fix="sum the item losses and divide by the global item count agreed before backward "
         "(wholebatch.Accumulator does this)",
+        check="flow",
+        words=_FLOW,
     ),
     Rule(
         code="WB302",
@@ -185,6 +227,8 @@ _ALL = (
         "all-reduced",
         fix="put the forward inside the context too: `with model.no_sync(): loss = "
         "loss_fn(model(x)); loss.backward()`",
+        check="loops",
+        words=("no_sync",),
     ),
     Rule(
         code="WB303",
@@ -192,6 +236,8 @@ _ALL = (
         summary="gradients clipped before scaler.unscale_: the threshold applies to scaled "
         "gradients",
         fix="call scaler.unscale_(optimizer) after backward and before clip_grad_norm_",
+        check="loops",
+        words=_LOOPS,
     ),
     Rule(
         code="WB304",
@@ -199,6 +245,8 @@ _ALL = (
         summary="gradients zeroed every micro-batch while the optimizer steps only every k: "
         "accumulation is lost",
         fix="zero the gradients only right after optimizer.step() (inside the same `if`)",
+        check="loops",
+        words=_LOOPS,
     ),
 )
 

@@ -264,7 +264,15 @@ class FileContext:
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
         self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
+        # The rules to run here (None: all): the enabled ones whose gate is open, set by
+        # `engine` from each rule's words (`rules.Rule.words`).
+        self.codes: frozenset[str] | None = None
         self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
+        # names (`self.gc`, `gc`) assigned an instance of a class -> the class as written
+        self.constructed: dict[str, str] = {}
+        # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
+        self.applies: list[tuple[str, bool]] | None = None
+        self.layers: dict[int, str] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
@@ -272,10 +280,21 @@ class FileContext:
             self._classify_scope(scope)
         # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
 
+    def runs(self, code: str) -> bool:
+        """Is rule `code` to be checked in this file?"""
+        return self.codes is None or code in self.codes
+
     # -- names bound to optimizers / scalers --------------------------------------------
 
     def _known_objects(self) -> None:
         for func, targets in self._assign_calls:
+            ctor = dotted(func)
+            if ctor is not None and last_name(func)[:1].isupper():
+                for target in targets:
+                    d = dotted(target)
+                    if d is not None:
+                        # `self.gc = GradCache(...)`: a call of `self.gc` runs __call__
+                        self.constructed.setdefault(d, ctor)
             q = self.imports.qualname(func) or ""
             name = last_name(func)
             if name in _NOT_OPTIMIZER or q.startswith("wholebatch.") or "lr_scheduler" in q:

@@ -169,12 +169,13 @@ class Resolver:
                 return self.facts(d), False
             if name in ctx.class_by_name:
                 return None
-            return self._cross(self._global(name), bound=False)
+            return self._cross(self._global(name), bound=False) or self._object_call(func)
         if not isinstance(func, ast.Attribute):
             return None
         value, attr = func.value, func.attr
         if isinstance(value, ast.Name) and value.id in ("self", "cls") and scope.cls is not None:
-            return self._method(scope.cls, attr, include_self=True)
+            found = self._method(scope.cls, attr, include_self=True)
+            return found if found is not None else self._object_call(func)
         if (
             isinstance(value, ast.Call)
             and isinstance(value.func, ast.Name)
@@ -202,6 +203,24 @@ class Resolver:
         if full is None or self.program is None:
             return None
         return self._cross(self._global(full), bound=False)
+
+    def _object_call(self, func: ast.expr) -> tuple[Facts, bool] | None:
+        """A call of an object (`self.gc(...)` after `self.gc = GradCache(...)`): its
+        class's `__call__`, in this file or another of the tree."""
+        d = dotted(func)
+        ctor = self.ctx.constructed.get(d) if d is not None else None
+        if ctor is None:
+            return None
+        local = self.ctx.class_by_name.get(ctor)
+        if local is not None:
+            return self._method(local, "__call__", include_self=True)
+        target = self._global(ctor)
+        if isinstance(target, str) and self.program is not None:
+            f = self.program.method(target, "__call__")
+            if f is not None:
+                self.cross = True
+                return f, True
+        return None
 
     def _cross(self, target: Facts | str | None, *, bound: bool) -> tuple[Facts, bool] | None:
         if isinstance(target, Facts):
@@ -338,7 +357,8 @@ class Resolver:
                         note=f"calls `{_callee_text(call)}`",
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
-        if not (effects or collective or reduces or gathers):
+        mean = not gathers and _may_return_mean(scope)
+        if not (effects or collective or reduces or gathers or mean):
             return shell
         out = replace(
             shell,
@@ -347,7 +367,7 @@ class Resolver:
             reduces=reduces,
             gathers=gathers,
         )
-        if gathers and self.returns_fn is not None:
+        if (gathers or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
         return out
@@ -460,6 +480,22 @@ class Resolver:
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
         return out
+
+
+def _may_return_mean(scope: Scope) -> bool:
+    """Does a `return` of the scope read a `loss` field (`out["loss"]`, `outputs.loss`)?
+    Then its value may be a mean over items, which its callers' WB301 needs to know."""
+    for st in scope.stmts:
+        n = st.node
+        if isinstance(n, ast.Return) and n.value is not None:
+            for x in ast.walk(n.value):
+                if (isinstance(x, ast.Attribute) and x.attr == "loss") or (
+                    isinstance(x, ast.Subscript)
+                    and isinstance(x.slice, ast.Constant)
+                    and x.slice.value == "loss"
+                ):
+                    return True
+    return False
 
 
 def _is_static(d: _Def) -> bool:

@@ -11,46 +11,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from wholebatch._lazy import lazy_attributes
+from wholebatch._lazy import lazy_package
 
-# Loaded on first use (PEP 562), like the top level and `comm`: `losses.sizing`
-# is pure Python and the planner reads it without loading torch.
-_LAZY: dict[str, str] = {
-    "ClipLoss": "wholebatch.losses.modules",
-    "Direction": "wholebatch.losses.info_nce",
-    "GradReduction": "wholebatch.losses.common",
-    "InfoNCELoss": "wholebatch.losses.modules",
-    "NTXentLoss": "wholebatch.losses.modules",
-    "PartitionMode": "wholebatch.losses.info_nce",
-    "SigLipLoss": "wholebatch.losses.modules",
-    "clip_loss": "wholebatch.losses.contrastive",
-    "info_nce_loss": "wholebatch.losses.info_nce",
-    "nt_xent_loss": "wholebatch.losses.contrastive",
-    "siglip_loss": "wholebatch.losses.contrastive",
-    "tile_size_for": "wholebatch.losses.sizing",
-}
+if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these imports,
+    # and `lazy_package` builds `_LAZY`, `__all__` and the PEP 562 hooks from them
+    from wholebatch.conventions import (
+        GradReduction as GradReduction,
+    )
+    from wholebatch.losses.contrastive import (
+        clip_loss as clip_loss,
+        nt_xent_loss as nt_xent_loss,
+        siglip_loss as siglip_loss,
+    )
+    from wholebatch.losses.info_nce import (
+        Direction as Direction,
+        PartitionMode as PartitionMode,
+        info_nce_loss as info_nce_loss,
+    )
+    from wholebatch.losses.modules import (
+        ClipLoss as ClipLoss,
+        InfoNCELoss as InfoNCELoss,
+        NTXentLoss as NTXentLoss,
+        SigLipLoss as SigLipLoss,
+    )
+    from wholebatch.losses.sizing import (
+        tile_size_for as tile_size_for,
+    )
 
-if TYPE_CHECKING:
-    from wholebatch.losses.common import GradReduction
-    from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
-    from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
-    from wholebatch.losses.modules import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
-    from wholebatch.losses.sizing import tile_size_for
-
-__all__ = [
-    "ClipLoss",
-    "Direction",
-    "GradReduction",
-    "InfoNCELoss",
-    "NTXentLoss",
-    "PartitionMode",
-    "SigLipLoss",
-    "clip_loss",
-    "info_nce_loss",
-    "nt_xent_loss",
-    "siglip_loss",
-    "tile_size_for",
-]
-
-
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+_LAZY, __all__, __getattr__, __dir__ = lazy_package(globals())

@@ -5,9 +5,11 @@
 1. Local checks (shapes, dtypes, scalars, options, `tile_size`, `sizes`).
 2. The exchange, when the per-rank row counts are unknown (`sizes=None`) or
    the cross-rank checks are on (`check=`, `wholebatch.set_checks`, default on):
-   one all-gather of a small float64 row per rank carrying its rows, dim,
-   dtype, device, options, `grad_reduction`, the `sizes` it was given and its
-   scalar values. Tensor scalars ride in that row as tensors (concatenated on
+   one named float64 row per rank (`wholebatch.comm.agree.agree_rows`: one
+   all-gather, read back by field name) carrying its rows, dim, dtype,
+   device, options, `grad_reduction`, the `sizes` it was given and its
+   scalar values, and whether its local checks failed (a value or a type
+   error: the kind travels in the row, the text in one more all-gather). Tensor scalars ride in that row as tensors (concatenated on
    the device, never read on their own): no `.item()`. Every rank runs the
    same checks on the same table, so a bad input raises the same error on
    every rank. On CUDA with NCCL reading the table is the one host sync of
@@ -31,31 +33,31 @@ Legend: W ranks, B this rank's rows, N global rows, D embedding dim.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.agree import Field, Rows, agree_rows
 from wholebatch.comm.checks import errors_text, gather_errors, per_rank
-from wholebatch.comm.collectives import all_gather, all_reduce
-from wholebatch.comm.groups import checks_enabled, comm_device, get_rank, get_world_size
+from wholebatch.comm.collectives import all_reduce
+from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
+from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.sizing import EXCHANGE_HEADER, exchange_row_elements, sizes_fingerprint
+from wholebatch.losses.sizing import exchange_row_elements, sizes_fingerprint
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
-__all__ = ["GradReduction", "Prepared", "prepare", "resolve_tile", "whole"]
+__all__ = ["Prepared", "Problem", "prepare", "resolve_tile", "whole"]
 
-GradReduction = Literal["mean", "sum"]
-_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+_REDUCTIONS: tuple[str, ...] = GRAD_REDUCTIONS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MSG_BYTES = 480
-# Header of an exchanged row: error flag, rows, dim, dtype, device, reduction
-# (its length and the row's are in `sizing`, which the planner reads too).
-_ERR, _ROWS, _DIM, _DTYPE, _DEVICE, _RED = range(EXCHANGE_HEADER)
-_HEADER = EXCHANGE_HEADER
+_REPLICATED_FIX = (
+    "it is a replicated parameter: every rank must hold the same value "
+    "(keep it in the DDP module, or broadcast it)"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,12 +72,35 @@ class Prepared:
     """What `whole` multiplies the gradient by: 1 for "mean", 1/W for "sum"."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A rank-local finding about a loss's arguments: what is wrong, and which exception says it."""
+
+    text: str
+    """The message, without the op's name."""
+    type_error: bool = False
+    """Raised as `WholebatchTypeError` (a wrong type, dtype or device) rather than `WholebatchError`."""
+
+    @property
+    def code(self) -> int:
+        """Its exchange field: 1 a value error, 2 a type error (0: none)."""
+        return 2 if self.type_error else 1
+
+    def raise_for(self, op: str) -> NoReturn:
+        """Raise it, named for `op`."""
+        raise (WholebatchTypeError if self.type_error else WholebatchError)(f"{op}: {self.text}")
+
+
+def _type(text: str) -> Problem:
+    return Problem(text, type_error=True)
+
+
 # ---------------------------------------------------------------------------
-# Local checks: each returns a message ("T..." type error, "V..." value error) or None
+# Local checks: each returns a Problem or None
 # ---------------------------------------------------------------------------
 
 
-def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, str | None]:
+def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, Problem | None]:
     """(B, D, why unusable or None) for 2-D float tensors (3-D allowed as (B, k, D)) sharing B and D."""
     first: Tensor | None = None
     first_name = ""
@@ -83,13 +108,13 @@ def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, str | No
         if x is None:
             continue
         if not isinstance(x, Tensor):
-            return 0, 0, f"T{name} must be a torch.Tensor, got {type(x).__name__}"
+            return 0, 0, _type(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         want = 3 if name.endswith("_BKD") else 2
         if x.dim() != want:
             what = "(rows, k, dim)" if want == 3 else "(rows, dim)"
-            return 0, 0, f"V{name} must be {want}-D {what}, got shape {tuple(x.shape)}"
+            return 0, 0, Problem(f"{name} must be {want}-D {what}, got shape {tuple(x.shape)}")
         if x.dtype not in _DTYPES:
-            return 0, 0, f"T{name} must be float32/float64/float16/bfloat16, got {x.dtype}"
+            return 0, 0, _type(f"{name} must be float32/float64/float16/bfloat16, got {x.dtype}")
         if first is None:
             first, first_name = x, name
             continue
@@ -97,8 +122,8 @@ def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, str | No
             return (
                 0,
                 0,
-                (
-                    f"V{name} has shape {tuple(x.shape)} but {first_name} has {tuple(first.shape)}; "
+                Problem(
+                    f"{name} has shape {tuple(x.shape)} but {first_name} has {tuple(first.shape)}; "
                     "row i of each is the same sample, so rows and dim must match on every rank"
                 ),
             )
@@ -106,8 +131,8 @@ def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, str | No
             return (
                 0,
                 0,
-                (
-                    f"T{name} is {x.dtype} on {x.device} but {first_name} is {first.dtype} on "
+                _type(
+                    f"{name} is {x.dtype} on {x.device} but {first_name} is {first.dtype} on "
                     f"{first.device}; pass them with one dtype and device"
                 ),
             )
@@ -115,30 +140,66 @@ def _check_embeddings(tensors: Mapping[str, object]) -> tuple[int, int, str | No
     return first.shape[0], first.shape[-1], None
 
 
-def _check_scalar(name: str, value: object) -> str | None:
+def _check_scalar(name: str, value: object) -> Problem | None:
     if isinstance(value, Tensor):
         if value.numel() != 1 or not value.is_floating_point():
-            return (
-                f"T{name} must be a float scalar (a 1-element tensor or a number), "
+            return _type(
+                f"{name} must be a float scalar (a 1-element tensor or a number), "
                 f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
             )
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"T{name} must be a float scalar tensor or a number, got {type(value).__name__}"
+        return _type(
+            f"{name} must be a float scalar tensor or a number, got {type(value).__name__}"
+        )
     return None
 
 
-def _check_sizes(sizes: object, w: int, r: int, b: int) -> str | None:
+def _check_sizes(sizes: object, w: int, r: int, b: int) -> Problem | None:
     if sizes is None:
         return None
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        return f"Tsizes must be a sequence of {w} ints (rows per rank), got {type(sizes).__name__}"
+        return _type(
+            f"sizes must be a sequence of {w} ints (rows per rank), got {type(sizes).__name__}"
+        )
     vals = list(sizes)
     if len(vals) != w or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vals):
-        return f"Vsizes={vals!r} must hold {w} non-negative ints, one per rank"
+        return Problem(f"sizes={vals!r} must hold {w} non-negative ints, one per rank")
     if vals[r] != b:
-        return f"Vsizes[{r}]={vals[r]} but this rank passes {b} rows"
+        return Problem(f"sizes[{r}]={vals[r]} but this rank passes {b} rows")
     return None
+
+
+def _check_tile(tile_size: object) -> Problem | None:
+    if tile_size is None or (
+        isinstance(tile_size, int) and not isinstance(tile_size, bool) and tile_size >= 1
+    ):
+        return None
+    return Problem(
+        f"tile_size={tile_size!r} must be a positive int or None (chosen for the device)"
+    )
+
+
+def _local_problem(
+    embeddings: Mapping[str, object],
+    scalars: Mapping[str, object],
+    grad_reduction: object,
+    tile_size: object,
+    sizes: object,
+    error: str | None,
+    w: int,
+    r: int,
+) -> tuple[int, Problem | None]:
+    """(B, the first local problem or None), in the order the checks have always run."""
+    b, _, err = _check_embeddings(embeddings)
+    if error is not None:
+        err = Problem(error)
+    for name, value in scalars.items():
+        err = err or _check_scalar(name, value)
+    if err is None and (bad := grad_reduction_error(grad_reduction)) is not None:
+        err = Problem(bad)
+    err = err or _check_tile(tile_size)
+    return b, err or _check_sizes(sizes, w, r, b)
 
 
 def resolve_tile(tile_size: int | None, device: torch.device, rows: int, cols: int) -> int:
@@ -146,11 +207,6 @@ def resolve_tile(tile_size: int | None, device: torch.device, rows: int, cols: i
     if tile_size is None:
         return tile_size_for(device.type, rows, cols)
     return tile_size
-
-
-def _raise(op: str, msg: str) -> NoReturn:
-    kind, text = msg[0], msg[1:]
-    raise (WholebatchTypeError if kind == "T" else WholebatchError)(f"{op}: {text}")
 
 
 def _scalar_tensor(value: Tensor | float, like: Tensor) -> Tensor:
@@ -193,29 +249,16 @@ def prepare(
             the process setting, on).
         options: name -> (a number that must agree across ranks, how to fix it).
         error: the caller's own finding about its other arguments (raised like
-            the checks here: the same on every rank).
+            the checks here, as a value error: the same on every rank).
         group: the process group.
     """
     options = options or {}
     w, r = get_world_size(group), get_rank(group)
-    b, _, err = _check_embeddings(embeddings)
-    if error is not None:
-        err = "V" + error
-    for name, value in scalars.items():
-        err = err or _check_scalar(name, value)
-    if err is None and grad_reduction not in _REDUCTIONS:
-        err = f"Vgrad_reduction={grad_reduction!r} must be 'mean' (DDP averages) or 'sum'"
-    if (
-        err is None
-        and tile_size is not None
-        and (isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1)
-    ):
-        err = f"Vtile_size={tile_size!r} must be a positive int or None (chosen for the device)"
-    err = err or _check_sizes(sizes, w, r, b)
+    b, err = _local_problem(embeddings, scalars, grad_reduction, tile_size, sizes, error, w, r)
     first = next(x for x in embeddings.values() if x is not None)
     if w == 1:
         if err is not None:
-            _raise(op, err)
+            err.raise_for(op)
         if b == 0:
             raise WholebatchError(f"{op}: the whole batch has 0 rows; pass at least one row")
         assert isinstance(first, Tensor)
@@ -223,11 +266,11 @@ def prepare(
         return Prepared(sizes=[b], scalars=vals, grad_factor=1.0)
     if sizes is None or checks_enabled(check):
         table = _exchange(op, embeddings, scalars, grad_reduction, sizes, options, err, group)
-        agreed = _check_table(op, table, list(embeddings), list(scalars), options, w)
+        agreed = _check_table(op, table, list(embeddings), list(scalars), options)
     elif err is not None:
         # Nothing is exchanged (sizes given, checks off): a local error is raised here,
         # as the collectives do with their checks off.
-        _raise(op, err)
+        err.raise_for(op)
     else:
         agreed = [int(v) for v in sizes]  # type: ignore[attr-defined]
     if sum(agreed) == 0:
@@ -240,6 +283,48 @@ def prepare(
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
 
 
+def _option(name: str) -> str:
+    return f"option {name}"
+
+
+def _scalar(name: str) -> str:
+    return f"scalar {name}"
+
+
+def _row(
+    embeddings: Mapping[str, object],
+    scalars: Mapping[str, object],
+    grad_reduction: object,
+    sizes: object,
+    options: Mapping[str, tuple[float, str]],
+    err: Problem | None,
+) -> dict[str, Field]:
+    """This rank's exchange row, by field name (`exchange_row_elements` long)."""
+    ok = err is None
+    first = next((x for x in embeddings.values() if isinstance(x, Tensor)), None)
+    usable = ok and first is not None
+    assert not usable or first is not None
+    row: dict[str, Field] = {
+        "error": 0 if err is None else err.code,
+        "rows": first.shape[0] if usable else 0,  # type: ignore[union-attr]
+        "dim": first.shape[-1] if usable else 0,  # type: ignore[union-attr]
+        "dtype": _DTYPES.index(first.dtype) if usable else -1,  # type: ignore[union-attr]
+        "device": float(first.device.type != "cpu") if usable else -1,  # type: ignore[union-attr]
+        "grad_reduction": _REDUCTIONS.index(str(grad_reduction)) if ok else -1,
+    }
+    for name, (number, _) in options.items():
+        row[_option(name)] = float(number) if ok else 0.0
+    given = ok and sizes is not None
+    row["sizes given"] = 1.0 if given else -1.0
+    row["sizes fingerprint"] = sizes_fingerprint(list(sizes)) if given else 0.0  # type: ignore[call-overload]
+    for name, value in scalars.items():
+        if ok and isinstance(value, Tensor):
+            row[_scalar(name)] = value  # stays on its device until the gather: no host sync
+        else:
+            row[_scalar(name)] = float(value) if ok else 0.0  # type: ignore[arg-type]
+    return row
+
+
 def _exchange(
     op: str,
     embeddings: Mapping[str, object],
@@ -247,100 +332,66 @@ def _exchange(
     grad_reduction: object,
     sizes: object,
     options: Mapping[str, tuple[float, str]],
-    err: str | None,
+    err: Problem | None,
     group: ProcessGroup | None,
-) -> list[list[float]]:
-    w = get_world_size(group)
-    dev = comm_device(group)
-    b, d = 0, 0
-    first = next((x for x in embeddings.values() if isinstance(x, Tensor)), None)
-    if err is None and isinstance(first, Tensor):
-        b, d = first.shape[0], first.shape[-1]
-    head = [
-        float(err is not None),
-        float(b),
-        float(d),
-        float(_DTYPES.index(first.dtype)) if err is None and first is not None else -1.0,
-        float(first.device.type != "cpu") if err is None and first is not None else -1.0,
-        float(_REDUCTIONS.index(str(grad_reduction))) if err is None else -1.0,
-    ]
-    head += [float(v) if err is None else 0.0 for v, _ in options.values()]
-    given = err is None and sizes is not None
-    head += [1.0, sizes_fingerprint(list(sizes))] if given else [-1.0, 0.0]  # type: ignore[call-overload]
-    parts = [torch.tensor(head, dtype=torch.float64, device=dev)]
-    for value in scalars.values():
-        if err is None and isinstance(value, Tensor):
-            parts.append(value.detach().reshape(1).to(device=dev, dtype=torch.float64))
-        else:
-            num = float(value) if err is None else 0.0  # type: ignore[arg-type]
-            parts.append(torch.full((1,), num, dtype=torch.float64, device=dev))
-    mine = torch.cat(parts)
-    n = mine.numel()
-    assert n == exchange_row_elements(len(options), len(scalars)), "exchange row layout"
-    table: list[list[float]] = (
-        all_gather(mine, sizes=[n] * w, group=group, check=False).view(w, n).tolist()
-    )
-    if any(t[_ERR] for t in table):
-        bad = gather_errors(err, [bool(t[_ERR]) for t in table], group, max_bytes=_MSG_BYTES)
-        kind = "T" if all(m[0] == "T" for m in bad.values()) else "V"
-        _raise(op, kind + errors_text({q: m[1:] for q, m in bad.items()}))
-    return table
+) -> Rows:
+    """One all-gather of every rank's named row; a local problem anywhere is raised on every rank."""
+    rows = agree_rows(_row(embeddings, scalars, grad_reduction, sizes, options, err), group=group)
+    assert rows.table_WF.shape[1] == exchange_row_elements(len(options), len(scalars)), "row"
+    flagged = rows.ranks_where("error")
+    if flagged:
+        marks = [q in flagged for q in range(rows.world_size)]
+        bad = gather_errors(err.text if err else None, marks, group, max_bytes=_MSG_BYTES)
+        codes = rows.ints("error")
+        type_error = all(codes[q] == 2 for q in flagged)
+        Problem(errors_text(bad), type_error=type_error).raise_for(op)
+    return rows
+
+
+# Header fields that must agree: (field, what, fix, how a value is shown, type error?).
+_HEADER_CHECKS: tuple[tuple[str, str, str, Callable[[float], object], bool], ...] = (
+    ("dim", "embedding dim", "", int, False),
+    ("dtype", "dtype", "cast every rank's embeddings to one dtype",
+     lambda v: str(_DTYPES[int(v)]).replace("torch.", ""), True),
+    ("device", "device type", "put every rank's embeddings on the same kind of device",
+     lambda v: "cpu" if v == 0 else "accelerator", True),
+    ("grad_reduction", "grad_reduction", "pass the same grad_reduction on every rank",
+     lambda v: _REDUCTIONS[int(v)], False),
+)  # fmt: skip
 
 
 def _check_table(
     op: str,
-    table: list[list[float]],
+    rows: Rows,
     names: list[str],
     scalar_names: list[str],
     options: Mapping[str, tuple[float, str]],
-    w: int,
 ) -> list[int]:
     """Raise the same error on every rank if anything that must agree does not; return the sizes."""
-    n_opt = len(options)
-    columns: list[tuple[int, str, str]] = [
-        (_DIM, "embedding dim", f"every rank's {'/'.join(names)} must have the same dim"),
-        (_DTYPE, "dtype", "cast every rank's embeddings to one dtype"),
-        (_DEVICE, "device type", "put every rank's embeddings on the same kind of device"),
-        (_RED, "grad_reduction", "pass the same grad_reduction on every rank"),
+    checks = [
+        (field, what, fix or f"every rank's {'/'.join(names)} must have the same dim", shown, typ)
+        for field, what, fix, shown, typ in _HEADER_CHECKS
     ]
-    for i, (name, (_, fix)) in enumerate(options.items()):
-        columns.append((_HEADER + i, name, fix))
-    base = _HEADER + n_opt + 2
-    for i, name in enumerate(scalar_names):
-        columns.append(
-            (
-                base + i,
-                name,
-                "it is a replicated parameter: every rank must hold the same value "
-                "(keep it in the DDP module, or broadcast it)",
-            )
-        )
-    for col, what, fix in columns:
-        vals = [t[col] for t in table]
-        same = all(v == vals[0] or (math.isnan(v) and math.isnan(vals[0])) for v in vals)
-        if not same:
-            shown: list[Any] = vals
-            if col == _DTYPE:
-                shown = [str(_DTYPES[int(v)]).replace("torch.", "") for v in vals]
-            elif col == _RED:
-                shown = [_REDUCTIONS[int(v)] for v in vals]
-            elif col == _DEVICE:
-                shown = ["cpu" if v == 0 else "accelerator" for v in vals]
-            elif col < base:
-                shown = [int(v) for v in vals]
-            exc = WholebatchTypeError if col in (_DTYPE, _DEVICE) else WholebatchError
-            raise exc(f"{op}: {what} differs across ranks {per_rank(shown)}; {fix}")
-    rows = [int(t[_ROWS]) for t in table]
-    want = sizes_fingerprint(rows)
-    wrong = [
-        q for q, t in enumerate(table) if t[_HEADER + n_opt] >= 0 and t[_HEADER + n_opt + 1] != want
-    ]
+    checks += [(_option(n), n, fix, int, False) for n, (_, fix) in options.items()]
+    checks += [(_scalar(n), n, _REPLICATED_FIX, _same_value, False) for n in scalar_names]
+    for field, what, fix, shown, type_error in checks:
+        if not rows.same(field):
+            vals = per_rank([shown(v) for v in rows[field]])
+            Problem(f"{what} differs across ranks {vals}; {fix}", type_error).raise_for(op)
+    counts = list(rows.ints("rows"))
+    want = sizes_fingerprint(counts)
+    given, prints = rows["sizes given"], rows["sizes fingerprint"]
+    wrong = [q for q in range(rows.world_size) if given[q] >= 0 and prints[q] != want]
     if wrong:
         raise WholebatchError(
             f"{op}: the sizes= passed on ranks {wrong} differ from the rows the ranks pass "
-            f"{per_rank(rows)}; pass every rank's row count, the same list on every rank"
+            f"{per_rank(counts)}; pass every rank's row count, the same list on every rank"
         )
-    return rows
+    return counts
+
+
+def _same_value(v: float) -> object:
+    return v
 
 
 def _agree(

@@ -33,10 +33,12 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses.common import GradReduction, prepare, resolve_tile, whole
+from wholebatch.conventions import GradReduction
+from wholebatch.losses.common import prepare, resolve_tile, whole
+from wholebatch.losses.specs import SPECS
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
 
-__all__ = ["GradReduction", "clip_loss", "nt_xent_loss", "siglip_loss"]
+__all__ = ["clip_loss", "nt_xent_loss", "siglip_loss"]
 
 
 # ---------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def clip_loss(
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
     """
-    op = "clip_loss"
+    op = SPECS["clip"].function
     scalars: dict[str, object] = {"logit_scale": logit_scale}
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
@@ -171,7 +173,7 @@ def siglip_loss(
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
     """
-    op = "siglip_loss"
+    op = SPECS["siglip"].function
     prep = prepare(
         op, {"image_BD": image_BD, "text_BD": text_BD},
         {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
@@ -236,7 +238,7 @@ def nt_xent_loss(
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
     """
-    op = "nt_xent_loss"
+    op = SPECS["nt_xent"].function
     prep = prepare(
         op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,

@@ -14,7 +14,8 @@ query, one softmax per direction) is `clip_loss`.
     .venv/bin/python -m benchmarks.bench_losses --only info_nce   # memory and time vs naive
 
 Legend: W ranks, B this rank's queries, N global queries (sum of B), k hard
-negatives per query, C = N·(1 + k) candidate documents, D embedding dim, T tile size.
+negatives per query, J = 1 + k key rows per query (its document and its hard
+negatives), C = N·J candidate documents, D embedding dim, T tile size.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses.common import GradReduction, prepare, resolve_tile, whole
+from wholebatch.conventions import GradReduction
+from wholebatch.losses.common import Prepared, prepare, resolve_tile, whole
+from wholebatch.losses.specs import SPECS
 from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
 
 __all__ = ["DIRECTIONS", "Direction", "PartitionMode", "info_nce_loss"]
 
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 PartitionMode = Literal["joint", "per_direction"]
-DIRECTIONS: tuple[str, ...] = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+DIRECTIONS: tuple[str, ...] = SPECS["info_nce"].directions
 _PARTITIONS: tuple[str, ...] = ("joint", "per_direction")
+SPEC = SPECS["info_nce"]
 
 
 def _check_options(directions: object, partition_mode: object) -> tuple[int, str | None]:
@@ -137,45 +141,71 @@ def info_nce_loss(
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
     """
-    op = "info_nce_loss"
     mask, err = _check_options(directions, partition_mode)
     k = (
         negatives_BKD.shape[1]
         if isinstance(negatives_BKD, Tensor) and negatives_BKD.dim() == 3
         else 0
     )
-    fix = "pass the same on every rank"
+    values = (k, mask, _PARTITIONS.index(str(partition_mode)) if err is None else 0)
     prep = prepare(
-        op,
+        SPEC.function,
         {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
-        {"logit_scale": logit_scale},
-        grad_reduction=grad_reduction,
-        tile_size=tile_size,
-        sizes=sizes,
-        check=check,
-        options={
-            "hard negatives per query (k)": (k, fix + " (pad, or drop rows to a common k)"),
-            "directions": (mask, fix),
-            "partition_mode": (_PARTITIONS.index(str(partition_mode)) if err is None else 0, fix),
-        },
-        error=err,
-        group=group,
+        {"logit_scale": logit_scale}, grad_reduction=grad_reduction, tile_size=tile_size,
+        sizes=sizes, check=check, error=err, group=group,
+        options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
+    )  # fmt: skip
+    s = prep.scalars[0]
+    pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
+    parts = _direction_terms(
+        query_BD, document_BD, negatives_BKD, s, pos_B, set(directions), prep, tile_size, group
     )
+    per_row_B = _row_losses(parts, partition_mode, "doc_to_query" in directions)
+    return whole(per_row_B.sum() / sum(prep.sizes), prep, group)
+
+
+def _row_losses(parts: list[Tensor], partition_mode: str, doc_to_query: bool) -> Tensor:
+    """Each row's loss from its directions' a_i: one softmax over all ("joint"), or a mean of CEs."""
+    if partition_mode == "per_direction":
+        return torch.stack([softplus(a) for a in parts]).mean(0)
+    if doc_to_query:
+        # doc_to_query's own pair d_i·q_i is the positive logit itself: in the
+        # joint softmax it is one more term, exp(0) relative to the positive.
+        parts = [*parts, torch.zeros_like(parts[0])]
+    return softplus(torch.logsumexp(torch.stack(parts), 0))
+
+
+def _direction_terms(
+    query_BD: Tensor,
+    document_BD: Tensor,
+    negatives_BKD: Tensor | None,
+    s: Tensor,
+    pos_B: Tensor,
+    wanted: set[str],
+    prep: Prepared,
+    tile_size: int | None,
+    group: ProcessGroup | None,
+) -> list[Tensor]:
+    """Each selected direction's a_i = lse over its negatives − the positive, in DIRECTIONS order
+    (query_to_doc first), for this rank's B rows."""
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     d = query_BD.shape[1]
-    acc = compute_dtype(query_BD.dtype)
-    s = prep.scalars[0]
-    wanted = set(directions)
+    k = 0 if negatives_BKD is None else negatives_BKD.shape[1]
     # Candidates [all positives; all first negatives; ...; all k-th]: one all-gather of
-    # [document | negatives] rows, then the negatives of row g sit at t·N + g, t = 1..k.
-    rows_B = document_BD if k == 0 else torch.cat([document_BD, negatives_BKD.reshape(b, k * d)], 1)  # type: ignore[union-attr]
-    gathered = all_gather(rows_B, sizes=prep.sizes, group=group, check=False)
-    cand_CD = gathered if k == 0 else gathered.view(n, 1 + k, d).transpose(0, 1).reshape(-1, d)
-    c = cand_CD.shape[0]
-    tile = resolve_tile(tile_size, query_BD.device, b, c)
+    # each rank's B x J x D keys [document | negatives], then the negatives of row g
+    # sit at t·N + g, t = 1..k.
+    keys_BJD = (
+        document_BD[:, None]
+        if negatives_BKD is None
+        else torch.cat([document_BD[:, None], negatives_BKD], 1)
+    )
+    gathered_NJD = all_gather(
+        keys_BJD.reshape(b, (1 + k) * d), sizes=prep.sizes, group=group, check=False
+    )
+    cand_CD = gathered_NJD.view(n, 1 + k, d).transpose(0, 1).reshape(-1, d)
+    tile = resolve_tile(tile_size, query_BD.device, b, cand_CD.shape[0])
     sizes_t = tuple(prep.sizes)
-    pos_B = s * (query_BD.to(acc) * document_BD.to(acc)).sum(1)  # s·qᵢ·dᵢ
     n_cols = n if "doc_to_query" in wanted else 0
     q2d_B, d2q_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
         query_BD, cand_CD, s, pos_B, offset, (0,), n_cols, sizes_t, tile, group
@@ -195,12 +225,4 @@ def info_nce_loss(
             document_BD, cand_CD, s, pos_B, offset, own, 0, sizes_t, tile, group
         )
         parts.append(d2d_B)
-    if partition_mode == "per_direction":
-        per_row_B = torch.stack([softplus(a) for a in parts]).mean(0)
-    else:
-        if n_cols:
-            # doc_to_query's own pair d_i·q_i is the positive logit itself: in the
-            # joint softmax it is one more term, exp(0) relative to the positive.
-            parts.append(torch.zeros_like(q2d_B))
-        per_row_B = softplus(torch.logsumexp(torch.stack(parts), 0))
-    return whole(per_row_B.sum() / n, prep, group)
+    return parts

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.common import GradReduction
 from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
 from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
 

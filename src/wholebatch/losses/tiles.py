@@ -1,7 +1,7 @@
 """Tiled autograd kernels behind `wholebatch.losses`: logits live one tile at a time.
 
 No kernel ever holds a B x N logits matrix. The forward walks T x T tiles
-of the logits and keeps only a running (max, sum of exponentials) per row (and
+of the logits and keeps only a running (max, sum of exponentials) pair (m, l) per row (and
 per column); the backward recomputes each tile from the saved inputs and those
 statistics (the memory recipe of Inf-CL, arXiv:2410.17243, and FlashAttention).
 Peak memory is O(N·D + T²) for `PositiveLSE` and `SymmetricLSE` (the
@@ -27,7 +27,10 @@ of every tile, and fuse what they can (`addcmul_`).
 
 Legend: W ranks in the group, B this rank's query rows, N global rows, C
 candidate (key) rows, M rows of a self-similarity matrix, D embedding dim, T
-the tile size (rows and columns of one logits tile).
+the tile size (rows and columns of one logits tile). A tile passed transposed
+is named by its shape (`k_DT`), never by a `_T` suffix. The running (max, sum
+of exponentials) pair is (m, l), suffixed by its axis: `m_row, l_row`,
+`m_col, l_col`, `m_M, l_M`; `m_vec, l_vec` in the helpers that serve either.
 
 The kernels are collectives when the group holds more than one rank: every
 rank must call them, in the same order, and back-propagate through them.
@@ -147,8 +150,8 @@ def _accelerated(x: Tensor) -> bool:
     return x.is_cuda
 
 
-def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
-    """`a @ b_T` with the result in `acc` (float32 or float64).
+def _mm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """`a @ b` with the result in `acc` (float32 or float64).
 
     16-bit operands on CUDA use the matrix units with a float32 result (each
     bf16 x bf16 product is exact in float32, the sum accumulates in float32:
@@ -156,12 +159,12 @@ def _mm_acc(a: Tensor, b_T: Tensor, acc: torch.dtype) -> Tensor:
     operands are upcast.
     """
     global _MM_OUT_DTYPE
-    if _MM_OUT_DTYPE and a.dtype != acc and _accelerated(a) and a.dtype == b_T.dtype:
+    if _MM_OUT_DTYPE and a.dtype != acc and _accelerated(a) and a.dtype == b.dtype:
         try:
-            return torch.mm(a, b_T, out_dtype=acc)
+            return torch.mm(a, b, out_dtype=acc)
         except (RuntimeError, TypeError):  # a torch or device without mm(out_dtype=): upcast
             _MM_OUT_DTYPE = False
-    return a.to(acc) @ b_T.to(acc)
+    return a.to(acc) @ b.to(acc)
 
 
 def _scaled_rows(x: Tensor, scale: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -176,13 +179,14 @@ def _scaled_rows(x: Tensor, scale: Tensor, acc: torch.dtype) -> tuple[Tensor, Te
     return x.to(acc) * scale.detach().to(acc), None
 
 
-def _logits(qs: Tensor, k_T: Tensor, post: Tensor | None, acc: torch.dtype) -> Tensor:
-    s_TT = _mm_acc(qs, k_T, acc)
+def _logits(qs_TD: Tensor, k_DT: Tensor, post: Tensor | None, acc: torch.dtype) -> Tensor:
+    """One logits tile: the (scaled) query rows against the keys (passed transposed, D x T)."""
+    s_TT = _mm_acc(qs_TD, k_DT, acc)
     return s_TT if post is None else s_TT.mul_(post)
 
 
 def _running(
-    m: Tensor, sm: Tensor, s_TT: Tensor, dim: int, buf: Tensor | None = None
+    m_vec: Tensor, l_vec: Tensor, s_TT: Tensor, dim: int, buf: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Fold one tile into the running (max, sum of exponentials) along `dim` (1: rows, 0: cols).
 
@@ -190,36 +194,38 @@ def _running(
     (-inf, 0).
     """
     t_max = s_TT.amax(dim)
-    m_new = torch.maximum(m, t_max)
+    m_new = torch.maximum(m_vec, t_max)
     safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
     shift = safe[:, None] if dim == 1 else safe[None, :]
     e = torch.sub(s_TT, shift, out=buf) if buf is not None else torch.sub(s_TT, shift)
-    sm_new = sm.mul_((m - safe).exp_()).add_(e.exp_().sum(dim))
-    return m_new, sm_new
+    l_new = l_vec.mul_((m_vec - safe).exp_()).add_(e.exp_().sum(dim))
+    return m_new, l_new
 
 
-def _combine(m: Tensor, sm: Tensor, group: Any) -> tuple[Tensor, Tensor]:
+def _combine(m_vec: Tensor, l_vec: Tensor, group: Any) -> tuple[Tensor, Tensor]:
     """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled sums."""
     if not is_distributed(group):
-        return m, sm
-    m_all = m.clone()
+        return m_vec, l_vec
+    m_all = m_vec.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
-    sm_all = sm * (m - safe).exp()
-    dist.all_reduce(sm_all, op=dist.ReduceOp.SUM, group=group)
-    return m_all, sm_all
+    l_all = l_vec * (m_vec - safe).exp()
+    dist.all_reduce(l_all, op=dist.ReduceOp.SUM, group=group)
+    return m_all, l_all
 
 
-def _finish(m: Tensor, sm: Tensor, pos: Tensor) -> Tensor:
-    """a = lse(negatives) − positive, as (m − pos) + log(sum): no large terms cancel."""
-    return (m - pos) + sm.log()
+def _finish(m_vec: Tensor, l_vec: Tensor, pos: Tensor) -> Tensor:
+    """a = lse(negatives) − positive, as (m_vec − pos) + log(sum): no large terms cancel."""
+    return (m_vec - pos) + l_vec.log()
 
 
-def _softmax_coef(m: Tensor, sm: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+def _softmax_coef(m_vec: Tensor, l_vec: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """(shift, g / sum) so that g·softmax = exp(s − shift)·(g / sum); zeros where nothing is left."""
-    live = sm > 0
-    shift = torch.where(live, m, torch.zeros_like(m))
-    coef = torch.where(live, g / torch.where(live, sm, torch.ones_like(sm)), torch.zeros_like(g))
+    live = l_vec > 0
+    shift = torch.where(live, m_vec, torch.zeros_like(m_vec))
+    coef = torch.where(
+        live, g / torch.where(live, l_vec, torch.ones_like(l_vec)), torch.zeros_like(g)
+    )
     return shift, coef
 
 
@@ -468,31 +474,31 @@ class SymmetricLSE(torch.autograd.Function):
         m, half = z_MD.shape[0], z_MD.shape[0] // 2
         zs_MD, post = _scaled_rows(z_MD, scale, acc)  # scaled once (upcast path)
         z = z_MD if post is not None else z_MD.to(acc)
-        mx = torch.full((m,), float("-inf"), dtype=acc, device=z_MD.device)
-        sm = torch.zeros(m, dtype=acc, device=z_MD.device)
+        m_M = torch.full((m,), float("-inf"), dtype=acc, device=z_MD.device)
+        l_M = torch.zeros(m, dtype=acc, device=z_MD.device)
         for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
-            mx[i0:i1], sm[i0:i1] = _running(mx[i0:i1], sm[i0:i1], s_TT, 1)
+            m_M[i0:i1], l_M[i0:i1] = _running(m_M[i0:i1], l_M[i0:i1], s_TT, 1)
             if i0 != j0:  # the mirrored tile (j, i): its rows are this tile's columns
-                mx[j0:j1], sm[j0:j1] = _running(mx[j0:j1], sm[j0:j1], s_TT, 0)
-        mx, sm = _combine(mx, sm, group)
-        ctx.save_for_backward(z_MD, scale, mx, sm)
+                m_M[j0:j1], l_M[j0:j1] = _running(m_M[j0:j1], l_M[j0:j1], s_TT, 0)
+        m_M, l_M = _combine(m_M, l_M, group)
+        ctx.save_for_backward(z_MD, scale, m_M, l_M)
         ctx.tile, ctx.group, ctx.pos_dtype = tile, group, pos_M.dtype
-        return _finish(mx, sm, pos_M.detach().to(acc))
+        return _finish(m_M, l_M, pos_M.detach().to(acc))
 
     @staticmethod
     @_threaded
     def backward(ctx: Any, g_M: Tensor) -> tuple[Tensor | None, ...]:
-        z_MD, scale, mx, sm = ctx.saved_tensors
-        acc, tile, group = mx.dtype, ctx.tile, ctx.group
+        z_MD, scale, m_M, l_M = ctx.saved_tensors
+        acc, tile, group = m_M.dtype, ctx.tile, ctx.group
         m, half = z_MD.shape[0], z_MD.shape[0] // 2
         g_local = g_M.to(acc)
         # backward of the cross-rank combine: all-reduce (sum) of the gradient.
         g_all = g_local.contiguous().clone()
         if is_distributed(group):
             dist.all_reduce(g_all, op=dist.ReduceOp.SUM, group=group)
-        shift, coef = _softmax_coef(mx, sm, g_all)
+        shift, coef = _softmax_coef(m_M, l_M, g_all)
         s = scale.detach().to(acc)
         zs_MD, post = _scaled_rows(z_MD, scale, acc)
         z = z_MD if post is not None else z_MD.to(acc)

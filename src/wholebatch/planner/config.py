@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 from wholebatch.errors import WholebatchError
+from wholebatch.losses.specs import SPECS
 
 __all__ = ["DIRECTIONS", "DTYPE_BYTES", "LOSSES", "PlanConfig"]
 
-LOSSES = ("clip", "siglip", "nt_xent", "info_nce", "tokens")
-DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+LOSSES = (*SPECS, "tokens")
+DIRECTIONS = tuple(dict.fromkeys(d for s in SPECS.values() for d in s.directions))
+# The losses that take hard negatives and directions (InfoNCE).
+_WITH_NEGATIVES = tuple(name for name, s in SPECS.items() if s.negatives)
+_WITH_DIRECTIONS = tuple(name for name, s in SPECS.items() if s.directions)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
@@ -131,16 +135,15 @@ class PlanConfig:
                     + ("" if name == "negatives" else " (0: chosen by the planner)"),
                 )
         dirs = self.direction_list
-        if not set(dirs) <= set(DIRECTIONS) or "query_to_doc" not in dirs:
+        if not set(dirs) <= set(DIRECTIONS) or DIRECTIONS[0] not in dirs:
             raise bad(
                 "directions", self.directions,
                 f"must be comma-separated names of {', '.join(DIRECTIONS)}, holding query_to_doc",
             )  # fmt: skip
-        if (self.negatives or dirs != ("query_to_doc",)) and self.loss != "info_nce":
-            raise bad(
-                "negatives" if self.negatives else "directions",
-                self.negatives or self.directions, "applies to loss='info_nce' only",
-            )  # fmt: skip
+        if self.negatives and self.loss not in _WITH_NEGATIVES:
+            raise bad("negatives", self.negatives, f"applies to {_losses(_WITH_NEGATIVES)} only")
+        if dirs != DIRECTIONS[:1] and self.loss not in _WITH_DIRECTIONS:
+            raise bad("directions", self.directions, f"applies to {_losses(_WITH_DIRECTIONS)} only")
         if self.world > 65536:
             raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
         if self.batch < self.world and self.loss != "tokens":
@@ -180,3 +183,7 @@ class PlanConfig:
     def budget(self) -> int:
         """Bytes tensors may use on one device."""
         return int((self.memory_gib - self.reserve_gib) * 2**30)
+
+
+def _losses(names: tuple[str, ...]) -> str:
+    return " or ".join(f"loss={n!r}" for n in names)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.sizing import tile_size_for
+from wholebatch.losses.specs import COLUMN_PASSES, SPECS
 from wholebatch.planner.config import PlanConfig
 from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
 from wholebatch.planner.traffic import (
@@ -34,12 +35,6 @@ from wholebatch.planner.traffic import (
 __all__ = ["MemoryPlan", "Plan", "Strategy", "Times", "plan", "split_rows"]
 
 MIB = 2**20
-# Reads + writes of one logits element per forward + backward, counted from the
-# kernels' tile loops (losses/tiles.py): the elementwise passes a GPU pays in
-# memory bandwidth, since the kernels are not fused. A sweep with column
-# statistics (CLIP, InfoNCE's doc_to_query) pays about 14 more than one without.
-_PASSES = {"clip": 30, "info_nce": 16, "nt_xent": 29, "siglip": 22}
-_COLUMN_PASSES = 14
 
 
 def split_rows(n: int, w: int) -> list[int]:
@@ -161,8 +156,7 @@ def _act(c: PlanConfig, rows: int) -> int:
 
 def _embeddings(c: PlanConfig, b: int) -> int:
     """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k negatives)."""
-    per_row = 2 + (c.negatives if c.loss == "info_nce" else 0)
-    return per_row * b * c.dim * c.elem
+    return SPECS[c.loss].embeddings_per_row(c.negatives) * b * c.dim * c.elem
 
 
 def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
@@ -224,13 +218,14 @@ def _choose_k(c: PlanConfig, n: int, b: int, tile: int) -> int:
 
 def _sweep(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) -> tuple[int, int]:
     """(rows, cols) of the logits sweep the loss hands `tile_size_for` on a rank of `b` rows."""
-    if c.loss == "nt_xent":
-        return 2 * n, 2 * n
-    if c.loss == "siglip":
+    spec = SPECS.get(c.loss)
+    if spec is None:  # tokens: no sweep
+        return b, n
+    if spec.kernel == "symmetric":
+        return spec.views * n, spec.views * n
+    if spec.kernel == "sigmoid":
         return b, max(sizes) if sizes else b
-    if c.loss == "info_nce":
-        return b, n * (1 + c.negatives)
-    return b, n
+    return b, n * spec.key_rows(c.negatives)
 
 
 def _choose_tile(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) -> int:
@@ -283,23 +278,7 @@ def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -
     # third of forward + backward.
     extra = (k - 1) / (3 * k) if c.loss != "tokens" and k > 1 else 0.0
     model = flops * b * (1 + extra) / (c.tflops * 1e12)
-    loss_s = 0.0
-    if c.loss != "tokens":
-        passes: float = _PASSES[c.loss]
-        if c.loss == "nt_xent":
-            elements = (2 * n) ** 2 / 2 / c.world  # the upper triangle, dealt over the ranks
-            mm = 16.0 * n * n * c.dim / c.world
-        elif c.loss == "info_nce":
-            dirs = c.direction_list
-            cands = n * (1 + c.negatives)
-            cols = cands * (1 + ("doc_to_doc" in dirs)) + n * ("query_to_query" in dirs)
-            elements = float(b) * cols
-            mm = 8.0 * b * cols * c.dim
-            passes += _COLUMN_PASSES * n / cols if "doc_to_query" in dirs else 0
-        else:
-            elements = float(b) * n
-            mm = 8.0 * b * n * c.dim
-        loss_s = max(mm / (c.tflops * 1e12), elements * passes * c.acc / (c.hbm_gbs * 1e9))
+    loss_s = 0.0 if c.loss == "tokens" else _loss_seconds(c, n, b)
     ddp = ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     return Times(
         model=model,
@@ -307,6 +286,24 @@ def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -
         loss_comm=_comm_seconds(c, loss_rows),
         ddp_comm=_comm_seconds(c, ddp),
     )
+
+
+def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
+    """The tiled loss: matmul FLOPs or its elementwise passes through device memory, the larger."""
+    spec = SPECS[c.loss]
+    passes: float = spec.passes
+    if spec.kernel == "symmetric":
+        m = spec.views * n
+        elements = m**2 / 2 / c.world  # the upper triangle, dealt over the ranks
+        mm = 4.0 * m * m * c.dim / c.world
+    else:
+        dirs = c.direction_list
+        cands = n * spec.key_rows(c.negatives)
+        cols = cands * (1 + ("doc_to_doc" in dirs)) + n * ("query_to_query" in dirs)
+        elements = float(b) * cols
+        mm = 8.0 * b * cols * c.dim
+        passes += COLUMN_PASSES * n / cols if spec.has_columns(dirs) else 0
+    return max(mm / (c.tflops * 1e12), elements * passes * c.acc / (c.hbm_gbs * 1e9))
 
 
 # ---------------------------------------------------------------------------
@@ -317,9 +314,7 @@ def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -
 # Elements per row of the blocks each loss moves: the keys (texts; InfoNCE's
 # [document | negatives]; NT-Xent's [z1 | z2]).
 def _key_width(c: PlanConfig) -> int:
-    if c.loss == "nt_xent":
-        return 2 * c.dim
-    return (1 + (c.negatives if c.loss == "info_nce" else 0)) * c.dim
+    return SPECS[c.loss].key_rows(c.negatives) * c.dim
 
 
 class _Traffic:
@@ -346,9 +341,7 @@ class _Traffic:
         if strategy == "ring + tiled":
             return ring_traffic("key blocks", sizes, rank, width, c.elem, c.acc)
         keys = gather_traffic("keys", sizes, rank, width * c.elem)
-        if (
-            strategy == "gather + tiled" or c.loss == "nt_xent"
-        ):  # nt_xent gathers both views at once
+        if strategy == "gather + tiled" or SPECS[c.loss].views > 1:  # both views gathered at once
             return keys
         # naive and local (open_clip, DisCo-CLIP) gather the queries (images) too
         return keys + gather_traffic("queries", sizes, rank, c.dim * c.elem)

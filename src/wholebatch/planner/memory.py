@@ -56,17 +56,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["LOSS_STRATEGY", "loss_memory"]
+from wholebatch.losses.specs import SPECS
 
-# The strategy each wholebatch loss uses.
-LOSS_STRATEGY = {
-    "clip": "gather + tiled",
-    "info_nce": "gather + tiled",
-    "nt_xent": "gather + tiled",
-    "siglip": "ring + tiled",
-}
-# float32 T x T buffers alive at the tile loop's peak (measured at T = 512 and 2,048).
-_TILE_BUFFERS = {"clip": 2.5, "info_nce": 2.5, "nt_xent": 2.0, "siglip": 2.0}
+__all__ = ["LOSS_STRATEGY", "STRATEGY_NAMES", "loss_memory"]
+
+# How the planner names the losses' strategies.
+STRATEGY_NAMES = {"gather": "gather + tiled", "ring": "ring + tiled"}
+# The strategy each wholebatch loss uses by default (its descriptor's).
+LOSS_STRATEGY = {name: STRATEGY_NAMES[s.default_strategy] for name, s in SPECS.items()}
 
 
 def _ring_per_bd(w: int, elem: int, acc: int) -> float:
@@ -132,8 +129,9 @@ def loss_memory(
         negatives: info_nce's k hard negatives per query.
         directions: info_nce's directions.
     """
-    views = 2 if loss == "nt_xent" else 1
-    k = negatives if loss == "info_nce" else 0
+    spec = SPECS[loss]
+    views = spec.views
+    k = negatives if spec.negatives else 0
     # both towers' gathered features and their gradients (gather_with_grad)
     gathered = (2 + 2 * (1 + k)) * n * dim * elem if w > 1 else 0
     if strategy == "naive":  # every rank holds the whole (views·N)^2 logits
@@ -142,17 +140,16 @@ def loss_memory(
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
     if strategy == "ring + tiled":
-        width = views * (1 + k)  # key blocks of `width` x D per row
-        buffers = 2.0 if loss != "siglip" else _TILE_BUFFERS["siglip"]
+        width = spec.key_rows(k)  # key blocks of `width` x D per row
+        buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers
         return int(_ring_per_bd(w, elem, acc) * width * b * dim + buffers * tiles)
-    if loss == "nt_xent":
+    if spec.kernel == "symmetric":
         per_nd = 10 * acc + (6 * elem if elem < acc else 0)
-        return int(per_nd * n * dim + _TILE_BUFFERS[loss] * tiles + 4 * 2 * n * acc)
-    if loss == "siglip":  # siglip with a gather (for comparison): clip's kernel, no columns
+        return int(per_nd * n * dim + spec.tile_buffers * tiles + 4 * 2 * n * acc)
+    if spec.kernel == "sigmoid":  # siglip with a gather (for comparison): clip's kernel, no columns
         return int(_gather_keys(n, b, dim, elem, acc, w, 0, ()) + 2.5 * tiles)
-    columns = loss == "clip" or "doc_to_query" in directions
     return int(
         _gather_keys(n, b, dim, elem, acc, w, k, directions)
-        + _TILE_BUFFERS[loss] * tiles
-        + (4 * n * acc if columns else 0)
+        + spec.tile_buffers * tiles
+        + (4 * n * acc if spec.has_columns(directions) else 0)
     )

@@ -48,6 +48,15 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def format_plan(p: Plan) -> str:
+    """The plan as plain-text tables: memory, bytes, time, limits, strategies, assumptions."""
+    out = _header(p) + _memory_lines(p) + [""] + _bytes_lines(p) + [""] + _time_lines(p)
+    out += _strategy_lines(p)
+    out += ["", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
+    out.append(f"(planned in {p.seconds * 1e3:.0f} ms)")
+    return "\n".join(out)
+
+
+def _header(p: Plan) -> list[str]:
     c = p.config
     lo, hi = p.rows_per_rank
     split = f"{hi:,} rows per rank" if lo == hi else f"{lo:,}-{hi:,} rows per rank"
@@ -56,17 +65,20 @@ def format_plan(p: Plan) -> str:
         if c.loss == "tokens"
         else f"{c.loss}, D = {c.dim}, {c.dtype}"
     )
-    out = [
+    return [
         f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
         f"({max(1, -(-c.world // c.gpus_per_node)):,} node(s) of {c.gpus_per_node}); {split}",
         "",
     ]
+
+
+def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    out.append(
+    out = [
         f"memory per rank (busiest), K = {p.micro_batches} micro-batch(es) of {p.micro_batch_rows:,} rows, "
         f"tile {p.tile}: {verdict} in {human_bytes(m.budget)} usable"
-    )
+    ]
     rows = [
         ["weights, gradients, optimizer state", human_bytes(m.static)],
         [
@@ -74,7 +86,7 @@ def format_plan(p: Plan) -> str:
             human_bytes(m.activations),
         ],
     ]
-    if c.loss != "tokens":
+    if p.config.loss != "tokens":
         rows.append(
             [
                 "gradient caching's extra (cached embeddings, then their gradients)",
@@ -83,43 +95,39 @@ def format_plan(p: Plan) -> str:
         )
         rows.append(["whole-batch loss, forward + backward", human_bytes(m.loss)])
     rows.append([f"peak (set by the {m.peak_phase} phase)", human_bytes(m.peak)])
-    out += ["  " + r for r in _table(["part", "bytes"], rows)]
-    out.append("")
-    if p.collectives:
-        out.append(
-            f"bytes per rank per step (rank {p.ranks_counted[0] if len(p.ranks_counted) == 1 else 'busiest of ' + str(list(p.ranks_counted))}):"
-        )
-        rows = [
-            [
-                x.phase,
-                x.name,
-                x.primitive,
-                f"{x.calls:,}",
-                human_bytes(x.sent),
-                human_bytes(x.received),
-            ]
-            for x in p.collectives
-        ]
-        fs, fr = p.bytes("forward")
-        bs, br = p.bytes("backward")
-        rows.append(["", "total forward", "", "", human_bytes(fs), human_bytes(fr)])
-        rows.append(["", "total backward", "", "", human_bytes(bs), human_bytes(br)])
-        out += [
-            "  " + r
-            for r in _table(["phase", "collective", "primitive", "calls", "sent", "received"], rows)
-        ]
-    else:
-        out.append("bytes per rank per step: none (one rank)")
-    out.append("")
+    return out + ["  " + r for r in _table(["part", "bytes"], rows)]
+
+
+def _bytes_lines(p: Plan) -> list[str]:
+    if not p.collectives:
+        return ["bytes per rank per step: none (one rank)"]
+    counted = (
+        p.ranks_counted[0]
+        if len(p.ranks_counted) == 1
+        else "busiest of " + str(list(p.ranks_counted))
+    )
+    rows = [
+        [x.phase, x.name, x.primitive, f"{x.calls:,}", human_bytes(x.sent), human_bytes(x.received)]
+        for x in p.collectives
+    ]
+    fs, fr = p.bytes("forward")
+    bs, br = p.bytes("backward")
+    rows.append(["", "total forward", "", "", human_bytes(fs), human_bytes(fr)])
+    rows.append(["", "total backward", "", "", human_bytes(bs), human_bytes(br)])
+    header = ["phase", "collective", "primitive", "calls", "sent", "received"]
+    return [f"bytes per rank per step (rank {counted}):"] + ["  " + r for r in _table(header, rows)]
+
+
+def _time_lines(p: Plan) -> list[str]:
     t = p.times
-    out.append(
+    out = [
         f"time per step (estimate): model {human_seconds(t.model)}, loss {human_seconds(t.loss)}, "
         f"loss communication {human_seconds(t.loss_comm)}, DDP all-reduce {human_seconds(t.ddp_comm)}; "
         f"total {human_seconds(t.step)} "
         f"(communication {100 * (t.loss_comm + t.ddp_comm) / t.step:.0f}% of it)"
         if t.step > 0
         else "time per step: nothing to estimate (give params or flops_per_sample)"
-    )
+    ]
     if p.max_batch is None:
         out.append(
             "largest global batch that fits: unbounded (raise K: activations are one micro-batch's)"
@@ -130,20 +138,22 @@ def format_plan(p: Plan) -> str:
             f"(1-row micro-batches at the limit); "
             f"{p.max_batch_at_k:,} at K = {p.micro_batches}"
         )
-    if p.strategies:
-        out += ["", "strategies for this loss (per rank per step):"]
-        rows = [
-            [
-                s.name + (" (wholebatch)" if s.in_wholebatch else ""),
-                human_bytes(s.loss_memory),
-                human_bytes(s.sent),
-                human_seconds(s.comm_seconds),
-            ]
-            for s in p.strategies
+    return out
+
+
+def _strategy_lines(p: Plan) -> list[str]:
+    if not p.strategies:
+        return []
+    rows = [
+        [
+            s.name + (" (wholebatch)" if s.in_wholebatch else ""),
+            human_bytes(s.loss_memory),
+            human_bytes(s.sent),
+            human_seconds(s.comm_seconds),
         ]
-        out += [
-            "  " + r for r in _table(["strategy", "loss memory", "bytes sent", "comm time"], rows)
-        ]
-    out += ["", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
-    out.append(f"(planned in {p.seconds * 1e3:.0f} ms)")
-    return "\n".join(out)
+        for s in p.strategies
+    ]
+    header = ["strategy", "loss memory", "bytes sent", "comm time"]
+    return ["", "strategies for this loss (per rank per step):"] + [
+        "  " + r for r in _table(header, rows)
+    ]

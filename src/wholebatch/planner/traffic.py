@@ -37,6 +37,7 @@ from wholebatch.comm.sizes import (
     wire_rows,
 )
 from wholebatch.losses.sizing import exchange_row_elements
+from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = [
     "SCALARS",
@@ -48,11 +49,8 @@ __all__ = [
     "ring_traffic",
 ]
 
-# Replicated scalars each loss agrees on (clip: logit_scale, without a
-# logit_bias; siglip: scale and bias; nt_xent: temperature; info_nce: scale),
-# and the options InfoNCE checks across ranks (k, directions, partition mode).
-SCALARS = {"clip": 1, "siglip": 2, "nt_xent": 1, "info_nce": 1}
-_OPTIONS = {"clip": 0, "siglip": 0, "nt_xent": 0, "info_nce": 3}
+# Replicated scalars each loss agrees on (its descriptor's; clip without a logit_bias).
+SCALARS = {name: len(s.scalars) for name, s in SPECS.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,34 +180,13 @@ def loss_traffic(
     w = len(sizes)
     if w <= 1:
         return []
-    n = sum(sizes)
+    spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
-    scalars, dirs = SCALARS[loss], set(directions)
-    moves: list[Collective] = []  # the embeddings' own traffic, forward and backward
-    stats: list[Collective] = []  # the kernels' log-sum-exp statistics and their gradients
-    if loss == "clip":
-        moves = gather_traffic("text embeddings", sizes, rank, dim * elem)
-    elif loss == "info_nce":
-        moves = gather_traffic("[document | negatives]", sizes, rank, (1 + negatives) * dim * elem)
-        if "query_to_query" in dirs:
-            moves += gather_traffic("queries", sizes, rank, dim * elem)
-    elif loss == "nt_xent":
-        moves = gather_traffic("[z1 | z2]", sizes, rank, 2 * dim * elem)
-        stats = [
-            _all_reduce("combine row log-sum-exps (max, sum)", fwd, 2 * n, acc, w, 2),
-            _all_reduce("row log-sum-exp gradient", bwd, 2 * n, acc, w, 1),
-        ]
-    elif loss == "siglip":
-        moves = ring_traffic("text blocks", sizes, rank, dim, elem, acc)
-    if loss == "clip" or (loss == "info_nce" and "doc_to_query" in dirs):
-        # column statistics combined over ranks; their gradients all-gathered (B floats each)
-        stats = [
-            _all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2),
-            _gather("all_gather column gradients", bwd, sizes, rank, acc),
-        ]
+    scalars = len(spec.scalars)
+    moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
     if exchange:
-        row = exchange_row_elements(_OPTIONS[loss], scalars)
+        row = exchange_row_elements(spec.exchange_options(), scalars)
         out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
     out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
@@ -219,6 +196,41 @@ def loss_traffic(
     # the agreement's backward: the scalars' gradients and their tie counts, summed
     out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
     return out
+
+
+def _moves(
+    spec: LossSpec,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    negatives: int,
+    directions: Sequence[str],
+) -> tuple[list[Collective], list[Collective]]:
+    """(the embeddings' own traffic, the kernels' log-sum-exp statistics and their gradients)."""
+    w, n = len(sizes), sum(sizes)
+    fwd, bwd = "forward", "backward"
+    width = spec.key_rows(negatives) * dim
+    if spec.kernel == "sigmoid":
+        return ring_traffic(spec.keys, sizes, rank, width, elem, acc), []
+    moves = gather_traffic(spec.keys, sizes, rank, width * elem)
+    stats: list[Collective] = []
+    if spec.kernel == "symmetric":
+        m = spec.views * n
+        stats = [
+            _all_reduce("combine row log-sum-exps (max, sum)", fwd, m, acc, w, 2),
+            _all_reduce("row log-sum-exp gradient", bwd, m, acc, w, 1),
+        ]
+    if "query_to_query" in directions:
+        moves += gather_traffic("queries", sizes, rank, dim * elem)
+    if spec.has_columns(directions):
+        # column statistics combined over ranks; their gradients all-gathered (B floats each)
+        stats = [
+            _all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2),
+            _gather("all_gather column gradients", bwd, sizes, rank, acc),
+        ]
+    return moves, stats
 
 
 def ddp_grad_traffic(params: int, grad_elem: int, w: int) -> list[Collective]:

@@ -3,7 +3,10 @@
 `accumulate` holds the `Accumulator`, `gradcache` gradient caching inside the
 loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`CachedStep`),
 `stepping` the end of a step that both share (agreed non-finite handling,
-clipping, `no_sync`), `compression` the DDP comm hooks, `checkpoint` exact
+clipping), `meshstep` its side of a device mesh, `pipeline` the
+`PipelineAccumulator` for pipeline schedules, `wrappers` what wraps the model (DDP,
+FSDP2, compile: `no_sync` and friends), `normalize` the token / sequence / constant /
+group modes of `Accumulator.step`, `compression` the DDP comm hooks, `checkpoint` exact
 resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
@@ -14,6 +17,9 @@ from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
+from wholebatch.train.meshstep import MeshReduction
+from wholebatch.train.normalize import Normalize
+from wholebatch.train.pipeline import PipelineAccumulator
 from wholebatch.train.stepping import (
     NonFiniteStepError,
     StepConfig,
@@ -29,7 +35,10 @@ __all__ = [
     "CommStats",
     "GradCache",
     "GradCompression",
+    "MeshReduction",
     "NonFiniteStepError",
+    "Normalize",
+    "PipelineAccumulator",
     "StepConfig",
     "StepFinisher",
     "StepStats",

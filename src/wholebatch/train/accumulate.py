@@ -27,6 +27,12 @@ rather than overflowing on sums; the exact N is applied afterwards regardless.
 The AMP scale is removed by `GradScaler.unscale_` before the norm, so clipping
 and the reported norm are those of the true whole-batch gradient.
 
+Other normalisations (`step(..., normalize=Normalize(mode, items=...))`: "sequence",
+"constant", "group" over the whole step) cannot be applied after backward: their
+normalisers are per sequence or group, not one scalar. A counting pass over the
+micro-batches' index tensors (no forward) and the same all-gather that agrees K give
+every item its exact weight first (`wholebatch.train.normalize`).
+
 Communication: micro-batches 0..K-2 run forward AND backward under `no_sync()`
 (DDP) or `set_requires_gradient_sync(False)` (FSDP2); the last synchronises:
 exactly one gradient reduction per step. Every rank must therefore run the same
@@ -41,22 +47,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.mesh import MeshSplit
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
+from wholebatch.train.normalize import (
+    ItemIds,
+    LocalRows,
+    Normalize,
+    StepWeights,
+    begin_fields,
+    check_agreed,
+    count_items,
+    local_rows,
+    read_items,
+    step_table,
+)
 from wholebatch.train.stepping import (
-    GradReduction,
     OnNonFinite,
     StepConfig,
     StepFinisher,
     StepStats,
     sync_context,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Accumulator", "AccumulatorConfig", "LossFn", "LossReduction"]
 
@@ -140,6 +162,12 @@ class Accumulator:
         on_nonfinite: see `AccumulatorConfig.on_nonfinite`.
         rank_local: see `AccumulatorConfig.rank_local`.
         group: the data-parallel group; None: DDP's process group, else the world.
+        mesh: a `DeviceMesh` instead of `group` (docs/mesh.md): the model runs on it
+            (FSDP2/DDP on some dims, tensor parallel on others) and items are counted
+            over `batch_dims` only; ranks that replicate the batch must report the
+            same items and loss (else the same error on every rank).
+        batch_dims: with `mesh`, the dims that split the batch (data and context
+            parallel); every other dim replicates it (tensor parallel).
         config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
     """
 
@@ -156,6 +184,8 @@ class Accumulator:
         on_nonfinite: OnNonFinite = "skip",
         rank_local: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         config: AccumulatorConfig | None = None,
     ) -> None:
         if config is None:
@@ -170,8 +200,10 @@ class Accumulator:
         self.config = config
         self.model = model
         self.optimizer = optimizer
+        split = MeshSplit.from_args("Accumulator", mesh, batch_dims, group=group)
+        self.split = split
         self.finisher = StepFinisher(
-            model, optimizer, scaler=scaler, config=config.step_config(), group=group
+            model, optimizer, scaler=scaler, config=config.step_config(), group=group, split=split
         )
         self.scaler = self.finisher.scaler
         spec = GradCompression.parse(config.grad_compression)
@@ -186,13 +218,17 @@ class Accumulator:
         """Optimizer steps taken (skipped steps not counted)."""
         return self.finisher.steps
 
-    def backward_scale(self) -> float:
-        """The constant c each micro-batch's loss sum is multiplied by before backward."""
-        factor = self.finisher.world_size if self.config.grad_reduction == "mean" else 1
-        return factor / self.items_estimate
+    def backward_scale(self, *, weighted: bool = False) -> float:
+        """The constant c each micro-batch's loss sum is multiplied by before backward.
 
-    def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor]:
-        """(sum of item losses, item count) of one micro-batch, per `loss_reduction`."""
+        `weighted`: the losses carry their exact weights (a `Normalize` mode), so
+        there is no N to estimate: c = W ("mean") or 1 ("sum").
+        """
+        factor = self.finisher.reduce_factor  # W for "mean", 1 for "sum"; on a mesh, meshstep's
+        return factor if weighted else factor / self.items_estimate
+
+    def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(sum of item losses, its float64 detached value, item count) of one micro-batch."""
         mode = self.config.loss_reduction
         where = f"Accumulator.step: loss_fn(model, micro_batches[{index}])"
         if mode == "none":
@@ -236,49 +272,159 @@ class Accumulator:
                 "reduction would wait forever on the peers); a micro-batch with no items must "
                 "still return a loss computed from the model output, e.g. (logits.sum() * 0, 0)"
             )
-        return loss, count.to(torch.float64)
+        return loss, loss.detach().to(torch.float64), count.to(torch.float64)
 
-    def step(self, micro_batches: Iterable[MB], loss_fn: LossFn[MB]) -> StepStats:
+    def step(
+        self,
+        micro_batches: Iterable[MB],
+        loss_fn: LossFn[MB],
+        *,
+        normalize: Normalize | None = None,
+    ) -> StepStats:
         """Forward and backward every micro-batch, then take one optimizer step.
 
         Args:
             micro_batches: the step's micro-batches (any iterable; materialised into a
                 list so that K is agreed before the first forward). The same K on every rank.
             loss_fn: `loss_fn(model, micro_batch)`, returning what `loss_reduction` says
-                (default: (sum of item losses, number of items)). It runs with DDP's
-                sync disabled on all but the last micro-batch; run autocast inside it.
+                (default: (sum of item losses, number of items)); with `normalize`, the
+                per-item losses shaped like `normalize.items(micro_batch)["mask"]`. It runs
+                with DDP's sync disabled on all but the last micro-batch; run autocast inside it.
+            normalize: a `wholebatch.Normalize` ("token", "sequence", "constant" or "group"
+                over the whole step; `wholebatch.train.normalize`); None: `loss_reduction`.
+                The same mode (and constant) on every rank.
 
         Returns:
-            `StepStats`: whole-batch mean loss, item count, grad norm before clipping,
-            skipped or not, micro-batch count (identical on every rank).
+            `StepStats`: whole-batch loss (under `normalize`'s mode), item count, grad
+            norm before clipping, skipped or not, micro-batch count (identical on every rank).
 
         Raises:
             WholebatchError: on every rank, when K differs across ranks or is 0, the
-                parameters hold gradients before the step, or the model is a plain module
-                on W > 1 ranks without `rank_local=True`.
+                parameters hold gradients before the step, the model is a plain module
+                on W > 1 ranks without `rank_local=True`; with `normalize`, when a rank's
+                ids are bad, ranks disagree on the mode, a group has no item, or a loss's
+                shape is not its mask's (nothing is stepped).
             NonFiniteStepError: on every rank, with on_nonfinite="raise".
         """
+        if normalize is not None and self.split is not None:
+            # Its weight table is gathered over every rank: tp replicas would count twice.
+            raise WholebatchError(
+                "Accumulator.step: normalize= is not supported with mesh= yet (its weight "
+                "table is agreed over every rank, so replicas would count twice); use the "
+                "default token mean (loss_fn returning (sum, count)) on a mesh"
+            )
+        if normalize is not None and not isinstance(normalize, Normalize):
+            raise WholebatchTypeError(
+                f"Accumulator.step: normalize must be a wholebatch.Normalize or None, got "
+                f"{type(normalize).__name__}"
+            )
         mbs: Sequence[MB] = list(micro_batches)
         k = len(mbs)
-        self.finisher.begin(k, op="Accumulator.step")  # agree K before any forward
-        c = self.backward_scale()
-        loss_sum: Tensor | None = None  # this rank's sum of item losses, float64, detached
+        weights = self._begin(mbs, normalize)  # agree K (and the weights) before any forward
+        weighted = weights is not None
+        c = self.backward_scale(weighted=weighted)
+        loss_sum: Tensor | None = None  # this rank's sum of (weighted) item losses, float64
         items: Tensor | None = None
+        error: str | None = None
         for i, mb in enumerate(mbs):
             with sync_context(self.model, i, k):
-                loss, count = self._sum_and_count(loss_fn(self.model, mb), i)
+                out = loss_fn(self.model, mb)
+                if normalize is None:
+                    loss, stat, count = self._sum_and_count(out, i)
+                else:
+                    loss, stat, count, bad = self._normalized(out, normalize, weights, mb, i)
+                    error = error or bad
                 torch.autograd.backward(self.finisher.scale_loss(loss * c))
-            with torch.no_grad():
-                part = loss.detach().to(torch.float64)
-                loss_sum = part if loss_sum is None else loss_sum + part
-                items = count if items is None else items + count.to(items.device)
+            loss_sum = stat if loss_sum is None else loss_sum + stat
+            items = count if items is None else items + count.to(items.device)
         assert loss_sum is not None and items is not None  # k >= 1 after begin()
         stats = self.finisher.finish(
-            loss_sum=loss_sum, items=items, micro_batches=k, backward_scale=c
+            loss_sum=loss_sum,
+            items=items,
+            micro_batches=k,
+            backward_scale=c,
+            normalize_by_items=not weighted,
+            skip_if_empty=True,
+            local_error=error,
+            op="Accumulator.step",
         )
-        if stats.items > 0:
+        if stats.items > 0 and not weighted:
             self.items_estimate = stats.items
         return stats
+
+    def _begin(self, mbs: Sequence[MB], norm: Normalize | None) -> StepWeights | None:
+        """Agree K; with a weighted mode, the counting pass and its table: every item's weight.
+
+        The counting pass calls only `norm.items` (index tensors; no forward). Its facts,
+        and the (sequence, group, count) rows when each rank has at most `INLINE_ROWS`,
+        ride on `begin`'s all-gather; more rows take one more all-gather. Errors are
+        raised on every rank before any forward.
+        """
+        op = "Accumulator.step"
+        ids: list[ItemIds] = []
+        error: str | None = None
+        mine: LocalRows | None = None
+        if norm is not None and norm.weighted:
+            ids, error = count_items(norm, mbs)
+            if error is None and norm.needs_table:
+                mine = local_rows(norm, ids)
+        extra = begin_fields(norm, mine, error)
+        rows = self.finisher.begin(len(mbs), op=op, extra=extra)
+        check_agreed(rows, op, error)
+        if norm is None or not norm.weighted:
+            return None
+        table = None
+        if norm.needs_table:
+            empty = torch.empty(0, dtype=torch.long)
+            table = step_table(mine or (empty, empty, empty), rows, self.finisher.group)
+        return StepWeights(norm, ids, world_size=self.finisher.world_size, table=table)
+
+    def _normalized(
+        self,
+        out: Any,
+        norm: Normalize,
+        weights: StepWeights | None,
+        mb: Any,
+        index: int,
+    ) -> tuple[Tensor, Tensor, Tensor, str | None]:
+        """(loss to back-propagate, its float64 detached value, item count, error) of one micro-batch.
+
+        A loss whose shape is not the mask's is back-propagated as zero (the peers'
+        backward still meets DDP's reduction) and reported: `finish` raises on every rank.
+        """
+        where = f"Accumulator.step: loss_fn(model, micro_batches[{index}])"
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            raise WholebatchTypeError(
+                f"{where} returned "
+                + (
+                    "a Tensor that does not require grad"
+                    if isinstance(out, Tensor)
+                    else type(out).__name__
+                )
+                + "; with normalize= it must return the per-item losses (a Tensor that requires "
+                "grad, shaped like items(micro_batch)['mask'])"
+            )
+        ids: ItemIds | None
+        if weights is not None:
+            ids, error = weights.items[index], None
+        else:
+            ids, error = read_items(norm, mb, index)
+        if error is None and ids is not None and tuple(out.shape) != ids.shape:
+            error = (
+                f"loss_fn returned losses of shape {tuple(out.shape)} for micro_batches[{index}] "
+                f"but items() gave a mask of shape {ids.shape}; they must match item for item"
+            )
+        if error is not None or ids is None:
+            zero = torch.zeros((), dtype=torch.float64, device=out.device)
+            return out.sum() * 0, zero, zero, error
+        mask = ids.mask_I.reshape(ids.shape)
+        kept = out.masked_fill(~mask, 0)
+        count = mask.sum().to(torch.float64)
+        if weights is None:  # "token": sum now, divide by the agreed N after backward
+            return kept.sum(), kept.detach().to(torch.float64).sum(), count, None
+        w = weights.for_micro_batch(index).reshape(ids.shape)
+        stat = (kept.detach().to(torch.float64) * w).sum()
+        return (kept * w.to(out.dtype)).sum(), stat, count, None
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the GradScaler's state and the backward pre-scale estimate.

@@ -20,20 +20,24 @@ Legend: W ranks, K micro-batches per rank, B rows of one micro-batch, N global r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from wholebatch.comm.mesh import MeshSplit
+from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchTypeError
 from wholebatch.train.gradcache import EmbedFn, GradCache, LossFn
 from wholebatch.train.stepping import (
-    GradReduction,
     OnNonFinite,
     StepConfig,
     StepFinisher,
     StepStats,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CachedStep"]
 
@@ -79,6 +83,11 @@ class CachedStep:
         on_nonfinite: "skip" or "raise" on a non-finite loss or gradient (on every rank).
         rank_local: allow a plain module on W > 1 ranks (each rank on its own gradient).
         group: the data-parallel group; None: DDP's own, else the world.
+        mesh: a `DeviceMesh` instead of `group` (docs/mesh.md); the loss must gather over
+            `MeshSplit(mesh=mesh, batch_dims=...).batch_group()` (e.g.
+            `clip_loss(..., group=that)`), and ranks that replicate the batch must
+            report the same rows and loss (else the same error on every rank).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
     """
 
     # Tests turn this off to show that replaying the RNG is what makes pass 2 exact.
@@ -97,6 +106,8 @@ class CachedStep:
         on_nonfinite: OnNonFinite = "skip",
         rank_local: bool = False,
         group: Any = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
     ) -> None:
         for name, fn in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -109,13 +120,18 @@ class CachedStep:
             on_nonfinite=on_nonfinite,
             rank_local=rank_local,
         )
-        self.finisher = StepFinisher(model, optimizer, scaler=scaler, config=config, group=group)
+        split = MeshSplit.from_args("CachedStep", mesh, batch_dims, group=group)
+        self.split = split
+        self.finisher = StepFinisher(
+            model, optimizer, scaler=scaler, config=config, group=group, split=split
+        )
         self.model = model
         self.optimizer = optimizer
         self.embed_fn = embed_fn
         self.loss_fn = loss_fn
-        self.group = self.finisher.group
-        self.world_size = self.finisher.world_size
+        # On a mesh the loss gathers over the batch dims' group; its size B plays W's part.
+        self.group = self.finisher.group if split is None else split.batch_group()
+        self.world_size = self.finisher.world_size if split is None else split.batch_size
         self.cache = GradCache(
             model,
             embed_fn,

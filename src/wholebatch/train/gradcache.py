@@ -49,15 +49,16 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.comm.checks import errors_text, gather_errors
+from wholebatch.comm.agree import agree_rows
 from wholebatch.comm.groups import get_world_size, is_distributed
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.train.stepping import (
-    GradReduction,
-    _fsdp_modules,
-    _gather_rows,
-    _is_dtensor,
-    compiled_inner,
+from wholebatch.train.wrappers import (
+    ddp_of,
+    fsdp_modules,
+    fsdp_sync_state,
+    is_dtensor,
+    set_fsdp_sync,
     unwrapped_error,
 )
 
@@ -103,20 +104,6 @@ def _get_autocast() -> AutocastState:
     )
 
 
-def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    inner = compiled_inner(model)
-    return inner if isinstance(inner, DistributedDataParallel) else None
-
-
-def _fsdp_sync_state(modules: list[nn.Module]) -> list[bool]:
-    """Each FSDP2 module's requires_gradient_sync (True where torch does not expose it)."""
-    out = []
-    for m in modules:
-        groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", [])  # type: ignore[operator]
-        out.append(all(getattr(g, "reduce_grads", True) for g in groups))
-    return out
-
-
 def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | None = None) -> None:
     """Raise the same `WholebatchError` on every rank if any rank has an `error` (one small all-gather).
 
@@ -124,23 +111,17 @@ def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | N
     parameters in every forward (and DDP may broadcast buffers), so every rank
     must run as many forwards as every other.
     """
-    if not is_distributed(group):
-        if error is not None:
-            raise WholebatchError(f"{op}: {error}")
-        return
-    row = torch.tensor([float(error is not None), float(-1 if k is None else k)])
-    flags = _gather_rows(row.to(torch.float64), group)
-    ks = [int(x) for x in flags[:, 1].tolist()]
-    if not bool(flags[:, 0].any()) and len(set(ks)) > 1:
+    rows = agree_rows(
+        {"error": error is not None, "micro_batches": -1 if k is None else k}, group=group
+    )
+    if not rows.ranks_where("error") and not rows.same("micro_batches"):
+        ks = dict(enumerate(rows.ints("micro_batches")))
         raise WholebatchError(
-            f"{op}: micro_batches differ in number across ranks {dict(enumerate(ks))}; every "
+            f"{op}: micro_batches differ in number across ranks {ks}; every "
             "rank must pass the same number (each forward of FSDP2 gathers parameters from "
             "every rank). Give a short rank micro-batches of 0 rows"
         )
-    if not bool(flags[:, 0].any()):
-        return
-    bad = gather_errors(error, [bool(f) for f in flags[:, 0].tolist()], group)
-    raise WholebatchError(f"{op}: {errors_text(bad)}")
+    rows.error(op, error)
 
 
 def _loss_leaves(loss: Tensor, stop: object) -> list[Tensor]:
@@ -276,11 +257,7 @@ class GradCache:
             raise WholebatchTypeError(
                 f"GradCache: embed_fn must be callable, got {type(embed_fn).__name__}"
             )
-        if grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"GradCache: grad_reduction={grad_reduction!r}; expected 'mean' (DDP, FSDP2) "
-                "or 'sum' (a reduction that sums rank gradients)"
-            )
+        check_grad_reduction("GradCache", grad_reduction)
         self.model = model
         self.embed_fn: EmbedFn = embed_fn if embed_fn is not None else default_embed
         self.grad_reduction = grad_reduction
@@ -331,13 +308,13 @@ class GradCache:
         group = self._group(model)
         _agree(op, self._static_error(model, k, group), group, k=k)
         grad = torch.is_grad_enabled()
-        ddp = _ddp_of(model)
-        fsdp = _fsdp_modules(model)
+        ddp = ddp_of(model)
+        fsdp = fsdp_modules(model)
         sync = True
         if ddp is not None:
             sync = bool(ddp.require_backward_grad_sync)
         elif fsdp:
-            sync = all(_fsdp_sync_state(fsdp))
+            sync = all(fsdp_sync_state(fsdp))
         # Keep micro-batch K-1's graph unless its forward would have to be the one DDP
         # synchronises on: that forward must come after every other pass-2 backward.
         keep = grad and self._reuse_last and not (ddp is not None and sync and k == 1)
@@ -371,13 +348,13 @@ class GradCache:
         return loss, n_rows
 
     def _group(self, model: nn.Module) -> ProcessGroup | None:
-        ddp = _ddp_of(model)
+        ddp = ddp_of(model)
         if self.group is None and ddp is not None:
             return ddp.process_group  # type: ignore[no-any-return]
         return self.group
 
     def _static_error(self, model: nn.Module, k: int, group: ProcessGroup | None) -> str | None:
-        ddp = _ddp_of(model)
+        ddp = ddp_of(model)
         if k == 0:
             return (
                 "micro_batches is empty on this rank; every rank needs at least one micro-batch "
@@ -453,7 +430,7 @@ class GradCache:
         self, pending: _Pending, leaves: list[Tensor], model: nn.Module, group: ProcessGroup | None
     ) -> None:
         """Which of the loss's own leaves DDP reduces (fed a zero) and which pass 2 averages."""
-        ddp = _ddp_of(model)
+        ddp = ddp_of(model)
         managed: set[int] = set()
         if ddp is not None and not ddp.find_unused_parameters:
             # With find_unused_parameters=True DDP marks a parameter its forward did not
@@ -470,7 +447,7 @@ class GradCache:
         for leaf in leaves:
             if id(leaf) in managed:
                 pending.zero_feed.append(leaf)
-            elif not alone and not _is_dtensor(leaf):
+            elif not alone and not is_dtensor(leaf):
                 pending.average.append(leaf)
 
     # -- pass 2 (inside the backward) ------------------------------------------------
@@ -499,16 +476,14 @@ class GradCache:
         order = ([k - 1] if p.kept is not None else []) + [
             i for i in range(k) if p.kept is None or i != k - 1
         ]
-        ddp = _ddp_of(model)
-        fsdp = _fsdp_modules(model)
-        fsdp_before = _fsdp_sync_state(fsdp)
+        ddp = ddp_of(model)
+        fsdp = fsdp_modules(model)
+        fsdp_before = fsdp_sync_state(fsdp)
         error: str | None = None
         try:
             for n, i in enumerate(order):
                 synced = p.sync and n == len(order) - 1
-                if fsdp:
-                    for m in fsdp:
-                        m.set_requires_gradient_sync(synced, recurse=False)  # type: ignore[operator]
+                set_fsdp_sync(fsdp, synced)
                 if p.kept is not None and i == k - 1:
                     outs, p.kept = p.kept, None
                     ts, gs = slices(i, outs, grads)
@@ -540,8 +515,7 @@ class GradCache:
                         torch.autograd.backward(ts, gs)
                     del ts, gs
         finally:
-            for m, before in zip(fsdp, fsdp_before, strict=True):
-                m.set_requires_gradient_sync(before, recurse=False)  # type: ignore[operator]
+            set_fsdp_sync(fsdp, fsdp_before)
         del grads
         self._finish(p, error)
 
@@ -564,23 +538,15 @@ class GradCache:
         group = self._group(p.model)
         leaves = p.average if p.sync else []
         numel = sum(t.numel() for t in leaves)
-        if not is_distributed(group):
-            if error is not None:
-                raise WholebatchError(f"{p.op}: {error}")
-            return
-        rows = _gather_rows(
-            torch.tensor([float(error is not None), float(numel)], dtype=torch.float64), group
-        )
-        if bool(rows[:, 0].any()):
-            _agree(p.op, error, group)
-        numels = [int(x) for x in rows[:, 1].tolist()]
-        if len(set(numels)) > 1:
+        rows = agree_rows({"error": error is not None, "numel": numel}, group=group)
+        rows.error(p.op, error)
+        if not rows.same("numel"):
             raise WholebatchError(
                 f"{p.op}: the loss's own parameters outside the data-parallel wrapper differ "
-                f"across ranks (elements per rank {dict(enumerate(numels))}); every rank's "
-                "loss_fn must use the same ones"
+                f"across ranks (elements per rank {dict(enumerate(rows.ints('numel')))}); every "
+                "rank's loss_fn must use the same ones"
             )
-        if numel == 0:
+        if numel == 0 or not is_distributed(group):
             return
         for leaf in leaves:
             if leaf.grad is None:

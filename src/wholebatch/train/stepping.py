@@ -16,7 +16,9 @@ gradient, the sharded part of the gradient norm) in ONE small all-gather, then
 every rank takes the same branch: rescale the gradient once (gradients are
 linear in the loss, so multiplying the accumulated gradient by one constant is
 exact), unscale the AMP scale, clip, `optimizer.step()`, `scaler.update()`,
-`zero_grad(set_to_none=True)`; or skip (or raise) together.
+`zero_grad(set_to_none=True)`; or skip (or raise) together. The row is named
+(`wholebatch.comm.agree.agree_rows`); what wraps the model (DDP, FSDP2, compile)
+is read by `wholebatch.train.wrappers`.
 
 Gradient convention (DESIGN.md, "Data parallelism averages"): after the wrapper's
 reduction the gradient must be d(sum of item losses / N)/dθ, N the global item
@@ -31,38 +33,38 @@ Legend: W world size, K micro-batches per step, N global item count.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
+from wholebatch.comm.agree import Field, Rows, agree_rows
+from wholebatch.comm.groups import get_world_size
+from wholebatch.comm.mesh import MeshSplit
+from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
-try:  # FSDP2 (torch >= 2.6 exports it here)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch: no FSDP2 support
-    FSDPModule = None  # type: ignore[assignment,misc]
+# compiled_inner, grad_sync_mode, is_data_parallel, sync_context and unwrapped_error stay
+from wholebatch.train.meshstep import MeshReduction, sq_norm_share
 
-try:  # FSDP1 reduces gradients too (a plain module is refused on W > 1 ranks, FSDP1 not)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-except ImportError:  # pragma: no cover - torch without distributed
-    FSDP1 = None  # type: ignore[assignment,misc]
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    DTensor = None  # type: ignore[assignment,misc]
+# importable from here (re-exported): they lived here before `wholebatch.train.wrappers`.
+from wholebatch.train.wrappers import (
+    compiled_inner,
+    grad_sync_mode,
+    is_data_parallel,
+    is_dtensor,
+    is_sharded,
+    local_tensor,
+    sync_context,
+    unwrapped_error,
+)
 
 __all__ = [
-    "GradReduction",
     "NonFiniteStepError",
     "OnNonFinite",
     "StepConfig",
@@ -75,16 +77,11 @@ __all__ = [
     "unwrapped_error",
 ]
 
-GradReduction = Literal["mean", "sum"]
 OnNonFinite = Literal["skip", "raise"]
-SyncMode = Literal["ddp", "fsdp2", "none"]
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing; we do the same
 # so that clipping here equals clipping with torch's own function on the same gradient.
 _CLIP_EPS = 1e-6
-
-# Columns of the one all-gathered float64 row each rank contributes in `finish`.
-_LOSS, _ITEMS, _BAD_LOSS, _BAD_GRAD, _SQ_SHARDED, _NEG_ITEMS = range(6)
 
 
 class NonFiniteStepError(WholebatchError):
@@ -162,120 +159,109 @@ class StepConfig:
                 f"StepConfig: max_grad_norm={self.max_grad_norm!r} must be a positive finite "
                 "number, or None for no clipping"
             )
-        if self.grad_reduction not in ("mean", "sum"):
-            raise WholebatchError(
-                f"StepConfig: grad_reduction={self.grad_reduction!r}; expected 'mean' (DDP, "
-                "FSDP2) or 'sum' (a reduction that sums rank gradients)"
-            )
+        check_grad_reduction("StepConfig", self.grad_reduction)
         if self.on_nonfinite not in ("skip", "raise"):
             raise WholebatchError(
                 f"StepConfig: on_nonfinite={self.on_nonfinite!r}; expected 'skip' or 'raise'"
             )
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    if FSDPModule is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Agreed:
+    """What `finish` decided from the agreed rows; identical on every rank."""
+
+    loss: float
+    items: float
+    items_per_rank: tuple[float, ...]
+    grad_norm: float
+    rescale: float  # the one factor the accumulated gradient is multiplied by
+    skip_reason: str | None  # None: the step is taken
+    backoff: bool  # a non-finite loss or gradient: the AMP scale backs off
+    amp_overflow: bool  # skipped for an overflowing gradient under a GradScaler (never raised)
+
+    def stats(
+        self,
+        *,
+        clip_coef: float,
+        skip_reason: str | None,
+        micro_batches: int,
+        loss_scale: float | None,
+        step: int,
+    ) -> StepStats:
+        """The step's `StepStats`."""
+        return StepStats(
+            loss=self.loss,
+            items=self.items,
+            items_per_rank=self.items_per_rank,
+            grad_norm=self.grad_norm,
+            clip_coef=clip_coef,
+            skipped=self.skip_reason is not None,
+            skip_reason=skip_reason,
+            micro_batches=micro_batches,
+            loss_scale=loss_scale,
+            step=step,
+        )
 
 
-def compiled_inner(model: nn.Module) -> nn.Module:
-    """The module `torch.compile` wrapped (its `_orig_mod`), else `model`: where DDP's `no_sync` lives."""
-    inner: nn.Module = getattr(model, "_orig_mod", model)
-    return inner
-
-
-def is_data_parallel(model: nn.Module) -> bool:
-    """Whether `model` reduces gradients over ranks: DDP, FSDP2/FSDP1 anywhere in it, or compiled DDP."""
-    inner = compiled_inner(model)
-    if grad_sync_mode(inner) != "none":
-        return True
-    return FSDP1 is not None and any(isinstance(m, FSDP1) for m in inner.modules())
-
-
-def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
-    """The error for a plain module on `world_size` > 1 ranks (nothing reduces it), else None."""
-    if world_size <= 1 or is_data_parallel(model):
-        return None
-    return (
-        "the model is a plain module, not wrapped for data parallelism (DDP or "
-        f"FSDP2), but the group has {world_size} ranks: nothing would reduce its gradients, "
-        "so every rank would step on its own gradient and the replicas drift apart. Pass "
-        "the DistributedDataParallel (or fully_shard) module itself (not ddp.module; with "
-        f"accelerate, the model accelerator.prepare returned), or {op}(..., rank_local=True) "
-        "if each rank is meant to train on its own gradient (or you reduce it yourself)"
-    )
-
-
-def grad_sync_mode(model: nn.Module) -> SyncMode:
-    """How `model` synchronises gradients: "ddp", "fsdp2" (it or a submodule is `fully_shard`ed) or "none"."""
-    if isinstance(model, DistributedDataParallel):
-        return "ddp"
-    if _fsdp_modules(model):
-        return "fsdp2"
-    return "none"
-
-
-@contextlib.contextmanager
-def _fsdp_sync(modules: list[nn.Module], sync: bool) -> Iterator[None]:
-    for m in modules:
-        m.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
+def _rank_sum(values: tuple[float, ...]) -> float:
+    """The sum of per-rank values in rank order, the same on every rank (inf and NaN propagate)."""
     try:
-        yield
-    finally:
-        # Leave the model as we found it (syncing), also when the loss_fn raised.
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # inf + -inf, or an overflowing partial sum
+        return sum(values, 0.0)
 
 
-def sync_context(
-    model: nn.Module, index: int, count: int
-) -> contextlib.AbstractContextManager[Any]:
-    """The context to run micro-batch `index` of `count` in, forward AND backward.
-
-    All micro-batches but the last skip the data-parallel gradient reduction, so a
-    step costs exactly one: DDP `no_sync()`; FSDP2 `set_requires_gradient_sync(False)`
-    (restored to True on exit); a plain module: nothing. The forward must be inside
-    too: DDP decides in its forward whether the coming backward reduces.
-    Every rank must use the same `count` (see `StepFinisher.begin`). A
-    `torch.compile`'d DDP module is looked through (its `_orig_mod`).
-    """
-    last = index == count - 1
-    inner = compiled_inner(model)
-    mode = grad_sync_mode(inner)
-    if mode == "ddp" and not last:
-        assert isinstance(inner, DistributedDataParallel)
-        return inner.no_sync()
-    if mode == "fsdp2":
-        return _fsdp_sync(_fsdp_modules(inner), last)
-    return contextlib.nullcontext()
-
-
-def _is_dtensor(x: Tensor) -> bool:
-    return DTensor is not None and isinstance(x, DTensor)
+def _finish_row(
+    loss_sum: Tensor | float,
+    items: Tensor | float,
+    nonfinite_loss: Tensor | bool | None,
+    sq_sharded: Tensor,
+    sq_local: Tensor,
+) -> dict[str, Field]:
+    """This rank's row for `finish`'s one all-gather (tensors stay on their device)."""
+    loss_t = torch.as_tensor(loss_sum).detach().to(torch.float64).reshape(())
+    items_t = torch.as_tensor(items).detach().to(torch.float64).reshape(())
+    bad_loss = (
+        ~torch.isfinite(loss_t)
+        if nonfinite_loss is None
+        else torch.as_tensor(nonfinite_loss).to(loss_t.device).reshape(()).bool()
+    )
+    return {
+        "loss": loss_t,
+        "items": items_t,
+        "bad_loss": bad_loss,
+        "bad_grad": ~torch.isfinite(sq_sharded + sq_local),
+        "sq_sharded": sq_sharded,
+        "negative_items": items_t < 0,
+    }
 
 
-def _is_sharded(x: Tensor) -> bool:
-    return _is_dtensor(x) and any(p.is_shard() for p in x.placements)  # type: ignore[attr-defined]
-
-
-def _local(x: Tensor) -> Tensor:
-    """The tensor this rank holds: a DTensor's local shard, or `x` itself."""
-    return x.to_local() if _is_dtensor(x) else x  # type: ignore[attr-defined, no-any-return]
-
-
-def _gather_rows(row: Tensor, group: ProcessGroup | None) -> Tensor:
-    """Every rank's `row` stacked in rank order: [W, len(row)] (one small all-gather)."""
-    if not is_distributed(group):
-        return row.unsqueeze(0)
-    row = row.to(comm_device(group))
-    rows = [torch.empty_like(row) for _ in range(get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    return torch.stack(rows).cpu()
-
-
-def _ranks(flags: Tensor) -> list[int]:
-    return [int(r) for r in torch.nonzero(flags).flatten().tolist()]
+def _begin_error(rows: Rows, op: str, world_size: int) -> str | None:
+    """What is wrong with the step `begin` agreed (the same on every rank), or None."""
+    if plain_ranks := rows.ranks_where("plain"):
+        text = unwrapped_error(nn.Identity(), world_size, op.split(".")[0])
+        return f"on ranks {plain_ranks}, {text}"
+    ks = dict(enumerate(rows.ints("micro_batches")))
+    if len(set(ks.values())) > 1:
+        return (
+            f"micro_batches differ in number across ranks {ks}; every rank must run "
+            "the same number per step (DDP/FSDP reduce on the last one). Use a sampler "
+            "that gives every rank the same count (DistributedSampler(drop_last=True)), "
+            "or pad a short rank with micro-batches of zero items (they add nothing)"
+        )
+    if ks[0] == 0:
+        return (
+            "micro_batches is empty on every rank; a step needs at least one "
+            "micro-batch (stop iterating when the data is exhausted)"
+        )
+    if stale_ranks := rows.ranks_where("stale"):
+        return (
+            f"parameters already hold gradients on ranks {stale_ranks} before the "
+            "step's first backward; they would be added to the step's gradient. Call "
+            "optimizer.zero_grad(set_to_none=True) once before the first step (each step "
+            "zeroes them after itself)"
+        )
+    return None
 
 
 class StepFinisher:
@@ -294,6 +280,9 @@ class StepFinisher:
         scaler: an AMP `torch.amp.GradScaler` (a disabled one counts as None).
         config: clipping, gradient reduction and the non-finite policy.
         group: the data-parallel group; None: DDP's process group, else the world.
+        split: a `wholebatch.comm.mesh.MeshSplit` instead of `group`: items are counted
+            over its batch dims only, replicas checked, and the rescale and the norm
+            follow `wholebatch.train.meshstep` (the wrapper's reduced dims).
     """
 
     def __init__(
@@ -304,6 +293,7 @@ class StepFinisher:
         scaler: torch.amp.GradScaler | None = None,
         config: StepConfig | None = None,
         group: ProcessGroup | None = None,
+        split: MeshSplit | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -329,7 +319,31 @@ class StepFinisher:
         self.world_size = get_world_size(group)
         self.steps = 0
         self.skipped_steps = 0
-        self._check_fsdp_mesh()
+        self.split = split
+        self.mesh_reduction: MeshReduction | None = None
+        if split is not None:
+            if group is not None and not isinstance(model, DistributedDataParallel):
+                raise WholebatchError(
+                    "StepFinisher: pass group= (a flat world) or split= (a mesh), not both"
+                )
+            self.mesh_reduction = MeshReduction.of(
+                model,
+                split,
+                grad_reduction=self.config.grad_reduction,
+                allow_unreduced=self.config.rank_local,
+            )
+            self.group = None  # counts and flags are agreed over the whole mesh
+            self.world_size = get_world_size(None)
+        else:
+            self._check_fsdp_mesh()
+
+    @property
+    def reduce_factor(self) -> float:
+        """What the wrapper's reduction leaves to compensate: W for "mean", 1 for "sum";
+        on a mesh, `MeshReduction.factor` (the batch dims it averages over)."""
+        if self.mesh_reduction is not None:
+            return self.mesh_reduction.factor
+        return float(self.world_size) if self.config.grad_reduction == "mean" else 1.0
 
     # -- parameters ----------------------------------------------------------
 
@@ -341,7 +355,7 @@ class StepFinisher:
         # The grad norm sums the squares of sharded gradients over `group`; that is the
         # whole gradient only when the shards are spread over exactly `group` (a 1-D mesh).
         for p in self.params():
-            if _is_dtensor(p):
+            if is_dtensor(p):
                 mesh = p.device_mesh  # type: ignore[attr-defined]
                 if mesh.ndim != 1 or mesh.size() != self.world_size:
                     raise WholebatchError(
@@ -362,7 +376,9 @@ class StepFinisher:
         """`loss` times the AMP scale (identity without a scaler): call `.backward()` on this."""
         return loss if self.scaler is None else self.scaler.scale(loss)
 
-    def begin(self, num_micro_batches: int, *, op: str = "step") -> None:
+    def begin(
+        self, num_micro_batches: int, *, op: str = "step", extra: Mapping[str, Field] | None = None
+    ) -> Rows:
         """Agree the step's micro-batch count K on every rank before any forward.
 
         One small all-gather. Raises the same `WholebatchError` on every rank when K
@@ -371,35 +387,27 @@ class StepFinisher:
         K = 0, when a rank's parameters already hold gradients (they would be
         added to the step's and break its normalisation), or when the model is a plain
         module on W > 1 ranks without `config.rank_local` (nothing reduces its gradients).
+
+        `extra`: more named fields for the same all-gather (an engine's own facts to
+        agree before any forward; the same names on every rank). Returns the agreed rows.
         """
         stale = any(p.grad is not None for p in self.params())
-        plain = not self.config.rank_local and unwrapped_error(self.model, self.world_size, op)
-        row = torch.tensor([int(num_micro_batches), int(stale), int(bool(plain))])
-        rows = _gather_rows(row, self.group)
-        if plain_ranks := _ranks(rows[:, 2]):
-            text = unwrapped_error(nn.Identity(), self.world_size, op.split(".")[0])
-            raise WholebatchError(f"{op}: on ranks {plain_ranks}, {text}")
-        ks = {r: int(k) for r, k in enumerate(rows[:, 0].tolist())}
-        if len(set(ks.values())) > 1:
-            raise WholebatchError(
-                f"{op}: micro_batches differ in number across ranks {ks}; every rank must run "
-                "the same number per step (DDP/FSDP reduce on the last one). Use a sampler "
-                "that gives every rank the same count (DistributedSampler(drop_last=True)), "
-                "or pad a short rank with micro-batches of zero items (they add nothing)"
-            )
-        if ks[0] == 0:
-            raise WholebatchError(
-                f"{op}: micro_batches is empty on every rank; a step needs at least one "
-                "micro-batch (stop iterating when the data is exhausted)"
-            )
-        stale_ranks = _ranks(rows[:, 1])
-        if stale_ranks:
-            raise WholebatchError(
-                f"{op}: parameters already hold gradients on ranks {stale_ranks} before the "
-                "step's first backward; they would be added to the step's gradient. Call "
-                "optimizer.zero_grad(set_to_none=True) once before the first step (each step "
-                "zeroes them after itself)"
-            )
+        # On a mesh, MeshReduction.of checked that the wrapper reduces every batch dim.
+        plain = (
+            not self.config.rank_local
+            and self.split is None
+            and unwrapped_error(self.model, self.world_size, op)
+        )
+        row: dict[str, Field] = {
+            "micro_batches": int(num_micro_batches),
+            "stale": stale,
+            "plain": bool(plain),
+        }
+        rows = agree_rows({**row, **(extra or {})}, group=self.group)
+        error = _begin_error(rows, op, self.world_size)
+        if error is not None:
+            raise WholebatchError(f"{op}: {error}")
+        return rows
 
     def finish(
         self,
@@ -410,6 +418,10 @@ class StepFinisher:
         backward_scale: float = 1.0,
         normalize_by_items: bool = True,
         nonfinite_loss: Tensor | bool | None = None,
+        skip_if_empty: bool | None = None,
+        local_error: str | None = None,
+        op: str = "step",
+        counted: bool = True,
     ) -> StepStats:
         """Agree, then rescale/unscale/clip/step/update/zero (or skip or raise) on every rank.
 
@@ -426,6 +438,14 @@ class StepFinisher:
                 count N. False when the losses already carry their normalisation
                 (their sum over ranks is the whole-batch loss).
             nonfinite_loss: this rank saw a non-finite loss; None: derive from `loss_sum`.
+            skip_if_empty: skip the step when it held 0 items on every rank; None: when
+                `normalize_by_items` (losses that carry their own normalisation may say True).
+            local_error: what went wrong on this rank during the step (e.g. a loss of the
+                wrong shape, back-propagated as zero to keep the ranks in step): the step
+                is dropped and the same `WholebatchError` raised on every rank, naming `op`.
+            op: the engine's name in errors.
+            counted: on a mesh, whether this rank computed the loss (False on a pipeline
+                stage without labels: its `items` and `loss_sum` are ignored).
 
         Returns:
             The step's `StepStats` (identical on every rank).
@@ -434,89 +454,125 @@ class StepFinisher:
             NonFiniteStepError: on every rank, with `on_nonfinite="raise"`, when a loss
                 or gradient was non-finite on any rank or the step held no items.
         """
-        cfg = self.config
-        loss_t = torch.as_tensor(loss_sum).detach().to(torch.float64).reshape(())
-        items_t = torch.as_tensor(items).detach().to(torch.float64).reshape(())
-        bad_loss = (
-            ~torch.isfinite(loss_t)
-            if nonfinite_loss is None
-            else torch.as_tensor(nonfinite_loss).to(loss_t.device).reshape(()).bool()
-        )
         loss_scale = self.loss_scale
-        params = self.params()
         if self.scaler is not None:
             # Unscale once, before the norm: the norm, clipping and the inf check all see
             # true gradients. Purely local (no collective); its own found_inf is only
             # this rank's and is superseded by the agreed flag below.
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in params if p.grad is not None]
-        sq_sharded, sq_local = self._squared_norms(grads)
-        row = torch.stack(
-            [
-                loss_t.cpu(),
-                items_t.cpu(),
-                bad_loss.to(torch.float64).cpu(),
-                (~torch.isfinite(sq_sharded + sq_local)).to(torch.float64),
-                sq_sharded,
-                (items_t.cpu() < 0).to(torch.float64),
-            ]
-        )  # [6]
-        rows_W6 = _gather_rows(row, self.group)  # the step's only extra collective
-        total = rows_W6.sum(0)  # same rows, same order on every rank: bitwise equal results
-        n_items = float(total[_ITEMS])
-        items_per_rank = tuple(float(x) for x in rows_W6[:, _ITEMS].tolist())
-        neg = _ranks(rows_W6[:, _NEG_ITEMS])
-        if neg:
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        if self.split is None:
+            sq_sharded, sq_local = self._squared_norms(grads)
+        else:  # every rank's share, summed over the mesh: the whole norm (meshstep)
+            sq_sharded, sq_local = sq_norm_share(self.split, self.params()), torch.zeros(())
+        row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
+        row["error"] = local_error is not None
+        if self.split is not None:
+            row.update(
+                self.split.count_fields(items=row["items"], loss=row["loss"], counted=counted)
+            )
+        rows = agree_rows(row, group=self.group)  # the step's only extra collective
+        if rows.ranks_where("error"):
+            self._drop_grads()
+            rows.error(op, local_error)  # raises on every rank; nothing stepped
+        empty = normalize_by_items if skip_if_empty is None else skip_if_empty
+        agreed = self._read(rows, float(sq_local), backward_scale, normalize_by_items, empty)
+        if agreed.skip_reason is not None:
+            return self._skip(agreed, micro_batches, loss_scale)
+        clip_coef = self._clip_coef(agreed.grad_norm)
+        self._mul_grads(grads, agreed.rescale * clip_coef)
+        self._optimizer_step()
+        self._drop_grads()
+        self.steps += 1
+        return agreed.stats(
+            clip_coef=clip_coef,
+            skip_reason=None,
+            micro_batches=micro_batches,
+            loss_scale=loss_scale,
+            step=self.steps,
+        )
+
+    # -- the steps of `finish` -----------------------------------------------------
+
+    def _read(
+        self,
+        rows: Rows,
+        sq_local: float,
+        backward_scale: float,
+        normalize_by_items: bool,
+        skip_if_empty: bool,
+    ) -> _Agreed:
+        """What every rank decides from the agreed rows (the same on every rank)."""
+        n_items = _rank_sum(rows["items"])
+        items_per_rank = rows["items"]
+        loss_total = _rank_sum(rows["loss"])
+        if self.split is not None:  # each data shard counted once, replicas checked
+            try:
+                counts = self.split.read_counts("step", rows)
+            except WholebatchError:
+                self._drop_grads()  # raised on every rank alike; nothing stepped
+                raise
+            n_items, loss_total = counts.items, counts.loss_sum
+        if negative := rows.ranks_where("negative_items"):
             self._drop_grads()
             raise WholebatchError(
                 f"step: item counts must be >= 0; got {dict(enumerate(items_per_rank))} "
-                f"(negative on ranks {neg}); loss_fn must return the number of items it summed"
+                f"(negative on ranks {negative}); loss_fn must return the number of items it summed"
             )
         divisor = n_items if normalize_by_items else 1.0
-        loss = float(total[_LOSS]) / divisor if divisor != 0 else math.nan
-        bad_loss_ranks = _ranks(rows_W6[:, _BAD_LOSS])
-        bad_grad_ranks = _ranks(rows_W6[:, _BAD_GRAD])
-        reduce_factor = float(self.world_size) if cfg.grad_reduction == "mean" else 1.0
-        rescale = reduce_factor / (backward_scale * divisor) if divisor != 0 else math.nan
-        grad_norm = math.sqrt(float(total[_SQ_SHARDED]) + float(sq_local)) * abs(rescale)
-
+        rescale = self.reduce_factor / (backward_scale * divisor) if divisor != 0 else math.nan
+        bad_loss = rows.ranks_where("bad_loss")
+        bad_grad = rows.ranks_where("bad_grad")
         reason: str | None = None
         amp_overflow = False
-        if bad_loss_ranks:
-            reason = f"non-finite loss on ranks {bad_loss_ranks}"
-        elif normalize_by_items and n_items == 0:
+        if bad_loss:
+            reason = f"non-finite loss on ranks {bad_loss}"
+        elif skip_if_empty and n_items == 0:
             reason = "the step held 0 items on every rank"
-        elif bad_grad_ranks:
-            reason = f"non-finite gradient on ranks {bad_grad_ranks}"
+        elif bad_grad:
+            reason = f"non-finite gradient on ranks {bad_grad}"
             amp_overflow = self.scaler is not None
-        if reason is not None:
-            self._drop_grads()
-            self._skip_scaler(backoff=bool(bad_grad_ranks) or bool(bad_loss_ranks))
-            self.skipped_steps += 1
-            if cfg.on_nonfinite == "raise" and not amp_overflow:
-                raise NonFiniteStepError(
-                    f"step: {reason}; the step was dropped on every rank and parameters are "
-                    "untouched. Pass on_nonfinite='skip' to skip such steps, or find the "
-                    "micro-batch that produced it"
-                )
-            return StepStats(
-                loss=loss,
-                items=n_items,
-                items_per_rank=items_per_rank,
-                grad_norm=grad_norm,
-                clip_coef=1.0,
-                skipped=True,
-                skip_reason=reason
-                + (" (AMP overflow; loss scale backed off)" if amp_overflow else ""),
-                micro_batches=micro_batches,
-                loss_scale=loss_scale,
-                step=self.steps,
-            )
+        return _Agreed(
+            loss=loss_total / divisor if divisor != 0 else math.nan,
+            items=n_items,
+            items_per_rank=items_per_rank,
+            grad_norm=math.sqrt(_rank_sum(rows["sq_sharded"]) + sq_local) * abs(rescale),
+            rescale=rescale,
+            skip_reason=reason,
+            backoff=bool(bad_grad) or bool(bad_loss),
+            amp_overflow=amp_overflow,
+        )
 
-        clip_coef = 1.0
-        if cfg.max_grad_norm is not None:
-            clip_coef = min(1.0, cfg.max_grad_norm / (grad_norm + _CLIP_EPS))
-        self._mul_grads(grads, rescale * clip_coef)
+    def _skip(self, agreed: _Agreed, micro_batches: int, loss_scale: float | None) -> StepStats:
+        """Drop the step on every rank: no update, the AMP scale ended alike; or raise."""
+        self._drop_grads()
+        self._skip_scaler(backoff=agreed.backoff)
+        self.skipped_steps += 1
+        reason = agreed.skip_reason
+        assert reason is not None
+        if self.config.on_nonfinite == "raise" and not agreed.amp_overflow:
+            raise NonFiniteStepError(
+                f"step: {reason}; the step was dropped on every rank and parameters are "
+                "untouched. Pass on_nonfinite='skip' to skip such steps, or find the "
+                "micro-batch that produced it"
+            )
+        overflow = " (AMP overflow; loss scale backed off)" if agreed.amp_overflow else ""
+        return agreed.stats(
+            clip_coef=1.0,
+            skip_reason=reason + overflow,
+            micro_batches=micro_batches,
+            loss_scale=loss_scale,
+            step=self.steps,
+        )
+
+    def _clip_coef(self, grad_norm: float) -> float:
+        """The factor clipping to `max_grad_norm` applies (1.0 without clipping)."""
+        max_norm = self.config.max_grad_norm
+        if max_norm is None:
+            return 1.0
+        return min(1.0, max_norm / (grad_norm + _CLIP_EPS))
+
+    def _optimizer_step(self) -> None:
         if self.scaler is not None:
             # Every rank's local found_inf is 0 here (the agreed flag says all gradients
             # are finite), so the scaler steps and grows on every rank alike.
@@ -524,28 +580,14 @@ class StepFinisher:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self._drop_grads()
-        self.steps += 1
-        return StepStats(
-            loss=loss,
-            items=n_items,
-            items_per_rank=items_per_rank,
-            grad_norm=grad_norm,
-            clip_coef=clip_coef,
-            skipped=False,
-            skip_reason=None,
-            micro_batches=micro_batches,
-            loss_scale=loss_scale,
-            step=self.steps,
-        )
 
     # -- helpers ---------------------------------------------------------------
 
     @staticmethod
     def _squared_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Sum of squares of sharded (to be summed over ranks) and other gradients, float64 CPU."""
-        sharded = [_local(g) for g in grads if _is_sharded(g)]
-        local = [_local(g) for g in grads if not _is_sharded(g)]
+        sharded = [local_tensor(g) for g in grads if is_sharded(g)]
+        local = [local_tensor(g) for g in grads if not is_sharded(g)]
 
         def sq(ts: list[Tensor]) -> Tensor:
             if not ts:
@@ -562,7 +604,7 @@ class StepFinisher:
             return
         by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            t = _local(g)
+            t = local_tensor(g)
             by_device_dtype.setdefault((t.device, t.dtype), []).append(t)
         for ts in by_device_dtype.values():
             torch._foreach_mul_(ts, factor)

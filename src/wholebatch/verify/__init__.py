@@ -2,8 +2,9 @@
 
 `spec` holds what a TARGET returns (`VerifySpec`, `TrainerSpec`), `runner` runs
 it over W ranks x K micro-batches against one process on the whole batch, in
-clean processes (`procs`, `worker`), `report` and `diagnose` compare and name
-the likely cause, `recording` holds the instruments (gradient recorder, dropout
+clean processes (`procs`, `worker`), `report` compares, `diagnose` names the
+likely causes: each one an entry of `causes.REGISTRY` (its test on the `case`,
+message, fix and precedence), `recording` holds the instruments (gradient recorder, dropout
 tape, collective watch). `wholebatch verify` (the CLI) and `wholebatch.testing`
 drive it.
 """

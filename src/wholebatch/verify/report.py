@@ -136,6 +136,18 @@ class Evidence:
     """Items in the whole batch by counting rule ("count_items", "labels != -100",
     "labels[..., 1:] != -100"), where verify can count them."""
 
+    in_functions: tuple[Mapping[str, int], ...] = ()
+    """Per rank, collectives called inside custom autograd Functions:
+    "Function.forward: torch.distributed.all_gather" -> calls (a GatherLayer)."""
+
+    redrawn: tuple[tuple[str, ...], ...] = ()
+    """Per rank, the dropout modules that drew new masks in a second pass over rows they
+    had seen (a second forward, or a recomputation in backward): RNG not replayed."""
+
+    rows_note: str = ""
+    """Why the rows each micro-batch held could not be told (a trainer's forwards that
+    verify could not match to the batch's rows), when they could not."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:
@@ -157,10 +169,17 @@ class Floor:
     rtol_from: str
     """Where `rtol` came from ("the spec", or the dtypes)."""
 
+    autocast: tuple[str, ...] = ()
+    """The autocasts the step or the reference ran under ("cpu:bfloat16", "cuda:float16")."""
+
+    autocast_measured: float | None = None
+    """Relative difference of the reference under the step's autocast from the reference
+    without it (the round-off of computing in that dtype), if measured."""
+
     @property
     def value(self) -> float:
-        """The floor: the larger of the measured reordering error and the unit round-off."""
-        return max(self.measured or 0.0, self.unit_roundoff)
+        """The floor: the largest of the measured errors and the unit round-off."""
+        return max(self.measured or 0.0, self.autocast_measured or 0.0, self.unit_roundoff)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,10 +213,15 @@ class Fit:
     note: str = ""
     """Why the weights could not be read, when they could not."""
 
+    tolerance: float = 1e-5
+    """How far the split gradient may be from a weighted sum (relative) and its weights
+    from a reading: the tolerance of the comparison, at least 1e-5 (a step under bf16
+    autocast rounds its gradient far above float32's)."""
+
     @property
     def usable(self) -> bool:
         """Both gradients are (to round-off) weighted sums of the micro-batch gradients."""
-        return self.split_residual < 1e-5 and self.reference_residual < 1e-5
+        return self.split_residual < self.tolerance and self.reference_residual < 1e-5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,6 +233,9 @@ class Diagnosis:
 
     message: str
     """What was seen, what it means, and the fix."""
+
+    params: tuple[str, ...] = ()
+    """The parameters it concerns, when it concerns a group of them (empty: the step)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,6 +310,8 @@ class VerifyReport:
                 "measured": num(self.floor.measured),
                 "rtol": self.floor.rtol,
                 "rtol_from": self.floor.rtol_from,
+                "autocast": list(self.floor.autocast),
+                "autocast_measured": num(self.floor.autocast_measured),
             },
             "evidence": None
             if ev is None
@@ -292,6 +321,9 @@ class VerifyReport:
                 "collectives_without_gradient": [dict(c) for c in ev.collectives],
                 "reference_spread": num(ev.reference_spread),
                 "item_counts": dict(ev.item_counts),
+                "collectives_in_functions": [dict(c) for c in ev.in_functions],
+                "redrawn_dropout": [list(r) for r in ev.redrawn],
+                "rows_note": ev.rows_note,
             },
             "fit": None
             if self.fit is None
@@ -331,7 +363,10 @@ class VerifyReport:
                 }
                 for c in self.comparisons
             ],
-            "diagnoses": [{"code": d.code, "message": d.message} for d in self.diagnoses],
+            "diagnoses": [
+                {"code": d.code, "message": d.message, "parameters": list(d.params)}
+                for d in self.diagnoses
+            ],
             "notes": list(self.notes),
         }
 
@@ -378,6 +413,12 @@ class VerifyReport:
         if self.floor is not None:
             f = self.floor
             measured = "" if f.measured is None else f", rows reversed: {f.measured:.1e}"
+            if f.autocast:
+                measured += f"; autocast {', '.join(f.autocast)}" + (
+                    ""
+                    if f.autocast_measured is None
+                    else f": the reference under it differs by {f.autocast_measured:.1e}"
+                )
             lines.append(
                 f"  tolerance rtol {f.rtol:g} ({f.rtol_from}); round-off floor ~{f.value:.1e} "
                 f"(computes in {', '.join(f.dtypes) or '?'}: eps {f.unit_roundoff:.1e}{measured})"

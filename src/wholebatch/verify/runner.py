@@ -37,6 +37,7 @@ Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -83,6 +84,12 @@ __all__ = [
 
 # A measured reordering error above this is not round-off: the loss depends on row order.
 _MAX_MEASURED_FLOOR = 1e-3
+# The step's autocast changed the arithmetic when the reference under it differs from the
+# reference without it by more than this many times the eps of the dtypes seen otherwise.
+_AUTOCAST_SEEN = 10.0
+# Under autocast the tolerance is at least this many times that measured difference: the
+# split step rounds in the same dtype, on other shapes, so its error is of the same size.
+_AUTOCAST_MARGIN = 4.0
 
 
 def auto_rtol(dtypes: Sequence[str]) -> tuple[float, str]:
@@ -133,6 +140,7 @@ class _Target:
         self, condition: Condition, outs: list[RankResult], probe: bool = False
     ) -> RefResult | ChildFailure:
         replay = condition.dropout and self.desc.has_dropout
+        autocast = tuple(sorted({a for o in outs for a in o.autocast})) if probe else ()
         return self._reference(
             RefRequest(
                 target=self.target,
@@ -140,6 +148,7 @@ class _Target:
                 masks=tuple(o.masks for o in outs) if replay else None,
                 probe=probe,
                 count_pieces=tuple(tuple(p) for o in outs for p in o.pieces) if probe else None,
+                autocast=autocast,
             )
         )
 
@@ -187,7 +196,7 @@ class _Target:
         return cmp, outs
 
     def _fit_and_floor(
-        self, condition: Condition, outs: list[RankResult]
+        self, condition: Condition, outs: list[RankResult], rtol: float
     ) -> tuple[Fit | None, float | None]:
         n = self.desc.equal_rows if condition.equal else self.desc.rows
         pieces: list[tuple[int, ...]] = []
@@ -199,6 +208,7 @@ class _Target:
         # The fit needs each row in exactly one micro-batch (a trainer's recorded rows may not be).
         covered = sorted(i for p in pieces for i in p) == list(range(n))
         want_fit = covered and len(pieces) > 1
+        missing = "" if covered else _rows_missing(outs, n)
         req = RefRequest(
             target=self.target,
             condition=Condition(dropout=False, equal=condition.equal),
@@ -214,7 +224,68 @@ class _Target:
         measured = value.floor
         if measured is not None and measured > _MAX_MEASURED_FLOOR:
             measured = None
+        if missing:
+            return _no_fit(missing), measured
+        if value.fit is not None:
+            return dataclasses.replace(value.fit, tolerance=max(1e-5, rtol)), measured
         return value.fit, measured
+
+    def _tolerance(self, outs: list[RankResult], ref: RefResult) -> Floor:
+        """rtol and the floor from the dtypes both sides computed in, autocast included."""
+        # The floor is set by the least precise arithmetic of either side: a float64 model
+        # whose norms (or whose trainer's loss) compute in float32 agrees to float32's eps.
+        seen = {*ref.dtypes, *(d for o in outs for d in o.dtypes)}
+        split_autocast = {a for o in outs for a in o.autocast}
+        autocast = tuple(sorted(split_autocast | set(ref.autocast)))
+        dtypes = seen | {a.partition(":")[2] for a in ref.autocast}
+        measured = ref.autocast_floor
+        if measured is not None and measured > _AUTOCAST_SEEN * eps_of(tuple(dtypes)):
+            # the step's autocast computed in its dtype (not only ops it leaves alone)
+            dtypes |= {a.partition(":")[2] for a in split_autocast}
+        names = tuple(sorted(dtypes))
+        if self.desc.rtol is not None:
+            rtol, rtol_from = self.desc.rtol, "from the spec"
+        else:
+            rtol, rtol_from = auto_rtol(names)
+            if autocast and measured is not None and _AUTOCAST_MARGIN * measured > rtol:
+                rtol = float(f"{_AUTOCAST_MARGIN * measured:.2g}")
+                rtol_from = (
+                    f"{_AUTOCAST_MARGIN:g}x the reference's own difference under the step's "
+                    f"autocast ({', '.join(autocast)}): {measured:.1e}"
+                )
+        return Floor(
+            dtypes=names, unit_roundoff=eps_of(names), measured=None, rtol=rtol,
+            rtol_from=rtol_from, autocast=autocast, autocast_measured=measured,
+        )  # fmt: skip
+
+    def _variants(
+        self, main: Comparison, outs: list[RankResult], rtol: float
+    ) -> tuple[list[Comparison], Fit | None, float | None]:
+        """A failing step again: dropout off, equal_batch, the (W, 1), (1, K), (1, 1) grid."""
+        w, k = self.config.nproc, self.config.micro_batches
+        main_cond = Condition()
+        comparisons = [main]
+        fit_cond, fit_outs = main_cond, outs
+        if self.desc.has_dropout:
+            off = self._rerun(Condition(dropout=False), w, k, rtol, "dropout off")
+            if off is not None:
+                comparisons.append(off[0])
+                fit_cond, fit_outs = Condition(dropout=False), off[1]
+        if self.desc.has_equal:
+            eq = self._rerun(Condition(dropout=False, equal=True), w, k, rtol, "equal items")
+            if eq is not None:
+                comparisons.append(eq[0])
+        grid = [(w, 1)] if k > 1 else []
+        grid += [(1, k)] if w > 1 else []
+        grid += [(1, 1)] if (w, k) != (1, 1) and (w > 1 or k > 1) else []
+        for gw, gk in dict.fromkeys(grid):
+            again = self._rerun(main_cond, gw, gk, rtol, f"re-run W={gw}, K={gk}")
+            if again is not None:
+                comparisons.append(again[0])
+        if any(c.rank_spread > rtol for c in main.params):
+            return comparisons, None, None
+        fit, measured = self._fit_and_floor(fit_cond, fit_outs, rtol)
+        return comparisons, fit, measured
 
     def verify(self) -> VerifyReport:
         w, k = self.config.nproc, self.config.micro_batches
@@ -226,13 +297,8 @@ class _Target:
         if isinstance(ref, ChildFailure):
             return self._error(ref, "the reference (reference_loss on the whole batch) failed:")
         self._check_same_inputs(outs, ref)
-        # The floor is set by the least precise arithmetic of either side: a float64 model
-        # whose norms (or whose trainer's loss) compute in float32 agrees to float32's eps.
-        dtypes = tuple(sorted({*ref.dtypes, *(d for o in outs for d in o.dtypes)}))
-        if self.desc.rtol is not None:
-            rtol, rtol_from = self.desc.rtol, "from the spec"
-        else:
-            rtol, rtol_from = auto_rtol(dtypes)
+        floor = self._tolerance(outs, ref)
+        rtol = floor.rtol
         main = compare(
             "as given", ref.grads, [o.grads for o in outs], rtol=rtol,
             step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
@@ -246,42 +312,45 @@ class _Target:
             reference_zero=all(g is None or not bool(g.any()) for g in ref.grads.values()),
             reference_spread=ref.spread,
             item_counts=ref.item_counts,
+            in_functions=tuple(o.in_functions for o in outs),
+            redrawn=tuple(o.redrawn for o in outs),
+            rows_note=_rows_missing(outs, self.desc.rows),
         )
-        comparisons = [main]
+        comparisons: list[Comparison] = [main]
         fit: Fit | None = None
-        measured: float | None = None
         if not main.ok and ref.spread <= rtol:
-            fit_cond, fit_outs = main_cond, outs
-            if self.desc.has_dropout:
-                off = self._rerun(Condition(dropout=False), w, k, rtol, "dropout off")
-                if off is not None:
-                    comparisons.append(off[0])
-                    fit_cond, fit_outs = Condition(dropout=False), off[1]
-            if self.desc.has_equal:
-                eq = self._rerun(Condition(dropout=False, equal=True), w, k, rtol, "equal items")
-                if eq is not None:
-                    comparisons.append(eq[0])
-            grid = [(w, 1)] if k > 1 else []
-            grid += [(1, k)] if w > 1 else []
-            grid += [(1, 1)] if (w, k) != (1, 1) and (w > 1 or k > 1) else []
-            for gw, gk in dict.fromkeys(grid):
-                again = self._rerun(main_cond, gw, gk, rtol, f"re-run W={gw}, K={gk}")
-                if again is not None:
-                    comparisons.append(again[0])
-            if not any(c.rank_spread > rtol for c in main.params):
-                fit, measured = self._fit_and_floor(fit_cond, fit_outs)
-        floor = Floor(
-            dtypes=dtypes,
-            unit_roundoff=eps_of(dtypes),
-            measured=measured,
-            rtol=rtol,
-            rtol_from=rtol_from,
-        )
+            comparisons, fit, measured = self._variants(main, outs, rtol)
+            floor = dataclasses.replace(floor, measured=measured)
         report = diagnose(
             target=self.target, world_size=w, micro_batches=k, rows=self.desc.rows,
             wrap=self.desc.wrap, comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
         )  # fmt: skip
-        return dataclasses.replace(report, notes=_blind_spots(ref.piece_counts))
+        notes = _blind_spots(ref.piece_counts)
+        if not main.ok and evidence.rows_note:
+            notes += (evidence.rows_note,)
+        return dataclasses.replace(report, notes=notes)
+
+
+def _rows_missing(outs: list[RankResult], n: int) -> str:
+    """The first rank's note on the rows it could not match, or why rows are not covered."""
+    for r, o in enumerate(outs):
+        if o.rows_note:
+            return f"rank {r}: {o.rows_note}."
+    seen = sorted(i for o in outs for p in o.pieces for i in p)
+    if seen and seen != list(range(n)):
+        return (
+            f"the micro-batches verify recognised hold {len(seen)} rows ({len(set(seen))} "
+            f"distinct) where the batch has {n}: the rows each micro-batch held are not known."
+        )
+    return ""
+
+
+def _no_fit(note: str) -> Fit:
+    """A fit that could not be made, saying why."""
+    return Fit(
+        ranks=(), split=(), reference=(), split_residual=math.inf,
+        reference_residual=math.inf, counts={}, note=note,
+    )  # fmt: skip
 
 
 def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:

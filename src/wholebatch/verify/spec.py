@@ -121,7 +121,9 @@ class VerifySpec:
     rtol: float | None = None
     """Largest accepted error per parameter, relative to the reference's largest entry.
     None: from the model's own dtypes: 1e-10 when everything it computes is float64,
-    1e-5 when its least precise computation is float32, 1e-2 below that."""
+    1e-5 when its least precise computation is float32, 1e-2 below that; under autocast
+    (bf16, fp16; CPU or CUDA) at least 4x the reference's own difference when computed
+    under the step's autocast."""
 
     def __post_init__(self) -> None:
         if not callable(self.step):
@@ -206,7 +208,21 @@ class TrainerSpec:
     rtol: float | None = None
     """As `VerifySpec.rtol`."""
 
+    row_key: str | None = None
+    """Optional: the batch column (a dict batch's key) verify recognises rows by in the
+    model's forward, e.g. an item id column the forward receives. Default: "input_ids",
+    else the batch's first tensor, matched by content with padding removed (through
+    `attention_mask`), so a collator that pads each micro-batch to its own longest row
+    is fine. Only the diagnosis of a failing trainer needs the rows."""
+
     def __post_init__(self) -> None:
+        if self.row_key is not None and not (
+            isinstance(self.batch, Mapping) and isinstance(self.batch.get(self.row_key), Tensor)
+        ):
+            raise WholebatchError(
+                f"TrainerSpec: row_key={self.row_key!r} is not a tensor column of the batch"
+                + (f" (its keys: {sorted(self.batch)})" if isinstance(self.batch, Mapping) else "")
+            )
         if not callable(self.train):
             raise WholebatchTypeError(
                 f"TrainerSpec: train must be callable, got {type(self.train).__name__}"

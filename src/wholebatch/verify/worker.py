@@ -19,6 +19,7 @@ Legend: W ranks, K micro-batches per rank, N rows, P parameter entries, J micro-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -34,6 +35,7 @@ from wholebatch.verify.recording import (
     GradRecorder,
     RowRecorder,
     TapeDropout,
+    collectives_in_functions,
     collectives_seen,
     install_tape_dropout,
 )
@@ -109,6 +111,10 @@ class RankResult:
     dtypes: tuple[str, ...]
     params_fp: float
     batch_fp: float
+    autocast: tuple[str, ...] = ()
+    in_functions: dict[str, int] = dataclasses.field(default_factory=dict)
+    redrawn: tuple[str, ...] = ()
+    rows_note: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +130,7 @@ class RefRequest:
     piece_ranks: tuple[int, ...] = ()
     fit_to: Mapping[str, Tensor | None] | None = None
     count_pieces: tuple[tuple[int, ...], ...] | None = None
+    autocast: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -139,6 +146,8 @@ class RefResult:
     piece_counts: dict[str, list[int]]
     params_fp: float
     batch_fp: float
+    autocast: tuple[str, ...] = ()
+    autocast_floor: float | None = None
 
 
 def _batch(spec: Spec, condition: Condition) -> Batch:
@@ -214,10 +223,12 @@ def split_rank(
     optimizer = GradRecorder([p for _, p in named])
     k, _n = micro_batches, rows(batch)
     collectives_seen(reset=True)
+    collectives_in_functions(reset=True)
     meter = DtypeMeter()
     with meter:
-        pieces, masks = _run_step(spec, model, tapes, optimizer, batch, k, rank, world_size)
+        ran = _run_step(spec, model, tapes, optimizer, batch, k, rank, world_size)
     collectives = collectives_seen(reset=True)
+    in_functions = collectives_in_functions(reset=True)
     changed = tuple(
         name for (name, p), b in zip(named, before, strict=True) if not torch.equal(p.detach(), b)
     )
@@ -226,17 +237,31 @@ def split_rank(
         grads={k_: None if g is None else g.cpu() for k_, g in grads.items()},
         calls=optimizer.calls,
         changed=changed,
-        masks=masks,
+        masks=ran.masks,
         collectives=collectives,
-        pieces=pieces,
+        pieces=ran.pieces,
         dtypes=_dtype_names(meter.dtypes),
         params_fp=params_fp,
         batch_fp=fingerprint(batch),
+        autocast=tuple(sorted(meter.autocast)),
+        in_functions=in_functions,
+        redrawn=ran.redrawn,
+        rows_note=ran.rows_note,
     )
 
 
 def _dtype_names(dtypes: set[torch.dtype]) -> tuple[str, ...]:
     return tuple(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Ran:
+    """What running the step showed besides its gradients."""
+
+    pieces: list[list[int]]
+    masks: dict[str, Tensor | None]
+    redrawn: tuple[str, ...] = ()
+    rows_note: str = ""
 
 
 def _run_step(
@@ -248,11 +273,11 @@ def _run_step(
     k: int,
     rank: int,
     world_size: int,
-) -> tuple[list[list[int]], dict[str, Tensor | None]]:
-    """Run the step (or the trainer); the rows of each micro-batch and the first pass's masks."""
+) -> _Ran:
+    """Run the step (or the trainer): the rows of each micro-batch, the first pass's masks."""
     n = rows(batch)
     if isinstance(spec, TrainerSpec):
-        recorder = RowRecorder(model, batch)
+        recorder = RowRecorder(model, batch, spec.row_key)
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             run = TrainerRun(
                 model=model, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
@@ -262,23 +287,43 @@ def _run_step(
             torch.manual_seed(spec.seed + 1 + rank)
             spec.train(run)
         recorder.remove()
-        pieces = recorder.calls
-        masks: dict[str, Tensor | None] = {}
-    else:
-        assert isinstance(spec, VerifySpec)
-        module: nn.Module = model
-        if spec.wrap == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
+        return _Ran(
+            pieces=recorder.calls, masks={}, rows_note=_rows_note(recorder, n // world_size)
+        )
+    assert isinstance(spec, VerifySpec)
+    module: nn.Module = model
+    if spec.wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
 
-            module = DistributedDataParallel(model)
-        chunks = torch.tensor_split(torch.arange(n), world_size * k)[rank * k : (rank + 1) * k]
-        pieces = [c.tolist() for c in chunks]
-        mine = split_batch(batch, world_size * k)[rank * k : (rank + 1) * k]
-        torch.manual_seed(spec.seed + 1 + rank)
-        spec.step(module, optimizer, mine)
-        my_rows = sum(len(c) for c in pieces)
-        masks = {name: t.first_rows(my_rows) for name, t in tapes.items()}
-    return pieces, masks
+        module = DistributedDataParallel(model)
+    chunks = torch.tensor_split(torch.arange(n), world_size * k)[rank * k : (rank + 1) * k]
+    pieces = [c.tolist() for c in chunks]
+    mine = split_batch(batch, world_size * k)[rank * k : (rank + 1) * k]
+    torch.manual_seed(spec.seed + 1 + rank)
+    spec.step(module, optimizer, mine)
+    my_rows = sum(len(c) for c in pieces)
+    return _Ran(
+        pieces=pieces,
+        masks={name: t.first_rows(my_rows) for name, t in tapes.items()},
+        redrawn=tuple(name for name, t in tapes.items() if t.redrawn(my_rows)),
+    )
+
+
+def _rows_note(recorder: RowRecorder, expected: int) -> str:
+    """What is missing when the trainer's forwards could not all be matched to batch rows."""
+    matched = sum(len(c) for c in recorder.calls)
+    if matched >= expected:
+        return ""
+    return (
+        f"verify recognised {matched} of this rank's {expected} rows in the model's "
+        f"{recorder.forwards} forward call(s): it looks for the batch's {recorder.key_name} "
+        "among the forward's arguments (same dtype and trailing shape; padding removed "
+        "through attention_mask, or the batch's pad value), and the trainer fed the model "
+        "something else (remapped or embedded ids, packed rows, a different column). So the "
+        "rows each micro-batch held, and the weight each gets, are unknown. Give the "
+        "TrainerSpec a row_key: a batch column with an id per row that the model's forward "
+        "receives"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -286,12 +331,22 @@ def _run_step(
 # ---------------------------------------------------------------------------
 
 
+def _autocasts(names: Sequence[str]) -> contextlib.ExitStack:
+    """Enter the autocasts named "device:dtype" ("cpu:bfloat16")."""
+    stack = contextlib.ExitStack()
+    for name in names:
+        device, _, dtype = name.partition(":")
+        stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype)))
+    return stack
+
+
 def _ref_grads(
     spec: Spec,
     batch: Batch,
     masks: Sequence[Mapping[str, Tensor | None]] | None,
     seed: int,
-) -> tuple[dict[str, Tensor | None], set[torch.dtype]]:
+    autocast: Sequence[str] = (),
+) -> tuple[dict[str, Tensor | None], DtypeMeter]:
     model, tapes = _build(spec, "record" if masks is not None else "off")
     for name, tape in tapes.items():
         if masks is None:
@@ -307,7 +362,7 @@ def _ref_grads(
         tape.mode = "replay"
     torch.manual_seed(seed)
     meter = DtypeMeter()
-    with meter:
+    with meter, _autocasts(autocast):
         loss = spec.reference_loss(model, batch)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise WholebatchError(
@@ -320,7 +375,7 @@ def _ref_grads(
         name: None if p.grad is None else p.grad.detach().double().clone()
         for name, p in model.named_parameters()
     }
-    return grads, meter.dtypes
+    return grads, meter
 
 
 def _rel_diff(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> float:
@@ -439,7 +494,12 @@ def reference(req: RefRequest) -> RefResult:
     if replay and masks is None:
         masks = ()
     seed = spec.seed + 10_007
-    grads, dtypes = _ref_grads(spec, batch, masks if replay else None, seed)
+    grads, meter = _ref_grads(spec, batch, masks if replay else None, seed)
+    autocast_floor = None
+    if req.autocast:
+        # The same reference computed under the step's autocast: the round-off of that dtype.
+        under, _ = _ref_grads(spec, batch, masks if replay else None, seed, req.autocast)
+        autocast_floor = _rel_diff(grads, under)
     spread = 0.0
     if req.probe:
         again, _ = _ref_grads(spec, batch, masks if replay else None, seed + 7_919)
@@ -456,7 +516,9 @@ def reference(req: RefRequest) -> RefResult:
     model, _ = _build(spec, "off")
     return RefResult(
         grads=grads,
-        dtypes=_dtype_names(dtypes),
+        dtypes=_dtype_names(meter.dtypes),
+        autocast=tuple(sorted(meter.autocast)),
+        autocast_floor=autocast_floor,
         spread=spread,
         floor=floor,
         fit=fit,

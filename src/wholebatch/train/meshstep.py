@@ -1,0 +1,231 @@
+"""The engines' side of a mesh split: which dims the wrapper reduces, the scale, the norm.
+
+`wholebatch.comm.mesh.MeshSplit` says which mesh dims split the batch. An
+engine (`Accumulator`, `CachedStep`, `PipelineAccumulator`) also needs to know
+what its data-parallel wrapper does to the gradient, read here from the model:
+
+    reduction = MeshReduction.of(model, split, grad_reduction="mean")
+    reduction.dims       # ("dp",): FSDP2 on mesh["dp"]; ("dp", "cp"): on mesh["dp", "cp"]._flatten()
+    reduction.factor     # 2.0: what the accumulated gradient is multiplied by, over N
+
+**The rule for the scale after backward.** Let each rank back-propagate its own
+loss sum l_r (items of its data shard), B data shards over the batch dims, N
+items in all. The whole-batch gradient is d(sum over shards of l_b)/dθ / N.
+The wrapper reduces each gradient over a set of dims A (DDP's group, FSDP2's
+mesh; a flattened dim is the dims it flattens):
+
+- every batch dim of size > 1 must be in A, or its shards' gradients are never
+  combined (an error naming the dim);
+- the pipeline dim must not be in A (stages hold different parameters);
+- "mean" divides by |A| = (product of A's batch dims) x (product of A's replica
+  dims); replicas hold the same gradient, so their share of the mean is 1 and
+  the factor is the product of the batch dims in A. "sum" adds replicas' equal
+  gradients, so the factor is 1 / (product of the replica dims in A).
+- tensor-parallel parameters are DTensors whose gradients DTensor's own
+  autograd makes whole (a Replicate input's gradient is summed over tp): no
+  factor for tp.
+
+So after the wrapper: grad = factor / N x (what was back-propagated); an engine
+multiplies by factor / (c N) once, c its constant backward pre-scale.
+
+**The gradient norm.** Each rank holds pieces of gradients; a piece is held by
+`holders` ranks (its DTensor's Replicate dims, times the mesh dims its tensor
+does not span, pipeline stages excepted: they hold different parameters). The
+squared norm is the sum over ranks of (squared local piece / holders): one
+number per rank in the step's all-gather, exact for any mix of FSDP2 shards,
+TP shards, replicated and per-stage parameters.
+
+Legend: W processes of the mesh, B data shards, N global item count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from wholebatch.comm.mesh import MeshSplit
+from wholebatch.conventions import GradReduction, check_grad_reduction
+from wholebatch.errors import WholebatchError
+
+try:  # FSDP2 (torch >= 2.6 exports it here)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - older torch
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["MeshReduction", "reduced_ranks", "sq_norm_share"]
+
+
+def _fsdp_reduction(module: Any) -> tuple[frozenset[int], float | None] | None:
+    """The ranks an FSDP2 module reduces gradients over (its mesh: shard x replicate), and
+    its `set_gradient_divide_factor` (None: the mean's own)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    group = getattr(state, "_fsdp_param_group", None)
+    if group is None:  # a module with no parameters of its own
+        return None
+    mesh = group.mesh_info.mesh
+    divisor = getattr(group, "gradient_divide_factor", None)
+    ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+    return ranks, None if divisor is None else float(divisor)
+
+
+def reduced_ranks(model: nn.Module) -> tuple[frozenset[int], float | None]:
+    """The ranks `model`'s wrapper reduces gradients over (empty for a plain module), and
+    the divisor it was given instead of the mean's (None: the mean's, or DDP).
+
+    DDP: its process group. FSDP2 (`fully_shard`, anywhere in the model, HSDP
+    included): its mesh. Every FSDP2 module of the model must reduce alike.
+    """
+    inner: nn.Module = getattr(model, "_orig_mod", model)  # torch.compile
+    if isinstance(inner, DistributedDataParallel):
+        ranks = frozenset(int(r) for r in dist.get_process_group_ranks(inner.process_group))
+        return ranks, None
+    found: dict[tuple[frozenset[int], float | None], str] = {}
+    if FSDPModule is not None:
+        for name, m in inner.named_modules():
+            if isinstance(m, FSDPModule):
+                how = _fsdp_reduction(m)
+                if how is not None:
+                    found.setdefault(how, name or "<root>")
+    if len(found) > 1:
+        shown = {where: (sorted(r), d) for (r, d), where in found.items()}
+        raise WholebatchError(
+            f"mesh: FSDP2 modules of the model reduce differently {shown} (ranks, divide "
+            "factor); fully_shard every module on the same mesh with the same divide factor"
+        )
+    return next(iter(found), (frozenset(), None))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshReduction:
+    """What the model's wrapper does to gradients, as dims of a `MeshSplit`."""
+
+    split: MeshSplit
+    """The batch split."""
+
+    dims: tuple[str, ...]
+    """The dims (of size > 1) the wrapper reduces gradients over."""
+
+    grad_reduction: GradReduction
+    """"mean" (DDP, FSDP2) or "sum"."""
+
+    divisor: float | None = None
+    """What the wrapper divides the summed gradient by when it is not the mean's |A|
+    (FSDP2's `set_gradient_divide_factor`); None: |A| for "mean", 1 for "sum"."""
+
+    @property
+    def factor(self) -> float:
+        """The module docstring's factor: grad after the wrapper = factor / N x back-propagated.
+
+        The wrapper sums over A (replicas' equal gradients: x their count) and divides
+        by its divisor, so the factor is divisor / (product of A's replica dims).
+        """
+        replicas = self.split.size_of(d for d in self.dims if d not in self.split.batch_dims)
+        divisor = self.divisor
+        if divisor is None:
+            divisor = float(self.split.size_of(self.dims)) if self.grad_reduction == "mean" else 1.0
+        return divisor / replicas
+
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        split: MeshSplit,
+        *,
+        grad_reduction: GradReduction = "mean",
+        allow_unreduced: bool = False,
+        op: str = "step",
+    ) -> MeshReduction:
+        """Read `model`'s wrapper and check it reduces over every batch dim (same error on every rank).
+
+        Args:
+            model: the module as trained (DDP, FSDP2 anywhere in it, or plain).
+            split: the batch split.
+            grad_reduction: "mean" or "sum", what the wrapper does over its dims.
+            allow_unreduced: allow batch dims the wrapper does not reduce (`rank_local`:
+                the caller reduces, or each rank steps on its own gradient).
+            op: the name errors start with.
+
+        Raises:
+            WholebatchError: when the wrapper's ranks are no set of mesh dims, when a
+                batch dim is not reduced, or when the pipeline dim is.
+        """
+        check_grad_reduction(op, grad_reduction)
+        ranks, divisor = reduced_ranks(model)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        dims = split.dims_of(ranks or {me})
+        if dims is None:
+            raise WholebatchError(
+                f"{op}: the model's wrapper reduces gradients over ranks {sorted(ranks)}, which "
+                f"are no set of dims of the mesh [{split.describe()}]; wrap the model on a "
+                "mesh sliced from the same DeviceMesh (e.g. fully_shard(model, mesh=mesh['dp']))"
+            )
+        missing = [d for d in split.batch_dims if split.sizes[d] > 1 and d not in dims]
+        if missing and not allow_unreduced:
+            wrapped = f"over {dims}" if dims else "not at all (a plain module)"
+            flat = "_".join(d for d in split.batch_dims if split.sizes[d] > 1)
+            raise WholebatchError(
+                f"{op}: the batch is split over {split.batch_dims} but the model's gradients "
+                f"are reduced {wrapped}: the shards of batch dims {missing} would never be "
+                "combined. Reduce over every batch dim: fully_shard (or DDP) on the flattened "
+                f"batch dims, e.g. mesh[{split.batch_dims!r}]._flatten({flat!r}); or, if "
+                f"{missing} replicate the batch (tensor parallel), leave them out of batch_dims"
+            )
+        if split.pipeline_dim is not None and split.pipeline_dim in dims:
+            raise WholebatchError(
+                f"{op}: the model's gradients are reduced over the pipeline dim "
+                f"{split.pipeline_dim!r}; its ranks are stages holding different parameters. "
+                "Wrap each stage on the data-parallel dims only"
+            )
+        return cls(split=split, dims=dims, grad_reduction=grad_reduction, divisor=divisor)
+
+
+def _holders(split: MeshSplit, p: Tensor) -> int:
+    """How many ranks hold the same data as this rank's piece of `p` (see the module docstring)."""
+    spanned = tuple(d for d in split.dims if d != split.pipeline_dim)
+    if DTensor is None or not isinstance(p, DTensor):
+        return split.size_of(spanned)
+    mesh = p.device_mesh
+    covered = split.dims_of(int(r) for r in mesh.mesh.flatten().tolist())
+    if covered is None:
+        raise WholebatchError(
+            f"mesh: a parameter of shape {tuple(p.shape)} is a DTensor on ranks "
+            f"{sorted(int(r) for r in mesh.mesh.flatten().tolist())}, which are no set of dims "
+            f"of the step's mesh [{split.describe()}]; shard it on a mesh sliced from that mesh"
+        )
+    replicated = 1
+    for i, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            replicated *= int(mesh.size(i))
+    outside = split.size_of(d for d in spanned if d not in covered)
+    return replicated * outside
+
+
+def sq_norm_share(split: MeshSplit, params: Sequence[Tensor]) -> Tensor:
+    """This rank's share of the squared gradient norm: sum of squared local grads / holders.
+
+    Summed over every rank of the mesh it is the whole gradient's squared norm
+    (float64, on the CPU).
+    """
+    by_holders: dict[int, list[Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        local = g.to_local() if DTensor is not None and isinstance(g, DTensor) else g
+        by_holders.setdefault(_holders(split, p), []).append(local)
+    total = torch.zeros((), dtype=torch.float64)
+    for holders, ts in sorted(by_holders.items()):
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float64)
+        total = total + torch.stack([n.cpu() for n in norms]).square().sum() / holders
+    return total

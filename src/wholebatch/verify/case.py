@@ -1,0 +1,377 @@
+"""What a verify cause reads: one failing step's runs and evidence, read once (`Case`).
+
+`wholebatch.verify.causes` holds the causes; each one's test and message read a
+`Case`: the comparison as given, the same step with dropout off and on
+`equal_batch`, where it breaks (`locate`), the collectives it called, the
+weights each micro-batch gets in the wrong gradient (`Fit`), the ratio every
+differing parameter's gradient has to the reference's. The helpers below turn
+those numbers into the words the messages use.
+
+Legend: W ranks, K micro-batches per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, ParamError
+
+__all__ = [
+    "FIT",
+    "NEAR_FLOOR",
+    "RATIO_TOL",
+    "ROUND_OFF_CEILING",
+    "Case",
+    "Group",
+    "find",
+    "fmt",
+    "multiple",
+    "named",
+    "names",
+    "near",
+]
+
+# A fitted ratio counts as "1/W", "K", "W", "c" when within this relative distance, and
+# the gradient is "that multiple of the reference" when the rest is within FIT.
+RATIO_TOL = 1e-3
+FIT = 1e-3
+# A failure whose error is within this many times the round-off floor is called round-off,
+# but never one above ROUND_OFF_CEILING: no arithmetic here loses 5% of a gradient to
+# round-off (100 x bfloat16's eps would be 78%), while a split mistake often does.
+NEAR_FLOOR = 100.0
+ROUND_OFF_CEILING = 0.05
+
+
+def near(x: float, target: float) -> bool:
+    """`x` is `target` to RATIO_TOL (relative)."""
+    return math.isfinite(x) and abs(x - target) <= RATIO_TOL * abs(target)
+
+
+def multiple(p: ParamError, target: float) -> bool:
+    """`p`'s gradient is `target` times the reference's (to FIT)."""
+    return near(p.ratio, target) and p.fit_err <= FIT
+
+
+def names(params: Sequence[ParamError], limit: int = 4) -> str:
+    """'a, b, c, d and 3 more'."""
+    shown = ", ".join(p.name for p in params[:limit])
+    return shown + (f" and {len(params) - limit} more" if len(params) > limit else "")
+
+
+def named(name: str) -> ParamError:
+    """A placeholder ParamError that carries only a name (for `names`)."""
+    return ParamError(
+        name=name, shape=(), ref_max=0.0, abs_err=0.0, rel_err=0.0, ratio=math.nan,
+        fit_err=0.0, rank_spread=0.0, missing=False, ok=True,
+    )  # fmt: skip
+
+
+def fmt(xs: Sequence[float]) -> str:
+    """Up to 12 numbers, 3 significant digits."""
+    shown = " ".join(f"{x:.3g}" for x in xs[:12])
+    return shown + (" ..." if len(xs) > 12 else "")
+
+
+def find(
+    comparisons: Sequence[Comparison], w: int, k: int, dropout: bool, equal: bool = False
+) -> Comparison | None:
+    """The run at (w, k) under (dropout, equal), if verify made it."""
+    for c in comparisons:
+        key = (c.world_size, c.micro_batches, c.dropout, c.equal)
+        if key == (w, k, dropout, equal):
+            return c
+    return None
+
+
+def common_ratio(c: Comparison) -> float | None:
+    """The c with every differing parameter at c times the reference, if there is one."""
+    live = [p for p in c.params if not p.ok and p.ref_max > 0]
+    if len(live) < sum(not p.ok for p in c.params):
+        return None
+    if not live or any(not math.isfinite(p.ratio) or p.fit_err > FIT for p in live):
+        return None
+    first = live[0].ratio
+    return first if all(near(p.ratio, first) for p in live) else None
+
+
+def matching_rule(fit: Fit) -> str | None:
+    """The counting rule whose per-micro-batch shares are the reference's weights."""
+    for rule, counts in fit.counts.items():
+        total = sum(counts)
+        if total > 0 and all(
+            abs(n / total - b) <= 1e-4 * max(abs(b), 1e-12) + 1e-9
+            for n, b in zip(counts, fit.reference, strict=True)
+        ):
+            return rule
+    return None
+
+
+def read_fit(fit: Fit | None, w: int) -> tuple[str, float] | None:
+    """("uniform", c) | ("per-micro-batch", 0) | ("per-rank", 0) | ("weights", 0) from a usable fit."""
+    if fit is None or not fit.usable:
+        return None
+    a, b = fit.split, fit.reference
+    n = len(a)
+    if n == 0:
+        return None
+    tol = max(RATIO_TOL, fit.tolerance)
+    if all(x > 0 for x in b):
+        rho = [x / y for x, y in zip(a, b, strict=True)]
+        mean = sum(rho) / n
+        if mean != 0 and all(abs(r - mean) <= tol * abs(mean) for r in rho):
+            return "uniform", mean
+    b_equal = max(b) - min(b) <= tol * max(abs(max(b)), 1e-12)
+    if not b_equal and all(abs(x - 1.0 / n) <= tol / n for x in a):
+        return "per-micro-batch", 0.0
+    if _per_rank_means(fit, w, tol):
+        return "per-rank", 0.0
+    return "weights", 0.0
+
+
+def _per_rank_means(fit: Fit, w: int, tol: float) -> bool:
+    """Each rank's micro-batches in the right proportions, each rank weighted 1/W."""
+    a, b = fit.split, fit.reference
+    per_rank: dict[int, list[int]] = {}
+    for j, r in enumerate(fit.ranks):
+        per_rank.setdefault(r, []).append(j)
+    if len(per_rank) != w or w <= 1:
+        return False
+    sums = {r: sum(a[j] for j in js) for r, js in per_rank.items()}
+    within = all(
+        b[js[0]] > 0
+        and all(
+            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= tol * abs(a[js[0]] / b[js[0]]) for j in js
+        )
+        for js in per_rank.values()
+    )
+    return within and all(abs(s - 1.0 / w) <= tol / w for s in sums.values())
+
+
+def counts_text(fit: Fit | None) -> str:
+    """' (items per micro-batch by RULE: 3 5 2 ...)' when a counting rule matches the reference."""
+    if fit is None:
+        return ""
+    rule = matching_rule(fit)
+    if rule is None:
+        return ""
+    return f" (items per micro-batch by {rule}: {' '.join(str(n) for n in fit.counts[rule][:12])})"
+
+
+def wrong_count_text(c: float, counts: Mapping[str, int], fit: Fit | None) -> str:
+    """Name the counts when one rule's total divided by c is another rule's total."""
+    rules = list(counts.items())
+    if fit is not None:
+        matched = matching_rule(fit)
+        if matched is not None:
+            rules.sort(key=lambda kv: kv[0] != matched)
+    for rule, total in rules:
+        if total <= 0:
+            continue
+        used = total / c
+        for other, other_total in counts.items():
+            if other != rule and abs(used - other_total) < 0.5:
+                return (
+                    f" The step divides by {other_total} items ({other}) where the whole-batch "
+                    f"loss averages over {total} ({rule}): {total}/{other_total} = {c:.4g}."
+                )
+    return ""
+
+
+def gathers_text(ev: Evidence) -> str:
+    """'torch.distributed.all_gather x2, ...': the gathers without gradient the step called."""
+    seen: dict[str, int] = {}
+    for per_rank in ev.collectives:
+        for op, n in per_rank.items():
+            if op.endswith(("all_gather", "all_gather_into_tensor", "_all_gather_base")):
+                seen[op] = max(seen.get(op, 0), n)
+    return ", ".join(f"{op} x{n}" for op, n in sorted(seen.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Differing parameters whose gradients are the same multiple of the reference's."""
+
+    ratio: float | None
+    """That multiple (dropout off); None: each is not a fixed multiple."""
+
+    params: tuple[ParamError, ...]
+    """The parameters, in model order."""
+
+    whole: bool
+    """The group is every differing parameter."""
+
+    @property
+    def scalars(self) -> bool:
+        """Every parameter in it is a single number (a logit_scale, a bias)."""
+        return all(math.prod(p.shape) == 1 for p in self.params)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Their names."""
+        return tuple(p.name for p in self.params)
+
+    def subject(self) -> str:
+        """'every differing gradient is' or 'the gradients of a, b are' (to start a sentence)."""
+        if self.whole:
+            return "every differing gradient is"
+        return f"the gradients of {names(self.params)} are"
+
+
+def groups_of(c: Comparison) -> tuple[Group, ...]:
+    """The differing parameters of `c` grouped by their multiple of the reference."""
+    bad = [p for p in c.params if not p.ok]
+    live = [p for p in bad if p.ref_max > 0 and not p.missing and not abs(p.ratio) < RATIO_TOL]
+    clusters: list[tuple[float | None, list[ParamError]]] = []
+    for p in live:
+        ratio = p.ratio if math.isfinite(p.ratio) and p.fit_err <= FIT else None
+        for r, members in clusters:
+            if (r is None and ratio is None) or (
+                r is not None and ratio is not None and near(ratio, r)
+            ):
+                members.append(p)
+                break
+        else:
+            clusters.append((ratio, [p]))
+    return tuple(
+        Group(ratio=r, params=tuple(members), whole=len(members) == len(bad))
+        for r, members in clusters
+    )
+
+
+class Case:
+    """One step's runs and evidence, read once; `found` grows as causes are found."""
+
+    def __init__(
+        self,
+        comparisons: Sequence[Comparison],
+        evidence: Evidence,
+        *,
+        floor: Floor | None = None,
+        fit: Fit | None = None,
+        where: str | None = None,
+        scope: str | None = None,
+    ) -> None:
+        self.comparisons = comparisons
+        self.ev = evidence
+        self.floor = floor
+        self.fit = fit
+        self.where = where
+        self.scope = scope
+        self.found: list[str] = []
+        """Codes found so far (in precedence order)."""
+        self.group: Group | None = None
+        """The group a per-group cause is being tried on."""
+
+    @property
+    def main(self) -> Comparison:
+        """The step as given at (W, K)."""
+        return self.comparisons[0]
+
+    @property
+    def w(self) -> int:
+        """W."""
+        return self.main.world_size
+
+    @property
+    def k(self) -> int:
+        """K."""
+        return self.main.micro_batches
+
+    @property
+    def at(self) -> str:
+        """'Where: ... . ' (or '') to start a message with."""
+        return f"Where: {self.where}. " if self.where else ""
+
+    @functools.cached_property
+    def bad(self) -> list[ParamError]:
+        """The parameters that differ, as given."""
+        return [p for p in self.main.params if not p.ok]
+
+    @functools.cached_property
+    def off(self) -> Comparison | None:
+        """The same split with dropout off, when the step has dropout."""
+        return find(self.comparisons, self.w, self.k, False) if self.main.dropout else None
+
+    @property
+    def clean(self) -> Comparison:
+        """The run without dropout: `off` if made, else the step as given."""
+        off = self.off
+        return off if off is not None and off is not self.main else self.main
+
+    @functools.cached_property
+    def equal(self) -> Comparison | None:
+        """The same split on `equal_batch` (dropout off), when the spec gives one."""
+        return find(self.comparisons, self.w, self.k, False, equal=True)
+
+    @functools.cached_property
+    def gathers(self) -> str:
+        """The gathers without gradient the step called ('' if none)."""
+        return gathers_text(self.ev)
+
+    @functools.cached_property
+    def reading(self) -> tuple[str, float] | None:
+        """How the fit weights the micro-batches (`read_fit`)."""
+        return read_fit(self.fit, self.w)
+
+    @functools.cached_property
+    def counts(self) -> str:
+        """The matching counting rule's per-micro-batch counts, as text ('' if none)."""
+        return counts_text(self.fit)
+
+    @functools.cached_property
+    def ratio(self) -> float | None:
+        """The one multiple of the reference every differing gradient (dropout off) is, if any."""
+        clean = self.clean
+        return common_ratio(clean) if not clean.ok else None
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """`ratio` holds for every parameter with a gradient (none of them is right)."""
+        return self.ratio is not None and all(not p.ok for p in self.clean.params if p.ref_max > 0)
+
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """The differing parameters (dropout off) grouped by their multiple of the reference."""
+        clean = self.clean
+        return groups_of(clean) if not clean.ok else ()
+
+    @property
+    def g(self) -> Group:
+        """The group being tried (per-group causes only)."""
+        assert self.group is not None, "a per-group cause read the group outside a group"
+        return self.group
+
+    @functools.cached_property
+    def local_slice_functions(self) -> dict[str, str]:
+        """Custom autograd Functions that gather in their forward and call no collective in
+        their backward (on every rank): name -> the forward's gathers, as text."""
+        forward: dict[str, dict[str, int]] = {}
+        backward: set[str] = set()
+        for per_rank in self.ev.in_functions:
+            for key, n in per_rank.items():
+                where, _, op = key.partition(": ")
+                fn, _, phase = where.rpartition(".")
+                if phase == "backward":
+                    backward.add(fn)
+                elif op.endswith(("all_gather", "all_gather_into_tensor", "_all_gather_base")):
+                    ops = forward.setdefault(fn, {})
+                    ops[op] = max(ops.get(op, 0), n)
+        return {
+            fn: ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
+            for fn, ops in sorted(forward.items())
+            if fn not in backward
+        }
+
+    @functools.cached_property
+    def redrawn(self) -> list[str]:
+        """Dropout modules that drew new masks in a second pass on some rank."""
+        return sorted({name for per_rank in self.ev.redrawn for name in per_rank})
+
+    def worst(self) -> ParamError:
+        """The parameter with the largest relative error, as given."""
+        return max(
+            self.main.params, key=lambda p: p.rel_err if math.isfinite(p.rel_err) else math.inf
+        )

@@ -1,0 +1,656 @@
+"""Every cause `wholebatch verify` can name: one `Cause` per code, read as a table (`CAUSES`).
+
+A cause holds its code, a one-line summary (docs/cli.md's table has one row per
+code), its test (a predicate on the step's `Case`), its message (what was
+seen and what it means), its fix, and its precedence: causes are tried in
+precedence order, and a cause whose `excluded_by` codes were already found
+does not hold.
+
+A per-group cause is tried on each group of differing parameters that share
+one ratio to the reference (the towers at 1/W, `logit_scale` at K), so one
+report names every cause that holds, each with the parameters it concerns.
+
+Stages: "evidence" causes are read from what the step did besides its
+gradients and fail a step whose gradients match; "gradient" causes are read
+from a failing step's gradients (all that hold are named); "fallback" causes
+are tried only when no gradient cause holds, first match only (round-off, then
+where it breaks, then `unknown`); "error" causes name a step that gave no
+gradients at all (the runner sets them).
+
+To add a cause: one entry in `_CAUSES` below (and, if it reads something new, a
+property on `wholebatch.verify.case.Case`), and its row in docs/cli.md.
+
+Legend: W ranks, K micro-batches per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Literal
+
+from wholebatch.verify.case import (
+    FIT,
+    NEAR_FLOOR,
+    RATIO_TOL,
+    ROUND_OFF_CEILING,
+    Case,
+    find,
+    fmt,
+    multiple,
+    named,
+    names,
+    near,
+    wrong_count_text,
+)
+
+__all__ = ["CAUSES", "REGISTRY", "Cause", "Stage"]
+
+Stage = Literal["evidence", "gradient", "fallback", "error"]
+
+
+def _never(case: Case) -> bool:
+    return False
+
+
+def _nothing(case: Case) -> str:
+    return ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cause:
+    """One named cause: how verify tells it, and what it tells the user."""
+
+    code: str
+    """Short id (docs/cli.md lists every one)."""
+
+    summary: str
+    """One line: what the code means."""
+
+    precedence: int
+    """Tried in increasing order; earlier causes are named first."""
+
+    stage: Stage
+    """When it is tried (see the module docstring)."""
+
+    test: Callable[[Case], bool] = _never
+    """Whether the cause holds for this step."""
+
+    message: Callable[[Case], str] = _nothing
+    """What was seen and what it means (the fix is appended)."""
+
+    fix: str = ""
+    """What to change."""
+
+    located: bool = True
+    """The message starts with where the step breaks ("Where: ... .")."""
+
+    excluded_by: tuple[str, ...] = ()
+    """Codes that, when found first (for the same group, for a per-group cause), mean this
+    cause does not hold."""
+
+    per_group: bool = False
+    """Tried on each group of differing parameters that share one multiple of the reference
+    (`Case.group`); named once, for every group it holds for."""
+
+    def text(self, case: Case) -> str:
+        """The full message for this step."""
+        body = self.message(case) + (f" {self.fix}" if self.fix else "")
+        return (case.at if self.located else "") + body
+
+
+# ---------------------------------------------------------------------------
+# Evidence: what the step did besides its gradients
+# ---------------------------------------------------------------------------
+
+
+def _steps_wrong(case: Case) -> bool:
+    calls, ev = case.ev.step_calls, case.ev
+    return bool(calls) and (
+        max(calls) > 1 or len(set(calls)) > 1 or (ev.kind == "trainer" and min(calls) == 0)
+    )
+
+
+def _steps_message(case: Case) -> str:
+    calls = case.ev.step_calls
+    shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(calls))
+    if max(calls) == 0:
+        what = (
+            "the trainer never called step() on the optimizer verify gave it (run.optimizer), "
+            "so verify cannot see the gradient it steps with. Pass run.optimizer to the "
+            "trainer (HF: optimizers=(run.optimizer, None); Accelerate: prepare it)."
+        )
+    else:
+        what = (
+            "one whole-batch step accumulates every micro-batch's gradient and steps the "
+            "optimizer once; stepping per micro-batch applies several smaller updates, each on "
+            "part of the batch (verify compared the sum of the gradients it was given, which "
+            "hides this). Fix: step once after the last micro-batch (wholebatch.Accumulator)."
+        )
+    return f"optimizer.step() was called ({shown}) where one step is one call: {what}"
+
+
+def _changed(case: Case) -> list[str]:
+    return sorted({n for names_ in case.ev.changed for n in names_})
+
+
+def _changed_message(case: Case) -> str:
+    return (
+        f"the step changed {names([named(n) for n in _changed(case)])} itself: it steps an "
+        "optimizer other than the one verify passes (which records and changes nothing), so "
+        "verify cannot see the gradient it stepped with."
+    )
+
+
+def _unreplayable_message(case: Case) -> str:
+    return (
+        f"the whole-batch reference itself changes with the seed (by "
+        f"{case.ev.reference_spread:.1e}, relative): the model draws random numbers verify "
+        "cannot record and replay (F.dropout, an attention kernel's dropout_p, stochastic "
+        "depth; verify replays nn.Dropout modules only), so the gradients cannot be judged."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Gradients: how a failing step's gradients differ
+# ---------------------------------------------------------------------------
+
+
+def _spread(case: Case) -> list[str]:
+    return [p.name for p in case.main.params if p.rank_spread > case.main.rtol]
+
+
+def _ranks_differ_message(case: Case) -> str:
+    spread = [p for p in case.main.params if p.rank_spread > case.main.rtol]
+    return (
+        f"ranks hold different gradients for {names(spread)}: nothing reduced them "
+        "across ranks, so each rank would step on its own gradient. This happens when the "
+        "step trains a plain module in a W>1 world (an Accumulator given ddp.module; "
+        "Accelerate on CPU without Accelerator(cpu=True), which silently skips its DDP "
+        "wrap) or keeps a trained parameter outside the DDP module."
+    )
+
+
+def _no_rng_replay(case: Case) -> bool:
+    off = case.off
+    if case.main.ok:
+        return False
+    return (off is not None and off.ok) or bool(case.redrawn)
+
+
+def _no_rng_replay_message(case: Case) -> str:
+    off, redrawn = case.off, case.redrawn
+    seen = (
+        f"dropout {names([named(n) for n in redrawn])} drew new masks when the step passed "
+        "rows through it again (a second forward, or a recomputation in backward) instead of "
+        "the first pass's masks"
+        if redrawn
+        else "a second forward of the same micro-batch (gradient caching, activation "
+        "recomputation) drew new dropout masks"
+    )
+    if off is not None and off.ok:
+        return (
+            f"the gradients match with dropout off and differ with it on: {seen}, so the "
+            "gradient is back-propagated through a different network than the forward's."
+        )
+    return (
+        f"{seen}, so the gradient is back-propagated through a different network than the "
+        "forward's. With dropout off the step still differs: see the other causes."
+    )
+
+
+def _mean_of_means(case: Case) -> bool:
+    # The equal_batch run has dropout off: it is compared with the step with dropout off,
+    # so a failure only with dropout on is never read as a normalisation mistake.
+    equal, reading = case.equal, case.reading
+    return (equal is not None and equal.ok and not case.clean.ok) or (
+        reading is not None and reading[0] in ("per-micro-batch", "per-rank")
+    )
+
+
+def _mean_of_means_message(case: Case) -> str:
+    reading, fit, w = case.reading, case.fit, case.w
+    if reading is not None and reading[0] == "per-rank":
+        how = (
+            f"each rank divides by its own item count and DDP averages the {w} ranks' means "
+            f"(implied weights per micro-batch {fmt(fit.split) if fit else ''}; the whole batch "
+            f"weights them {fmt(fit.reference) if fit else ''}{case.counts})"
+        )
+    elif reading is not None and fit is not None:
+        how = (
+            f"each of the {len(fit.split)} micro-batches gets the same weight 1/{len(fit.split)} "
+            f"in the split gradient, while the whole batch weights them by their items "
+            f"({fmt(fit.reference)}{case.counts}): each micro-batch divides by its own item count "
+            "and the results are averaged"
+        )
+    else:
+        how = (
+            "the gradients match when every row holds the same number of items (equal_batch) "
+            "and differ on the ragged batch: each micro-batch (or rank) divides by its own item "
+            "count and the results are averaged"
+        )
+    return f"{how}. That over-weights micro-batches with few items."
+
+
+def _at(case: Case, target: float) -> bool:
+    """The group is exactly `target` times the reference."""
+    ratio = case.g.ratio
+    return ratio is not None and near(ratio, target)
+
+
+def _replicated_k(case: Case) -> bool:
+    g = case.g
+    return case.k > 1 and g.scalars and all(multiple(p, float(case.k)) for p in g.params)
+
+
+def _replicated_k_message(case: Case) -> str:
+    g = case.g
+    rest = ", while every encoder gradient is right" if g.whole else ""
+    return (
+        f"the replicated scalar(s) {names(g.params)} get exactly K = {case.k} times their "
+        f"gradient{rest}: the loss is evaluated once per micro-batch (open_clip's accum_freq), "
+        "so the scalar's gradient is counted K times."
+    )
+
+
+def _one_over_w(case: Case) -> bool:
+    return case.w > 1 and _at(case, 1.0 / case.w)
+
+
+def _gather_no_grad(case: Case) -> bool:
+    if not case.gathers:
+        return False
+    return _one_over_w(case) or (case.g.ratio is None and case.scope in ("ranks", "each"))
+
+
+def _gather_message(case: Case) -> str:
+    g = case.g
+    if _one_over_w(case):
+        return (
+            f"{g.subject()} exactly 1/W = 1/{case.w} of the whole-batch gradient and the step "
+            "passed features needing gradient to a collective without one "
+            f"({case.gathers}): the gathered features are constants but the local slice put "
+            "back, so each rank trains only through its own rows (open_clip's "
+            "gather_with_grad=False)."
+        )
+    exact = ", exact on one rank," if case.scope == "ranks" else ""
+    return (
+        f"{g.subject()} not a fixed multiple of the whole-batch gradient{exact} and the step "
+        "passed features needing gradient to torch.distributed "
+        f"collectives that carry none ({case.gathers}): the terms that pair this rank's rows "
+        "with other ranks' rows lose their gradient (e.g. open_clip's local_loss=True "
+        "without gather_with_grad=True; a hand-written gather)."
+    )
+
+
+def _local_slice(case: Case) -> bool:
+    if not case.local_slice_functions:
+        return False
+    return _one_over_w(case) or (case.g.ratio is None and case.scope in ("ranks", "each"))
+
+
+def _local_slice_message(case: Case) -> str:
+    g, fns = case.g, case.local_slice_functions
+    shown = "; ".join(f"{fn}.forward: {ops}" for fn, ops in fns.items())
+    what = (
+        f"exactly 1/W = 1/{case.w} of the whole-batch gradient"
+        if _one_over_w(case)
+        else "not a fixed multiple of the whole-batch gradient"
+        + (", exact on one rank," if case.scope == "ranks" else "")
+    )
+    return (
+        f"{g.subject()} {what} and the custom autograd Function {', '.join(fns)} gathers in "
+        f"its forward ({shown}) while its backward calls no collective: it returns only this "
+        "rank's slice of the gathered features' gradient, dropping the terms the other ranks "
+        "computed with this rank's rows (the classic GatherLayer)."
+    )
+
+
+def _uncompensated(case: Case) -> bool:
+    g = case.g
+    return g.whole and _one_over_w(case) and not case.gathers and not case.local_slice_functions
+
+
+def _exact_unsharded(case: Case) -> str:
+    """', exact at W=1' when the re-run on one rank says so (nothing when it did not run)."""
+    one = find(case.comparisons, 1, case.k, case.main.dropout)
+    if one is None or case.w == 1:
+        return ""
+    return ", exact at W=1" if one.ok else ", and differs at W=1 too"
+
+
+def _at_w(case: Case) -> bool:
+    return case.g.whole and case.w > 1 and _at(case, float(case.w))
+
+
+def _constant(case: Case) -> bool:
+    """Every gradient the same multiple c (not 1, 1/W or W) of the reference."""
+    ratio = case.g.ratio
+    return (
+        ratio is not None
+        and case.g.whole
+        and all(not p.ok for p in case.clean.params if p.ref_max > 0)
+        and not near(ratio, 1.0)
+        and not (case.w > 1 and (near(ratio, 1.0 / case.w) or near(ratio, float(case.w))))
+    )
+
+
+def _count_named(case: Case) -> bool:
+    ratio = case.g.ratio
+    assert ratio is not None
+    proportional = case.reading is not None and case.reading[0] == "uniform"
+    return bool(wrong_count_text(ratio, case.ev.item_counts, case.fit)) or proportional
+
+
+def _wrong_count_message(case: Case) -> str:
+    ratio = case.g.ratio or 1.0
+    return (
+        f"every gradient is {ratio:.4g} x the whole-batch gradient, with the micro-batches in "
+        "the right proportions: the step divides the loss sum by a wrong item count "
+        f"({1 / ratio:.4g} x the right one).{wrong_count_text(ratio, case.ev.item_counts, case.fit)}"
+        " A causal LM predicts labels[..., 1:]: counting labels before the shift adds one item "
+        "per row (the HF Trainer does this for a model whose loss_type it does not know to be "
+        "causal, e.g. GPT2LMHeadModel)."
+    )
+
+
+def _no_gradient(case: Case) -> bool:
+    bad = case.bad
+    return bool(bad) and all(
+        p.missing
+        or (p.ref_max > 0 and abs(p.ratio) < RATIO_TOL and p.abs_err >= p.ref_max * (1 - FIT))
+        for p in bad
+    )
+
+
+# ---------------------------------------------------------------------------
+# Fallbacks: round-off, where it breaks, nothing known
+# ---------------------------------------------------------------------------
+
+
+def _round_off(case: Case) -> bool:
+    main, floor = case.main, case.floor
+    return (
+        floor is not None
+        and math.isfinite(main.max_rel_err)
+        and main.max_rel_err <= min(NEAR_FLOOR * floor.value, ROUND_OFF_CEILING)
+    )
+
+
+def _round_off_message(case: Case) -> str:
+    floor, main = case.floor, case.main
+    assert floor is not None
+    measured = (
+        ""
+        if floor.measured is None
+        else f"; the same batch in reversed row order differs by {floor.measured:.1e}"
+    )
+    return (
+        f"the largest error {main.max_rel_err:.1e} is within {NEAR_FLOOR:g}x the "
+        f"round-off floor ~{floor.value:.1e} of the model's own arithmetic (it computes in "
+        f"{', '.join(floor.dtypes)}; eps {floor.unit_roundoff:.1e}{measured}), while rtol is "
+        f"{floor.rtol:g} ({floor.rtol_from}): this is round-off, not a split mistake. Leave "
+        "rtol unset (verify derives it from the dtypes) or set it above "
+        f"{min(NEAR_FLOOR * floor.value, ROUND_OFF_CEILING):.0e}."
+    )
+
+
+def _detail(case: Case) -> str:
+    worst = case.worst()
+    return f"worst parameter {worst.name} (rel err {worst.rel_err:.2e}, ratio {worst.ratio:.4g})"
+
+
+def _ask(case: Case) -> str:
+    """Ask for an equal_batch when neither it nor the fit could tell normalisation apart."""
+    fit = case.fit
+    if find(case.comparisons, case.w, case.k, False, equal=True) is not None or (
+        fit is not None and fit.usable
+    ):
+        return ""
+    why = (
+        f" (the weights could not be read from the gradient: {fit.note})"
+        if fit is not None and fit.note
+        else ""
+    )
+    return (
+        " If the loss is a mean over items (tokens), give the spec an equal_batch (every row "
+        f"the same item count) so verify can tell a normalisation mistake apart{why}."
+    )
+
+
+def _scoped(scope: str, what: str) -> Callable[[Case], str]:
+    def message(case: Case) -> str:
+        return f"Where: {case.where}. {what} ({_detail(case)}).{_ask(case)}"
+
+    message.__doc__ = f"The {scope!r} fallback's message."
+    return message
+
+
+def _in_scope(scope: str) -> Callable[[Case], bool]:
+    def test(case: Case) -> bool:
+        return case.scope == scope
+
+    return test
+
+
+def _unknown_message(case: Case) -> str:
+    return (
+        f"no known pattern; {_detail(case)}. Check that the split step and reference_loss "
+        f"compute the same loss.{_ask(case)}"
+    )
+
+
+_WHERE_IT_BREAKS = (
+    (
+        "unsplit", "breaks-unsplit",
+        "differs even at W=1, K=1: the step's loss is not reference_loss",
+        "the split step differs from reference_loss even on one rank with one micro-batch: "
+        "they compute different losses (a different normalisation, a term only one of them "
+        "has, clipping, a frozen or detached part). Compare the step's loss with "
+        "reference_loss on the whole batch.",
+    ),
+    (
+        "ranks", "breaks-across-ranks", "exact on one rank, differs across ranks",
+        "exact on one rank, wrong across ranks: a cross-rank term has the wrong gradient or "
+        "weight (a gather without gradient, a per-rank normalisation, a rank-dependent label "
+        "offset, a parameter outside DDP).",
+    ),
+    (
+        "micro-batches", "breaks-across-micro-batches",
+        "exact with K=1, differs across micro-batches",
+        "exact with one micro-batch, wrong across micro-batches: accumulation weighs or "
+        "connects them wrongly (a per-micro-batch mean, a loss over only the live "
+        "micro-batch, a missing no_sync/sync, a second pass that differs).",
+    ),
+    (
+        "both-ways", "breaks-split-both-ways",
+        "exact split either way alone, differs split both ways",
+        "exact split across ranks alone and across micro-batches alone, wrong when split both "
+        "ways: the step combines ranks and micro-batches wrongly (a count agreed per rank but "
+        "not across micro-batches, or the reverse).",
+    ),
+    (
+        "each", "breaks-each-way", "differs across ranks alone and across micro-batches alone",
+        "wrong across ranks alone and across micro-batches alone: look for a normalisation or "
+        "a gather that depends on how the batch is cut.",
+    ),
+)  # fmt: skip
+
+
+_CAUSES: tuple[Cause, ...] = (
+    # -- evidence ----------------------------------------------------------------------
+    Cause(
+        code="optimizer-steps",
+        summary="optimizer.step() called more than once, differently across ranks, "
+        "or (a trainer) never on the optimizer verify gave it",
+        precedence=10, stage="evidence", located=False,
+        test=_steps_wrong, message=_steps_message,
+    ),
+    Cause(
+        code="params-changed",
+        summary="the step changed the parameters itself (another optimizer)",
+        precedence=20, stage="evidence", located=False,
+        test=lambda case: bool(_changed(case)), message=_changed_message,
+        fix="Step the optimizer you are given.",
+    ),
+    Cause(
+        code="no-reference-gradient",
+        summary="reference_loss gives no gradient: nothing could be judged",
+        precedence=30, stage="evidence", located=False,
+        test=lambda case: case.ev.reference_zero,
+        message=lambda case: "reference_loss gives no gradient to any parameter, so nothing "
+        "was judged.",
+        fix="Check that it computes the loss from the model's output (not detached).",
+    ),
+    Cause(
+        code="unreplayable-randomness",
+        summary="the reference differs between seeds: randomness outside nn.Dropout",
+        precedence=40, stage="evidence", located=False,
+        test=lambda case: case.ev.reference_spread > case.main.rtol,
+        message=_unreplayable_message,
+        fix="Build the model with that randomness off (e.g. config.attn_pdrop=0) or as "
+        "nn.Dropout modules.",
+    ),
+    # -- gradients ---------------------------------------------------------------------
+    Cause(
+        code="ranks-differ",
+        summary="ranks hold different gradients: nothing reduced them",
+        precedence=100, stage="gradient", located=False,
+        test=lambda case: bool(_spread(case)), message=_ranks_differ_message,
+        fix="Keep every trained parameter inside the DDP module (or all-reduce its gradient "
+        "yourself, matching DDP's mean).",
+    ),
+    Cause(
+        code="no-rng-replay",
+        summary="a second pass over the same rows drew new dropout masks (or: exact with "
+        "dropout off)",
+        precedence=110, stage="gradient",
+        test=_no_rng_replay, message=_no_rng_replay_message,
+        fix="Fix: save the RNG state before the first pass and restore it for the second "
+        "(wholebatch.CachedStep does), or torch.utils.checkpoint with preserve_rng_state=True.",
+    ),
+    Cause(
+        code="mean-of-means",
+        summary="micro-batches (or ranks) weighted equally instead of by their items",
+        precedence=120, stage="gradient",
+        test=_mean_of_means, message=_mean_of_means_message,
+        fix="Fix: sum item losses and divide once by the global item count, agreed across "
+        "ranks before backward (wholebatch.Accumulator).",
+    ),
+    Cause(
+        code="replicated-K",
+        summary="replicated scalars (logit_scale) at exactly K times",
+        precedence=130, stage="gradient", per_group=True,
+        test=_replicated_k, message=_replicated_k_message,
+        fix="Fix: take the loss's gradient once on the cached embeddings "
+        "(wholebatch.CachedStep).",
+    ),
+    Cause(
+        code="local-slice-backward",
+        summary="a custom autograd Function gathers in forward, its backward keeps only the "
+        "local slice",
+        precedence=135, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_local_slice, message=_local_slice_message,
+        fix="Fix: in the backward, all-reduce (sum) the gradient before taking this rank's "
+        "slice (that is a reduce-scatter), or use wholebatch.all_gather.",
+    ),
+    Cause(
+        code="uncompensated-mean",
+        summary="exactly 1/W and no gather: DDP's mean not compensated",
+        precedence=140, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_uncompensated,
+        message=lambda case: f"every differing gradient is exactly 1/W = 1/{case.w} of the "
+        f"whole-batch gradient{_exact_unsharded(case)}, and the step gathered nothing without "
+        "gradient (verify watches torch.distributed's collectives, inside autograd Functions "
+        "too): each rank "
+        "divides its loss sum by the GLOBAL item count and DDP then averages over W ranks, so "
+        "the 1/W is applied twice (e.g. num_items_in_batch passed without the HF Trainer's x "
+        "W, or a loss divided by the world size on top of DDP's mean). If the step gathers "
+        "features by another path (a process-group call verify cannot see), a gather without "
+        "gradient gives the same 1/W.",
+        fix="Fix: multiply such a loss by W (or use wholebatch.Accumulator).",
+    ),
+    Cause(
+        code="double-compensated",
+        summary="exactly W: the 1/W compensated twice",
+        precedence=150, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_at_w,
+        message=lambda case: f"every differing gradient is exactly W = {case.w} times the "
+        "whole-batch gradient: DDP's 1/W is compensated twice (the loss multiplied by W on top "
+        "of a wholebatch loss or an HF Trainer that already multiplies), or gradients are "
+        "summed where the loss expected DDP's mean.",
+        fix="Pass the same grad_reduction everywhere.",
+    ),
+    Cause(
+        code="wrong-count",
+        summary="a constant factor with the right proportions: a wrong item count",
+        precedence=160, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=lambda case: _constant(case) and _count_named(case),
+        message=_wrong_count_message,
+        fix="Fix: count exactly the items the loss averages over, across all micro-batches and "
+        "ranks.",
+    ),
+    Cause(
+        code="scaled",
+        summary="a constant factor",
+        precedence=170, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=lambda case: _constant(case) and not _count_named(case),
+        message=lambda case: f"every gradient is {case.g.ratio:.4g} x the whole-batch "
+        "gradient: a constant factor (a loss divided by a wrong count or number of "
+        "micro-batches, a loss scale not removed, or clipped gradients: verify's reference "
+        "does not clip).",
+    ),
+    Cause(
+        code="gather-no-grad",
+        summary="a torch.distributed collective without gradient on features",
+        precedence=180, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_gather_no_grad, message=_gather_message,
+        fix="Fix: wholebatch.all_gather (backward: reduce-scatter), or a wholebatch loss "
+        "(clip_loss, siglip_loss, nt_xent_loss).",
+    ),
+    Cause(
+        code="no-gradient",
+        summary="parameters that receive nothing",
+        precedence=190, stage="gradient",
+        test=_no_gradient,
+        message=lambda case: f"{names(case.bad)} received no gradient: the loss reaches them "
+        "only through a collective that carries none (torch.distributed.all_gather), or the "
+        "step detaches them.",
+        fix="Fix: wholebatch.all_gather.",
+    ),
+    # -- fallbacks ---------------------------------------------------------------------
+    Cause(
+        code="round-off",
+        summary="within the round-off floor of the model's own dtypes",
+        precedence=300, stage="fallback", located=False,
+        test=_round_off, message=_round_off_message,
+    ),
+    *(
+        Cause(
+            code=code, summary=summary, precedence=310 + i, stage="fallback", located=False,
+            test=_in_scope(scope), message=_scoped(scope, what),
+        )
+        for i, (scope, code, summary, what) in enumerate(_WHERE_IT_BREAKS)
+    ),
+    Cause(
+        code="unknown",
+        summary="no pattern and no re-runs to localise it",
+        precedence=399, stage="fallback", located=False,
+        test=lambda case: True, message=_unknown_message,
+    ),
+    # -- no gradients at all (set by the runner) ---------------------------------------
+    Cause(code="step-raised", summary="the step raised (traceback in the report)",
+          precedence=900, stage="error"),
+    Cause(code="step-hung", summary="a rank did not finish in time",
+          precedence=910, stage="error"),
+    Cause(code="reference-raised",
+          summary="reference_loss raised on the whole batch (traceback in the report)",
+          precedence=920, stage="error"),
+)  # fmt: skip
+
+REGISTRY: tuple[Cause, ...] = tuple(sorted(_CAUSES, key=lambda c: c.precedence))
+"""Every cause, in precedence order."""
+
+CAUSES: dict[str, str] = {c.code: c.summary for c in REGISTRY}
+"""code -> one-line summary, for every cause."""
