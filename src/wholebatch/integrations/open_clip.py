@@ -356,6 +356,43 @@ class _Meter:
         self.__init__()  # type: ignore[misc]
 
 
+def _check_args(args: Any, dist_model: nn.Module | None) -> int:
+    """open_clip_train's arguments this loop refuses, with the fix; returns accum_freq."""
+    if getattr(args, "distill", False) or dist_model is not None:
+        raise WholebatchError(
+            "train_one_epoch: distillation (--distill-model) is not supported by wholebatch's "
+            "loop yet; use open_clip_train's own train_one_epoch for it"
+        )
+    if getattr(args, "horovod", False):
+        raise WholebatchError(
+            "train_one_epoch: --horovod is not supported: wholebatch runs on torch.distributed "
+            "(launch with torchrun)"
+        )
+    accum = int(getattr(args, "accum_freq", 1))
+    if accum < 1:
+        raise WholebatchError(f"train_one_epoch: args.accum_freq={accum} must be >= 1")
+    return accum
+
+
+def _backward_and_step(
+    loss: Tensor, model: nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, clip: float | None,
+) -> None:  # fmt: skip
+    """open_clip_train's backward, clipping and step (its GradScaler path included)."""
+    if scaler is not None:
+        torch.autograd.backward(scaler.scale(loss))
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=2.0)
+        scaler.step(optimizer)
+        scaler.update()
+        return
+    torch.autograd.backward(loss)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=2.0)
+    optimizer.step()
+
+
 def train_one_epoch(
     model: nn.Module,
     data: dict[str, Any],
@@ -395,19 +432,7 @@ def train_one_epoch(
         args: open_clip_train's parsed arguments.
         tb_writer: a TensorBoard writer, or None.
     """
-    if getattr(args, "distill", False) or dist_model is not None:
-        raise WholebatchError(
-            "train_one_epoch: distillation (--distill-model) is not supported by wholebatch's "
-            "loop yet; use open_clip_train's own train_one_epoch for it"
-        )
-    if getattr(args, "horovod", False):
-        raise WholebatchError(
-            "train_one_epoch: --horovod is not supported: wholebatch runs on torch.distributed "
-            "(launch with torchrun)"
-        )
-    accum = int(getattr(args, "accum_freq", 1))
-    if accum < 1:
-        raise WholebatchError(f"train_one_epoch: args.accum_freq={accum} must be >= 1")
+    accum = _check_args(args, dist_model)
     device = torch.device(args.device)
     autocast = _autocast(args.precision, device.type)
     input_dtype = _input_dtype(args.precision)
@@ -445,22 +470,7 @@ def train_one_epoch(
         optimizer.zero_grad()
         with autocast():
             total_loss = cache(window, whole_loss)
-        if scaler is not None:
-            torch.autograd.backward(scaler.scale(total_loss))
-            if args.grad_clip_norm is not None:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), args.grad_clip_norm, norm_type=2.0
-                )
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            torch.autograd.backward(total_loss)
-            if args.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), args.grad_clip_norm, norm_type=2.0
-                )
-            optimizer.step()
+        _backward_and_step(total_loss, model, optimizer, scaler, args.grad_clip_norm)
         rows = len(window[-1][0])
         window = []
         with torch.no_grad():  # open_clip_train's clamp to ln(100)
