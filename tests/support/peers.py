@@ -39,6 +39,7 @@ __all__ = [
     "accelerate_on_harness_group",
     "load_lightly_ntxent",
     "load_open_clip_loss",
+    "load_open_clip_train",
     "peer_root",
 ]
 
@@ -153,3 +154,36 @@ def accelerate_on_harness_group() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# The names open_clip_train/train.py (and the zero_shot.py it imports) take from the
+# `open_clip` package. The package's __init__ needs torchvision (see above), so while
+# those two real files execute, a bare `open_clip` holds these: `train_one_epoch`
+# uses only `get_input_dtype`, whose open_clip answer for "fp32" (the precision of the
+# tests) is None; the others are used by `evaluate` / zero-shot only.
+_OPEN_CLIP_TRAIN_NAMES = (
+    "CLIP", "CustomTextCLIP", "get_tokenizer", "build_zero_shot_classifier",
+    "IMAGENET_CLASSNAMES", "OPENAI_IMAGENET_TEMPLATES",
+)  # fmt: skip
+
+
+@functools.cache
+def load_open_clip_train() -> types.ModuleType | None:
+    """open_clip_train 3.3.0's real `train.py` (its `train_one_epoch`), or None if absent.
+
+    Only for precision "fp32": the bare `open_clip` it runs against answers
+    `get_input_dtype(...)` with None, open_clip's answer for fp32.
+    """
+    root, train_root = peer_root("open_clip"), peer_root("open_clip_train")
+    if root is None or train_root is None:
+        return None
+    with _transient_modules(["open_clip", "open_clip_train"]):
+        _package("open_clip", root)
+        bare = sys.modules["open_clip"]
+        for name in _OPEN_CLIP_TRAIN_NAMES:
+            setattr(bare, name, type(name, (), {}))
+        bare.get_input_dtype = lambda precision: None  # type: ignore[attr-defined]
+        _package("open_clip_train", train_root)
+        for sub in ("distributed", "precision", "zero_shot"):
+            _exec_file(f"open_clip_train.{sub}", train_root / f"{sub}.py")
+        return _exec_file("open_clip_train.train", train_root / "train.py")

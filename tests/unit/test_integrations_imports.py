@@ -7,7 +7,18 @@ import sys
 
 import pytest
 
-MODULES = ["open_clip", "lightly", "huggingface"]
+MODULES = ["open_clip", "lightly", "huggingface", "lightning", "trl", "deepspeed"]
+PEERS = (
+    "open_clip",
+    "open_clip_train",
+    "lightly",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "trl",
+    "deepspeed",
+)
 
 
 def _python(code: str) -> str:
@@ -22,7 +33,7 @@ def test_imports_without_loading_its_peer(name: str) -> None:
     # A `None` entry in sys.modules makes `import transformers` (etc.) fail: peers "absent".
     code = (
         "import sys\n"
-        "for peer in ('open_clip', 'lightly', 'transformers', 'accelerate'):\n"
+        f"for peer in {PEERS!r}:\n"
         "    sys.modules[peer] = None\n"
         f"import wholebatch.integrations.{name} as m\n"
         "print(sorted(m.__all__))"
@@ -47,3 +58,14 @@ def test_mutation_a_peer_import_at_the_top_is_caught() -> None:
     code = "import sys\nsys.modules['transformers'] = None\nimport transformers"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr
+
+
+def test_lightning_callback_without_lightning_names_the_package() -> None:
+    code = (
+        "import sys\nsys.modules['lightning'] = None\n"
+        "from wholebatch.integrations.lightning import WholeBatchAccumulation\n"
+        "try:\n    WholeBatchAccumulation()\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    msg = _python(code)
+    assert "WholeBatchAccumulation needs the `lightning` package" in msg

@@ -45,6 +45,7 @@ BENCHMARKS = (
     "bench_plan",
     "bench_lint",
     "bench_mesh",
+    "bench_trainers",
 )
 
 
