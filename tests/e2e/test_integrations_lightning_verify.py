@@ -32,7 +32,6 @@ from wholebatch.verify.spec import TrainerRun, TrainerSpec
 
 pytestmark = [
     pytest.mark.skipif(peer_root("lightning") is None, reason=SKIP_REASON.format("lightning")),
-    pytest.mark.slow,
 ]
 
 V, D, ROWS, SEQ = 11, 4, 12, 6
