@@ -105,9 +105,9 @@ def memory_table(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def bytes_table() -> list[dict[str, Any]]:
+    from tests.distributed.test_plan_dist import _count_all
     from tests.support.harness import run_ranks, shutdown_worlds
     from tests.support.plan_cases import Case, planned
-    from tests.distributed.test_plan_dist import _count_all
 
     rows = []
     cases = [

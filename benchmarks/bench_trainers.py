@@ -186,8 +186,8 @@ def case_trl(rounds: int) -> tuple[Times, int]:
     import trl
     from datasets import Dataset
 
-    from tests.support.peers import accelerate_on_harness_group
     from tests.e2e.test_integrations_trl import tokenizer
+    from tests.support.peers import accelerate_on_harness_group
     from wholebatch.integrations.trl import WholeBatchSFTTrainer
 
     transformers.logging.set_verbosity_error()

@@ -37,4 +37,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = Path(str(item.fspath)).resolve().relative_to(_HERE).parts
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
-

@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tests.support.harness import run_ranks
-from tests.support.models import MicroBatch, TinyLM, lm_loss_sum, make_sequences, split_for_ranks
 from tests.distributed.test_accumulate import (
     assert_matches,
     ragged_run,
@@ -19,6 +17,8 @@ from tests.distributed.test_accumulate import (
     train_reference,
     uneven_sizes,
 )
+from tests.support.harness import run_ranks
+from tests.support.models import MicroBatch, TinyLM, lm_loss_sum, make_sequences, split_for_ranks
 from wholebatch.train.accumulate import Accumulator
 from wholebatch.train.stepping import StepStats
 

@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tests.support.harness import RankError, run_ranks, run_ranks_outcomes
-from tests.support.models import TinyLM, lm_loss_sum, make_sequences, split_for_ranks
 from tests.distributed.test_accumulate import (
     F64,
     Result,
@@ -21,6 +19,8 @@ from tests.distributed.test_accumulate import (
     run_split,
     train_reference,
 )
+from tests.support.harness import RankError, run_ranks, run_ranks_outcomes
+from tests.support.models import TinyLM, lm_loss_sum, make_sequences, split_for_ranks
 from wholebatch.train.accumulate import Accumulator
 from wholebatch.train.compression import CommStats
 from wholebatch.train.stepping import StepStats

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.distributed.test_losses import _clip_gather_without_grad, ref_clip
 from tests.support.contrastive_models import TwoTower, embed
 from tests.support.harness import run_ranks
-from tests.distributed.test_losses import _clip_gather_without_grad, ref_clip
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.losses.contrastive import clip_loss
 from wholebatch.train.cache import CachedStep

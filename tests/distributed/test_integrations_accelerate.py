@@ -22,8 +22,14 @@ import torch
 from torch import Tensor
 
 from tests.support.harness import run_ranks
-from tests.support.models import TinyLM, lm_loss_mean, lm_loss_sum, make_sequences, split_for_ranks
-from tests.support.models import whole_batch_loss as reference_loss
+from tests.support.models import (
+    TinyLM,
+    lm_loss_mean,
+    lm_loss_sum,
+    make_sequences,
+    split_for_ranks,
+    whole_batch_loss as reference_loss,
+)
 from tests.support.peers import SKIP_REASON, accelerate_on_harness_group
 from wholebatch.comm import get_rank
 from wholebatch.train import Accumulator

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import wholebatch.losses.ring as ring
-from tests.support.harness import run_ranks
 from tests.distributed.test_info_nce import ref_info_nce
+from tests.support.harness import run_ranks
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.errors import WholebatchError
 from wholebatch.losses import ClipLoss, InfoNCELoss, clip_loss, info_nce_loss

@@ -18,8 +18,8 @@ from torch import Tensor
 
 import wholebatch.losses.common as common
 import wholebatch.losses.tiles as tiles
-from tests.support.harness import run_ranks, run_ranks_outcomes
 from tests.distributed.test_losses import F64, REFS, SCALARS, _inputs
+from tests.support.harness import run_ranks, run_ranks_outcomes
 from wholebatch import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
 from wholebatch.comm.groups import get_rank
 from wholebatch.errors import WholebatchError

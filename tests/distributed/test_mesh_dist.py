@@ -235,8 +235,8 @@ def test_split_shape_factors_and_errors() -> None:
 def test_cached_step_on_a_mesh_matches_whole_batch(k: int) -> None:
     import torch
 
-    from tests.support.mesh_cases import run_cached
     from tests.distributed.test_cache import F64, _batches, _reference
+    from tests.support.mesh_cases import run_cached
 
     ref = _reference(_batches(2, k), "inside")  # the 2 dp shards' rows, one process
     ref.pop("scale")

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tests.support.harness import run_ranks
 from tests.e2e.test_cli import run_cli
+from tests.support.harness import run_ranks
 from wholebatch.cli.selftest import RTOL, _check_collective, _data, _rows
 
 

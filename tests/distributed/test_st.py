@@ -82,8 +82,7 @@ def our_loss(kind: str, model: nn.Module, **kw: Any) -> nn.Module:
 def build_model_dir(path: str) -> str:
     """Save a 1-layer BERT (hidden 8, dropout 0.1) and a WordLevel tokenizer to `path`."""
     import transformers
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tok_models
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
     transformers.logging.set_verbosity_error()

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tests.support.harness import run_ranks
 from tests.distributed.test_st import (
     F64,
     VOCAB,
@@ -40,6 +39,7 @@ from tests.distributed.test_st import (
     our_loss,
     peer_loss,
 )
+from tests.support.harness import run_ranks
 from wholebatch.comm.groups import get_rank, get_world_size
 
 pytestmark = [

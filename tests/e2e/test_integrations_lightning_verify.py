@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.support.peers import SKIP_REASON, peer_root
 from tests.e2e.test_cli import ROOT, run_cli
+from tests.support.peers import SKIP_REASON, peer_root
 from wholebatch.verify.spec import TrainerRun, TrainerSpec
 
 pytestmark = [

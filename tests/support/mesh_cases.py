@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tests.support.models import IGNORE, MicroBatch, TinyLM, lm_loss_sum, make_sequences, micro_batch
+from tests.support.models import (
+    IGNORE,
+    MicroBatch,
+    TinyLM,
+    lm_loss_sum,
+    make_sequences,
+    micro_batch,
+)
 
 Lengths = tuple[tuple[tuple[int, ...], ...], ...]  # [shard][micro-batch] -> sequence lengths
 
