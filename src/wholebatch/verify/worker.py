@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.normalize import Mode, Scope
+from wholebatch.verify.normfit import cells_of, item_weights, read_weights
 from wholebatch.verify.recording import (
     DropoutMode,
     DtypeMeter,
@@ -39,7 +41,7 @@ from wholebatch.verify.recording import (
     collectives_seen,
     install_tape_dropout,
 )
-from wholebatch.verify.report import Fit
+from wholebatch.verify.report import Fit, NormFit
 from wholebatch.verify.spec import (
     Batch,
     Spec,
@@ -474,6 +476,7 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
         )
     counts = _piece_counts(spec, batch, req.pieces)
     del counts["rows"]
+    norm = _norm_fit(spec, batch, req, whole) if spec.normalize is not None else None
     return Fit(
         ranks=tuple(req.piece_ranks),
         split=tuple(a),
@@ -482,7 +485,89 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
         reference_residual=rb,
         counts={k: tuple(v) for k, v in counts.items()},
         note=note,
+        norm=norm,
     )
+
+
+# A side is read as a weighted sum of the cells' gradients below this relative residual
+# (round-off: ~1e-12 in float64, ~1e-6 in float32).
+_NORM_RESIDUAL = 1e-4
+
+
+def _norm_fit(
+    spec: Spec, batch: Batch, req: RefRequest, whole: Mapping[str, Tensor | None]
+) -> NormFit:
+    """The item weights of the split gradient and the reference, named (`wholebatch.verify.normfit`)."""
+    norm, item_losses = spec.normalize, spec.item_losses
+    assert norm is not None and item_losses is not None
+    assert req.pieces is not None and req.fit_to is not None
+    model, _ = _build(spec, "off")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    per_rank: dict[int, list[dict[str, Tensor]]] = {}
+    cells: list[Tensor] = []
+    offsets: list[int] = []
+    columns: list[Tensor] = []
+    try:
+        for j, idx in enumerate(req.pieces):
+            sub = select_rows(batch, idx)
+            items, cell_I, n_cells = cells_of(norm, sub, j)
+            losses = item_losses(model, sub)
+            if not isinstance(losses, Tensor) or tuple(losses.shape) != tuple(items["mask"].shape):
+                got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+                raise WholebatchError(
+                    f"item_losses returned {got} where normalize.items gives a mask of shape "
+                    f"{tuple(items['mask'].shape)}; it must return one loss per item"
+                )
+            per_rank.setdefault(req.piece_ranks[j], []).append(items)
+            offsets.append(len(columns))
+            cells.append(cell_I)
+            flat_I = losses.reshape(-1)
+            for c in range(n_cells):
+                grads = torch.autograd.grad(
+                    flat_I[cell_I == c].sum(), [p for _, p in named],
+                    retain_graph=True, allow_unused=True,
+                )  # fmt: skip
+                columns.append(
+                    _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
+                )
+    except WholebatchError as exc:
+        return NormFit(
+            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
+            reference_residual=math.inf, note=str(exc),
+        )  # fmt: skip
+    if not columns:
+        return NormFit(
+            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
+            reference_residual=math.inf, note="no item is in the mask",
+        )  # fmt: skip
+    m_PC = torch.stack(columns, dim=1)
+    a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes))
+    b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes))
+    items_rk = [per_rank[r] for r in sorted(per_rank)]
+
+    def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
+        if why or residual >= _NORM_RESIDUAL:
+            return None
+        flat = item_weights(cells, offsets, weights)
+        it = iter(flat)
+        shaped = [[next(it) for _ in r] for r in items_rk]
+        return read_weights(items_rk, shaped, first=norm.mode, constant=norm.constant)
+
+    expected = named_as(b, rb, why_b)
+    found = named_as(a, ra, why_a)
+    note = why_b or why_a
+    if not note and rb >= _NORM_RESIDUAL:
+        note = f"reference_loss is not a weighted sum of item_losses (residual {rb:.1e})"
+    elif not note and ra >= _NORM_RESIDUAL:
+        note = f"the split gradient is not a weighted sum of item_losses' cells (residual {ra:.1e})"
+    elif not note and (expected is None or found is None):
+        side = "reference_loss" if expected is None else "the split step"
+        note = f"the item weights of {side} match no normalisation mode"
+    return NormFit(
+        declared=norm.mode, found=found, expected=expected, cells=len(columns),
+        split_residual=ra, reference_residual=rb, note=note,
+    )  # fmt: skip
 
 
 def reference(req: RefRequest) -> RefResult:
