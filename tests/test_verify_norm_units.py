@@ -8,7 +8,10 @@
 - `cells_of` + `item_weights`: every item of a cell gets the cell's weight;
 - `diagnose` names `normalization-mode` from a reading, with `mismatch_text`'s
   words and the declared mode where the reference measures otherwise; a
-  (token, micro_batch) reading is left to `mean-of-means`.
+  (token, micro_batch) reading is left to `mean-of-means`;
+- the reference process's reading (`worker.reference`, in this process): a
+  token-mean gradient reads as (token, step) against the sequence reference, and
+  a model with fewer parameter entries than cells reads nothing, saying why.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from wholebatch.train.normalize import MODES, Normalize, mismatch_text, mode_wei
 from wholebatch.verify.diagnose import diagnose
 from wholebatch.verify.normfit import cells_of, item_weights, read_weights
 from wholebatch.verify.report import Evidence, Fit, NormFit, compare
-from wholebatch.verify.spec import VerifySpec
+from wholebatch.verify.spec import VerifySpec, load_spec
+from wholebatch.verify.worker import Condition, RefRequest, _ref_grads, reference
 
 LENGTHS = [[4, 0, 3], [5, 2, 6]]  # items per micro-batch [rank][micro-batch]: one empty
 
@@ -134,3 +138,29 @@ def test_the_cause_says_what_was_measured() -> None:
     # nothing read (no ids): as without the reading
     codes = [d.partition(":")[0] for d in _report(None, None, "sequence")]
     assert codes == ["mean-of-means"]
+
+
+def _reference_reading(target: str, split_of: str | None) -> NormFit:
+    """The reference process's reading, in this process, fitting `split_of`'s whole-batch gradient."""
+    spec = load_spec(f"tests/verify_norm_targets.py:{target}")
+    pieces = tuple(tuple(c.tolist()) for c in torch.tensor_split(torch.arange(targets.ROWS), 6))
+    other = spec if split_of is None else load_spec(f"tests/verify_norm_targets.py:{split_of}")
+    grads, _ = _ref_grads(other, other.batch, None, 0)
+    req = RefRequest(
+        target=f"tests/verify_norm_targets.py:{target}", condition=Condition(dropout=False),
+        probe=False, pieces=pieces, piece_ranks=(0, 0, 0, 1, 1, 1), fit_to=grads,
+    )  # fmt: skip
+    result = reference(req)
+    assert result.fit is not None and result.fit.norm is not None
+    return result.fit.norm
+
+
+def test_reference_reads_each_side_and_says_why_not() -> None:
+    # fitted to a token-mean reference's gradient, the step reads as (token, step)
+    norm = _reference_reading("grpo_per_micro_batch", "token_per_micro_batch")
+    assert (norm.found, norm.expected) == (("token", "step"), ("sequence", "step"))
+    assert norm.cells == 14 and not norm.note
+    # 4 parameter entries cannot tell 14 cells apart: nothing is named, and the note says why
+    tiny = _reference_reading("grpo_tiny_model", None)
+    assert tiny.found is None and tiny.expected is None
+    assert "too few to tell 14 (micro-batch, sequence, group) cells apart" in tiny.note

@@ -20,6 +20,8 @@ columns of the batch, global to the step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -128,3 +130,19 @@ def _accumulator_step(model: nn.Module, optimizer: torch.optim.Optimizer, mbs: l
 def accumulator_sequence() -> VerifySpec:
     """Right: the Accumulator gives every token its whole-batch sequence weight."""
     return _spec(_accumulator_step, sequence_mean, "sequence")
+
+
+class TinyScorer(nn.Module):
+    """A per-token linear map: 4 parameter entries, fewer than the batch's 14 cells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(D, 1).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).squeeze(-1)
+
+
+def grpo_tiny_model() -> VerifySpec:
+    """MISTAKE as `grpo_per_micro_batch`, on a model too small to tell the cells apart."""
+    return dataclasses.replace(grpo_per_micro_batch(), build_model=TinyScorer)

@@ -406,14 +406,16 @@ def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) 
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
+def _lstsq(
+    m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches"
+) -> tuple[list[float], float, str]:
     """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
     p, j = m_PJ.shape
     if p < j:
         return (
             [math.nan] * j,
             math.inf,
-            (f"the model has {p} parameter entries, too few to tell {j} micro-batches apart"),
+            (f"the model has {p} parameter entries, too few to tell {j} {what} apart"),
         )
     if float(y_P.norm()) == 0:
         return [math.nan] * j, math.inf, "the gradient is zero"
@@ -422,9 +424,7 @@ def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
         return (
             [math.nan] * j,
             math.inf,
-            (
-                "the micro-batches' gradients are linearly dependent, so their weights are not unique"
-            ),
+            (f"the {what}' gradients are linearly dependent, so their weights are not unique"),
         )
     w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
     residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
@@ -542,8 +542,9 @@ def _norm_fit(
             reference_residual=math.inf, note="no item is in the mask",
         )  # fmt: skip
     m_PC = torch.stack(columns, dim=1)
-    a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes))
-    b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes))
+    cells_named = "(micro-batch, sequence, group) cells"
+    a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes), cells_named)
+    b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes), cells_named)
     items_rk = [per_rank[r] for r in sorted(per_rank)]
 
     def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
