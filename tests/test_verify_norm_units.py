@@ -26,7 +26,7 @@ from wholebatch.train.normalize import MODES, Normalize, mismatch_text, mode_wei
 from wholebatch.verify.diagnose import diagnose
 from wholebatch.verify.normfit import cells_of, item_weights, read_weights
 from wholebatch.verify.report import Evidence, Fit, NormFit, compare
-from wholebatch.verify.spec import VerifySpec, load_spec
+from wholebatch.verify.spec import TrainerSpec, VerifySpec, load_spec
 from wholebatch.verify.worker import Condition, RefRequest, _ref_grads, reference
 
 LENGTHS = [[4, 0, 3], [5, 2, 6]]  # items per micro-batch [rank][micro-batch]: one empty
@@ -93,6 +93,15 @@ def test_spec_takes_normalize_and_item_losses_together() -> None:
         VerifySpec(**common, normalize=Normalize("token", items=targets.items))  # type: ignore[arg-type]
     with pytest.raises(WholebatchError, match="item_losses is given without normalize"):
         VerifySpec(**common, item_losses=targets.per_token)  # type: ignore[arg-type]
+    trainer = TrainerSpec(build_model=targets.TokenScorer, batch=targets.make_batch(),
+                          train=lambda run: None, reference_loss=targets.sequence_mean,
+                          normalize=Normalize("sequence", items=targets.items),
+                          item_losses=targets.per_token)  # fmt: skip
+    assert trainer.normalize is not None
+    with pytest.raises(WholebatchError, match="TrainerSpec: normalize is given without"):
+        TrainerSpec(build_model=targets.TokenScorer, batch=targets.make_batch(),
+                    train=lambda run: None, reference_loss=targets.sequence_mean,
+                    normalize=Normalize("sequence", items=targets.items))  # fmt: skip
     with pytest.raises(TypeError, match=r"normalize must be a wholebatch\.Normalize"):
         VerifySpec(**common, normalize="sequence", item_losses=targets.per_token)  # type: ignore[arg-type]
 
