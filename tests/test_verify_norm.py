@@ -7,7 +7,9 @@ fits); every test reads its reports and the assertion message:
 
 - GRPO's per-micro-batch sequence means (the mutation) are named
   `normalization-mode`, with `mismatch_text`'s words, and the reading (found
-  (sequence, micro_batch), expected (sequence, step)) is in the report;
+  (sequence, micro_batch), expected (sequence, step)) is in the report; with
+  one row per sequence too, where the micro-batch weights alone read as a mean
+  of means (that cause is not named: the reference weights sequences);
 - the same step without `normalize` is diagnosed as before (no reading);
 - a per-micro-batch token mean is `mean-of-means` (its reading says (token,
   micro_batch), and the new cause is not named beside it);
@@ -21,12 +23,14 @@ import pytest
 from tests import verify_norm_targets as targets
 from wholebatch.testing import WholeBatchMismatch, assert_whole_batch
 from wholebatch.train.normalize import mismatch_text
+from wholebatch.verify.case import read_fit
 from wholebatch.verify.report import VerifyReport
 
 pytestmark = pytest.mark.timeout(240)
 
 TARGETS = (
     targets.grpo_per_micro_batch,
+    targets.grpo_rows_per_micro_batch,
     targets.grpo_per_micro_batch_no_ids,
     targets.token_per_micro_batch,
     targets.accumulator_sequence,
@@ -68,6 +72,21 @@ def test_grpo_per_micro_batch_sequence_means_are_named(
     assert report.to_json()["fit"]["normalization"]["found"] == ["sequence", "micro_batch"]
 
 
+def test_one_row_per_sequence_is_not_called_a_mean_of_means(
+    run: tuple[dict[str, VerifyReport], str],
+) -> None:
+    report = run[0]["grpo_rows_per_micro_batch"]
+    assert _codes(report) == ["normalization-mode"], report.format()
+    assert report.fit is not None and report.fit.norm is not None
+    assert (report.fit.norm.found, report.fit.norm.expected) == (
+        ("sequence", "micro_batch"),
+        ("sequence", "step"),
+    )
+    assert report.fit.norm.cells == 14  # 14 rows, one sequence each
+    # without the reading, the micro-batch weights alone say "a mean of means"
+    assert read_fit(report.fit, 2) == ("per-micro-batch", 0.0)
+
+
 def test_without_ids_verify_behaves_as_before(run: tuple[dict[str, VerifyReport], str]) -> None:
     report = run[0]["grpo_per_micro_batch_no_ids"]
     assert not report.passed and "normalization-mode" not in _codes(report)
@@ -95,4 +114,4 @@ def test_accumulator_with_sequence_normalize_passes(
     assert report.passed, report.format()
     assert max(p.rel_err for p in report.comparisons[0].params) < 1e-12  # float64 round-off
     assert "accumulator_sequence" not in message
-    assert message.startswith("3 of 4 steps do not give the whole-batch gradient")
+    assert message.startswith("4 of 5 steps do not give the whole-batch gradient")

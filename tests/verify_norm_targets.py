@@ -9,6 +9,10 @@ columns of the batch, global to the step.
 - `grpo_per_micro_batch` (MISTAKE): trl's GRPO loss per micro-batch, each
   sequence's token mean averaged over the micro-batch's sequences, / K; the
   reference averages whole sequences. Named `normalization-mode`.
+- `grpo_rows_per_micro_batch`: the same with one row per sequence: the
+  reference is then a weighted sum of its micro-batch losses, and the
+  micro-batch weights alone would read as a mean of means (by items, where the
+  reference weights sequences); with the ids it is `normalization-mode`.
 - `grpo_per_micro_batch_no_ids`: the same step without `normalize`: verify
   behaves as without this feature (no `normalization-mode`).
 - `token_per_micro_batch` (MISTAKE): each micro-batch's token mean / K against
@@ -46,10 +50,11 @@ class TokenScorer(nn.Module):
         return self.net(x).squeeze(-1)
 
 
-def make_batch() -> Batch:
+def make_batch(rows_are_sequences: bool = False) -> Batch:
     g = torch.Generator().manual_seed(22)
     mask = torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]  # [N, T]
-    seq = torch.tensor(SEQ_OF_ROW)[:, None].expand(ROWS, T).clone()  # [N, T]
+    of_row = list(range(ROWS)) if rows_are_sequences else SEQ_OF_ROW
+    seq = torch.tensor(of_row)[:, None].expand(ROWS, T).clone()  # [N, T]
     return {
         "x": torch.randn(ROWS, T, D, generator=g, dtype=torch.float64),
         "y": torch.randn(ROWS, T, generator=g, dtype=torch.float64),
@@ -104,6 +109,11 @@ def _spec(step: object, reference: object, mode: str | None) -> VerifySpec:
 def grpo_per_micro_batch() -> VerifySpec:
     """MISTAKE: GRPO's sequence means averaged per micro-batch."""
     return _spec(_grpo_step, sequence_mean, "sequence")
+
+
+def grpo_rows_per_micro_batch() -> VerifySpec:
+    """MISTAKE, as above, with every completion one row (no sequence spans micro-batches)."""
+    return dataclasses.replace(grpo_per_micro_batch(), batch=make_batch(rows_are_sequences=True))
 
 
 def grpo_per_micro_batch_no_ids() -> VerifySpec:
