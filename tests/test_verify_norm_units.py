@@ -173,3 +173,11 @@ def test_reference_reads_each_side_and_says_why_not() -> None:
     tiny = _reference_reading("grpo_tiny_model", None)
     assert tiny.found is None and tiny.expected is None
     assert "too few to tell 14 (micro-batch, sequence, group) cells apart" in tiny.note
+
+
+def test_item_losses_of_the_wrong_shape_are_said_and_nothing_named() -> None:
+    bad = _reference_reading("grpo_flat_item_losses", None)
+    assert bad.found is None and bad.expected is None and bad.cells == 0
+    assert "item_losses returned (18,) where normalize.items gives a mask of shape (3, 6)" in (
+        bad.note
+    )

@@ -156,3 +156,12 @@ class TinyScorer(nn.Module):
 def grpo_tiny_model() -> VerifySpec:
     """MISTAKE as `grpo_per_micro_batch`, on a model too small to tell the cells apart."""
     return dataclasses.replace(grpo_per_micro_batch(), build_model=TinyScorer)
+
+
+def _flat_losses(model: nn.Module, mb: Batch) -> Tensor:
+    return per_token(model, mb).reshape(-1)
+
+
+def grpo_flat_item_losses() -> VerifySpec:
+    """MISTAKE as `grpo_per_micro_batch`, with item_losses not shaped like the mask."""
+    return dataclasses.replace(grpo_per_micro_batch(), item_losses=_flat_losses)

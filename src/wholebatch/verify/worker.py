@@ -504,7 +504,8 @@ def _norm_fit(
     model, _ = _build(spec, "off")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    per_rank: dict[int, list[dict[str, Tensor]]] = {}
+    per_rank: dict[int, list[int]] = {}  # rank -> its micro-batches (indices into pieces)
+    all_items: list[dict[str, Tensor]] = []
     cells: list[Tensor] = []
     offsets: list[int] = []
     columns: list[Tensor] = []
@@ -512,14 +513,20 @@ def _norm_fit(
         for j, idx in enumerate(req.pieces):
             sub = select_rows(batch, idx)
             items, cell_I, n_cells = cells_of(norm, sub, j)
-            losses = item_losses(model, sub)
+            try:
+                losses = item_losses(model, sub)
+            except Exception as exc:  # the micro-batch fit and the floor still stand
+                raise WholebatchError(
+                    f"item_losses(model, micro-batch {j}) raised {type(exc).__name__}: {exc}"
+                ) from exc
             if not isinstance(losses, Tensor) or tuple(losses.shape) != tuple(items["mask"].shape):
                 got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
                 raise WholebatchError(
                     f"item_losses returned {got} where normalize.items gives a mask of shape "
                     f"{tuple(items['mask'].shape)}; it must return one loss per item"
                 )
-            per_rank.setdefault(req.piece_ranks[j], []).append(items)
+            per_rank.setdefault(req.piece_ranks[j], []).append(j)
+            all_items.append(items)
             offsets.append(len(columns))
             cells.append(cell_I)
             flat_I = losses.reshape(-1)
@@ -545,14 +552,14 @@ def _norm_fit(
     cells_named = "(micro-batch, sequence, group) cells"
     a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes), cells_named)
     b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes), cells_named)
-    items_rk = [per_rank[r] for r in sorted(per_rank)]
+    ranks = [per_rank[r] for r in sorted(per_rank)]
+    items_rk = [[all_items[j] for j in js] for js in ranks]
 
     def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
         if why or residual >= _NORM_RESIDUAL:
             return None
-        flat = item_weights(cells, offsets, weights)
-        it = iter(flat)
-        shaped = [[next(it) for _ in r] for r in items_rk]
+        flat = item_weights(cells, offsets, weights)  # [piece] -> [I]
+        shaped = [[flat[j] for j in js] for js in ranks]
         return read_weights(items_rk, shaped, first=norm.mode, constant=norm.constant)
 
     expected = named_as(b, rb, why_b)
