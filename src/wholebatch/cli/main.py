@@ -46,6 +46,7 @@ BENCHMARKS = (
     "bench_lint",
     "bench_mesh",
     "bench_trainers",
+    "bench_verify_norm",
 )
 
 

@@ -5,7 +5,8 @@ it over W ranks x K micro-batches against one process on the whole batch, in
 clean processes (`procs`, `worker`), `report` compares, `diagnose` names the
 likely causes: each one an entry of `causes.REGISTRY` (its test on the `case`,
 message, fix and precedence), `recording` holds the instruments (gradient recorder, dropout
-tape, collective watch). `wholebatch verify` (the CLI) and `wholebatch.testing`
+tape, collective watch), `normfit` reads which normalisation mode a step's item weights
+are (when the spec gives `normalize` and `item_losses`). `wholebatch verify` (the CLI) and `wholebatch.testing`
 drive it.
 """
 

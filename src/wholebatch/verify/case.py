@@ -3,7 +3,8 @@
 `wholebatch.verify.causes` holds the causes; each one's test and message read a
 `Case`: the comparison as given, the same step with dropout off and on
 `equal_batch`, where it breaks (`locate`), the collectives it called, the
-weights each micro-batch gets in the wrong gradient (`Fit`), the ratio every
+weights each micro-batch gets in the wrong gradient (`Fit`) and, when the spec
+gives the items' ids, the normalisation each side applies to them (`NormFit`), the ratio every
 differing parameter's gradient has to the reference's. The helpers below turn
 those numbers into the words the messages use.
 
@@ -17,7 +18,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, ParamError
+from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, NormFit, ParamError
 
 __all__ = [
     "FIT",
@@ -315,6 +316,11 @@ class Case:
     def reading(self) -> tuple[str, float] | None:
         """How the fit weights the micro-batches (`read_fit`)."""
         return read_fit(self.fit, self.w)
+
+    @property
+    def norm(self) -> NormFit | None:
+        """The normalisation each side applies to the items, when the spec gives the ids."""
+        return None if self.fit is None else self.fit.norm
 
     @functools.cached_property
     def counts(self) -> str:

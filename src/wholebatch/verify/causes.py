@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
+from wholebatch.train.normalize import mismatch_text
 from wholebatch.verify.case import (
     FIT,
     NEAR_FLOOR,
@@ -200,10 +201,55 @@ def _no_rng_replay_message(case: Case) -> str:
     )
 
 
+# A step that takes token means per micro-batch where the reference takes one token mean
+# is the classic mean of means: `mean-of-means` names it (with the micro-batch weights
+# and the item counts), not `normalization-mode`.
+_MEAN_OF_MEANS = (("token", "micro_batch"), ("token", "step"))
+
+
+def _norm_mismatch(case: Case) -> bool:
+    norm = case.norm
+    return (
+        norm is not None
+        and norm.found is not None
+        and norm.expected is not None
+        and norm.found != norm.expected
+        and (norm.found, norm.expected) != _MEAN_OF_MEANS
+    )
+
+
+def _norm_message(case: Case) -> str:
+    norm = case.norm
+    assert norm is not None and norm.found is not None and norm.expected is not None
+    declared = (
+        ""
+        if norm.expected == (norm.declared, "step")
+        else f" (the spec declares normalize mode {norm.declared!r}; reference_loss measures "
+        f"as {norm.expected[0]!r} {'over the whole step' if norm.expected[1] == 'step' else 'per micro-batch'})"
+    )
+    mode = norm.expected[0]
+    return (
+        f"{mismatch_text(norm.found, norm.expected)}{declared}: read from the weight the split "
+        f"gradient gives every item (its gradient written as a sum over {norm.cells} "
+        "(micro-batch, sequence, group) cells of item losses). "
+        + (
+            "Each micro-batch normalised on its own weights a sequence or group by the "
+            "micro-batch it lands in (and splits one that spans micro-batches), so the "
+            "step depends on how the batch is cut."
+            if norm.found[1] == "micro_batch"
+            else "The step normalises over the whole batch, but by another mode."
+        )
+        + f" Fix: give every item its whole-batch {mode!r} weight, known before any "
+        f"backward: Accumulator.step(..., normalize=wholebatch.Normalize({mode!r}, items=...))."
+    )
+
+
 def _mean_of_means(case: Case) -> bool:
     # The equal_batch run has dropout off: it is compared with the step with dropout off,
     # so a failure only with dropout on is never read as a normalisation mistake.
-    equal, reading = case.equal, case.reading
+    equal, reading, norm = case.equal, case.reading, case.norm
+    if norm is not None and norm.expected is not None and norm.expected[0] != "token":
+        return False  # the reference is measured to weight sequences or groups, not items
     return (equal is not None and equal.ok and not case.clean.ok) or (
         reading is not None and reading[0] in ("per-micro-batch", "per-rank")
     )
@@ -531,9 +577,16 @@ _CAUSES: tuple[Cause, ...] = (
         "(wholebatch.CachedStep does), or torch.utils.checkpoint with preserve_rng_state=True.",
     ),
     Cause(
+        code="normalization-mode",
+        summary="the items weighted by another normalisation than the reference's (per "
+        "micro-batch sequence means; needs the spec's normalize)",
+        precedence=115, stage="gradient",
+        test=_norm_mismatch, message=_norm_message,
+    ),
+    Cause(
         code="mean-of-means",
         summary="micro-batches (or ranks) weighted equally instead of by their items",
-        precedence=120, stage="gradient",
+        precedence=120, stage="gradient", excluded_by=("normalization-mode",),
         test=_mean_of_means, message=_mean_of_means_message,
         fix="Fix: sum item losses and divide once by the global item count, agreed across "
         "ranks before backward (wholebatch.Accumulator).",

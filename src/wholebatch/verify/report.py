@@ -19,12 +19,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from wholebatch.train.normalize import Mode, Scope
+
 __all__ = [
     "Comparison",
     "Diagnosis",
     "Evidence",
     "Fit",
     "Floor",
+    "NormFit",
     "ParamError",
     "VerifyReport",
     "compare",
@@ -218,10 +221,64 @@ class Fit:
     from a reading: the tolerance of the comparison, at least 1e-5 (a step under bf16
     autocast rounds its gradient far above float32's)."""
 
+    norm: NormFit | None = None
+    """The normalisation each side applies to the items, when the spec gives
+    `normalize` and `item_losses`."""
+
     @property
     def usable(self) -> bool:
         """Both gradients are (to round-off) weighted sums of the micro-batch gradients."""
         return self.split_residual < self.tolerance and self.reference_residual < 1e-5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NormFit:
+    """Which normalisation the split gradient and the reference apply to the items.
+
+    Both gradients are written as sums of the gradients of the item-loss sums of
+    cells: the items of one micro-batch that share a (sequence, group) id pair (least
+    squares over every parameter entry). Every mode, over the whole step or per
+    micro-batch, weights the items of a cell alike, so the cell weights give every
+    item's weight, which `wholebatch.train.normalize.mode_weights` then names.
+    """
+
+    declared: str
+    """The spec's `Normalize` mode."""
+
+    found: tuple[Mode, Scope] | None
+    """(mode, scope) the split gradient's item weights match; None: none matches."""
+
+    expected: tuple[Mode, Scope] | None
+    """(mode, scope) the reference's item weights match (scope "step" for a right
+    reference); None: none matches."""
+
+    cells: int
+    """Unknowns of the fit: (micro-batch, sequence, group) cells with items in the mask."""
+
+    split_residual: float
+    """||g - sum_c a_c g_c|| / ||g|| of the split gradient."""
+
+    reference_residual: float
+    """The same for the reference."""
+
+    note: str = ""
+    """Why a side could not be read, when it could not."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "declared": self.declared,
+            "found": None if self.found is None else list(self.found),
+            "expected": None if self.expected is None else list(self.expected),
+            "cells": self.cells,
+            "split_residual": num(self.split_residual),
+            "reference_residual": num(self.reference_residual),
+            "note": self.note,
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -335,6 +392,7 @@ class VerifyReport:
                 "reference_residual": num(self.fit.reference_residual),
                 "counts": {k: list(v) for k, v in self.fit.counts.items()},
                 "note": self.fit.note,
+                "normalization": None if self.fit.norm is None else self.fit.norm.to_json(),
             },
             "variants": [
                 {

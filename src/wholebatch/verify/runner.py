@@ -28,7 +28,10 @@ What runs, per TARGET (docs/cli.md; processes: `wholebatch.verify.procs`):
 4. Only when it fails: the same step again with dropout off, on `equal_batch`,
    and at (W, 1), (1, K), (1, 1), each against its own reference; the reference
    on the batch with its rows reversed (the round-off floor) and on each
-   micro-batch alone (the weights the wrong gradient gives each micro-batch).
+   micro-batch alone (the weights the wrong gradient gives each micro-batch);
+   with the spec's `normalize` and `item_losses`, the weight it gives each item
+   (`wholebatch.verify.normfit`: which normalisation mode, whole-step or per
+   micro-batch).
    `wholebatch.verify.diagnose` reads the patterns.
 
 Legend: W ranks, K micro-batches per rank, N rows of the whole batch.

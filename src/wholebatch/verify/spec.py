@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.normalize import Normalize
 
 __all__ = [
     "Batch",
@@ -70,6 +71,26 @@ def _check_common(spec: Any, kind: str) -> None:
     rows(spec.batch, "batch")
     if spec.equal_batch is not None:
         rows(spec.equal_batch, "equal_batch")
+    if spec.normalize is not None and not isinstance(spec.normalize, Normalize):
+        raise WholebatchTypeError(
+            f"{kind}: normalize must be a wholebatch.Normalize or None, got "
+            f"{type(spec.normalize).__name__}"
+        )
+    if (spec.normalize is None) != (spec.item_losses is None):
+        given, missing = (
+            ("normalize", "item_losses")
+            if spec.item_losses is None
+            else ("item_losses", "normalize")
+        )
+        raise WholebatchError(
+            f"{kind}: {given} is given without {missing}; verify reads how the step weights "
+            "each item from both (normalize: the items' ids; item_losses(model, batch): their "
+            "losses shaped like the mask), so give both or neither"
+        )
+    if spec.item_losses is not None and not callable(spec.item_losses):
+        raise WholebatchTypeError(
+            f"{kind}: item_losses must be callable, got {type(spec.item_losses).__name__}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +145,22 @@ class VerifySpec:
     1e-5 when its least precise computation is float32, 1e-2 below that; under autocast
     (bf16, fp16; CPU or CUDA) at least 4x the reference's own difference when computed
     under the step's autocast."""
+
+    normalize: Normalize | None = None
+    """Optional, with `item_losses`: the whole batch's loss as a `wholebatch.Normalize`
+    (mode "token", "sequence", "constant" or "group", and `items(batch)` giving each
+    item's mask and global sequence/group ids from a batch's columns; verify calls it
+    on each micro-batch's rows). When the step fails, verify reads the weight the
+    split gradient gives every item and names the normalisation it applies
+    (cause `normalization-mode`: "the step takes the mean of sequence means per
+    micro-batch; the reference takes the mean of sequence means over the whole
+    step"). Ids must be global to the batch (a column, not a position in a
+    micro-batch)."""
+
+    item_losses: Callable[[nn.Module, Batch], Tensor] | None = None
+    """Optional, with `normalize`: `item_losses(model, batch)` -> the per-item losses,
+    shaped like `normalize.items(batch)["mask"]` (what `Accumulator.step(...,
+    normalize=)` takes as `loss_fn`). Each item's loss must depend on its own row only."""
 
     def __post_init__(self) -> None:
         if not callable(self.step):
@@ -214,6 +251,12 @@ class TrainerSpec:
     else the batch's first tensor, matched by content with padding removed (through
     `attention_mask`), so a collator that pads each micro-batch to its own longest row
     is fine. Only the diagnosis of a failing trainer needs the rows."""
+
+    normalize: Normalize | None = None
+    """As `VerifySpec.normalize` (read on the rows verify recognised in each micro-batch)."""
+
+    item_losses: Callable[[nn.Module, Batch], Tensor] | None = None
+    """As `VerifySpec.item_losses`."""
 
     def __post_init__(self) -> None:
         if self.row_key is not None and not (

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.normalize import Mode, Scope
+from wholebatch.verify.normfit import cells_of, item_weights, read_weights
 from wholebatch.verify.recording import (
     DropoutMode,
     DtypeMeter,
@@ -39,7 +41,7 @@ from wholebatch.verify.recording import (
     collectives_seen,
     install_tape_dropout,
 )
-from wholebatch.verify.report import Fit
+from wholebatch.verify.report import Fit, NormFit
 from wholebatch.verify.spec import (
     Batch,
     Spec,
@@ -404,14 +406,16 @@ def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) 
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
+def _lstsq(
+    m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches"
+) -> tuple[list[float], float, str]:
     """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
     p, j = m_PJ.shape
     if p < j:
         return (
             [math.nan] * j,
             math.inf,
-            (f"the model has {p} parameter entries, too few to tell {j} micro-batches apart"),
+            (f"the model has {p} parameter entries, too few to tell {j} {what} apart"),
         )
     if float(y_P.norm()) == 0:
         return [math.nan] * j, math.inf, "the gradient is zero"
@@ -420,9 +424,7 @@ def _lstsq(m_PJ: Tensor, y_P: Tensor) -> tuple[list[float], float, str]:
         return (
             [math.nan] * j,
             math.inf,
-            (
-                "the micro-batches' gradients are linearly dependent, so their weights are not unique"
-            ),
+            (f"the {what}' gradients are linearly dependent, so their weights are not unique"),
         )
     w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
     residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
@@ -474,6 +476,7 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
         )
     counts = _piece_counts(spec, batch, req.pieces)
     del counts["rows"]
+    norm = _norm_fit(spec, batch, req, whole) if spec.normalize is not None else None
     return Fit(
         ranks=tuple(req.piece_ranks),
         split=tuple(a),
@@ -482,7 +485,97 @@ def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
         reference_residual=rb,
         counts={k: tuple(v) for k, v in counts.items()},
         note=note,
+        norm=norm,
     )
+
+
+# A side is read as a weighted sum of the cells' gradients below this relative residual
+# (round-off: ~1e-12 in float64, ~1e-6 in float32).
+_NORM_RESIDUAL = 1e-4
+
+
+def _norm_fit(
+    spec: Spec, batch: Batch, req: RefRequest, whole: Mapping[str, Tensor | None]
+) -> NormFit:
+    """The item weights of the split gradient and the reference, named (`wholebatch.verify.normfit`)."""
+    norm, item_losses = spec.normalize, spec.item_losses
+    assert norm is not None and item_losses is not None
+    assert req.pieces is not None and req.fit_to is not None
+    model, _ = _build(spec, "off")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    per_rank: dict[int, list[int]] = {}  # rank -> its micro-batches (indices into pieces)
+    all_items: list[dict[str, Tensor]] = []
+    cells: list[Tensor] = []
+    offsets: list[int] = []
+    columns: list[Tensor] = []
+    try:
+        for j, idx in enumerate(req.pieces):
+            sub = select_rows(batch, idx)
+            items, cell_I, n_cells = cells_of(norm, sub, j)
+            try:
+                losses = item_losses(model, sub)
+            except Exception as exc:  # the micro-batch fit and the floor still stand
+                raise WholebatchError(
+                    f"item_losses(model, micro-batch {j}) raised {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(losses, Tensor) or tuple(losses.shape) != tuple(items["mask"].shape):
+                got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+                raise WholebatchError(
+                    f"item_losses returned {got} where normalize.items gives a mask of shape "
+                    f"{tuple(items['mask'].shape)}; it must return one loss per item"
+                )
+            per_rank.setdefault(req.piece_ranks[j], []).append(j)
+            all_items.append(items)
+            offsets.append(len(columns))
+            cells.append(cell_I)
+            flat_I = losses.reshape(-1)
+            for c in range(n_cells):
+                grads = torch.autograd.grad(
+                    flat_I[cell_I == c].sum(), [p for _, p in named],
+                    retain_graph=True, allow_unused=True,
+                )  # fmt: skip
+                columns.append(
+                    _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
+                )
+    except WholebatchError as exc:
+        return NormFit(
+            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
+            reference_residual=math.inf, note=str(exc),
+        )  # fmt: skip
+    if not columns:
+        return NormFit(
+            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
+            reference_residual=math.inf, note="no item is in the mask",
+        )  # fmt: skip
+    m_PC = torch.stack(columns, dim=1)
+    cells_named = "(micro-batch, sequence, group) cells"
+    a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes), cells_named)
+    b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes), cells_named)
+    ranks = [per_rank[r] for r in sorted(per_rank)]
+    items_rk = [[all_items[j] for j in js] for js in ranks]
+
+    def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
+        if why or residual >= _NORM_RESIDUAL:
+            return None
+        flat = item_weights(cells, offsets, weights)  # [piece] -> [I]
+        shaped = [[flat[j] for j in js] for js in ranks]
+        return read_weights(items_rk, shaped, first=norm.mode, constant=norm.constant)
+
+    expected = named_as(b, rb, why_b)
+    found = named_as(a, ra, why_a)
+    note = why_b or why_a
+    if not note and rb >= _NORM_RESIDUAL:
+        note = f"reference_loss is not a weighted sum of item_losses (residual {rb:.1e})"
+    elif not note and ra >= _NORM_RESIDUAL:
+        note = f"the split gradient is not a weighted sum of item_losses' cells (residual {ra:.1e})"
+    elif not note and (expected is None or found is None):
+        side = "reference_loss" if expected is None else "the split step"
+        note = f"the item weights of {side} match no normalisation mode"
+    return NormFit(
+        declared=norm.mode, found=found, expected=expected, cells=len(columns),
+        split_residual=ra, reference_residual=rb, note=note,
+    )  # fmt: skip
 
 
 def reference(req: RefRequest) -> RefResult:
