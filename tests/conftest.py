@@ -22,6 +22,11 @@ _HERE = Path(__file__).resolve().parent
 # Workers and this process each use one thread: the suite runs on 2 cores
 # with up to 4 ranks at a time, and oversubscribed BLAS threads crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton reads TRITON_INTERPRET when it decorates a kernel, at the first import of
+# wholebatch.losses._triton_tiles, whichever test module that is: set it for the whole
+# suite (the fused tiles run on CPU tensors under the interpreter). `make gpu`
+# (benchmarks/gpu.sh) sets TRITON_INTERPRET=0 to compile them for the device.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
