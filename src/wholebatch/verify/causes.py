@@ -44,6 +44,7 @@ from wholebatch.verify.case import (
     near,
     wrong_count_text,
 )
+from wholebatch.verify.report import Comparison
 
 __all__ = ["CAUSES", "REGISTRY", "Cause", "Stage"]
 
@@ -333,6 +334,7 @@ def _constant(case: Case) -> bool:
         and all(not p.ok for p in case.clean.params if p.ref_max > 0)
         and not near(ratio, 1.0)
         and not (case.w > 1 and (near(ratio, 1.0 / case.w) or near(ratio, float(case.w))))
+        and not _mesh_factor(case)
     )
 
 
@@ -478,6 +480,185 @@ _WHERE_IT_BREAKS = (
 )  # fmt: skip
 
 
+# ---------------------------------------------------------------------------
+# A device mesh (--mesh): counts over the wrong dims, replicas fed different data
+# ---------------------------------------------------------------------------
+
+
+def _mesh_sizes(case: Case) -> tuple[int, int]:
+    """(R, C): the tensor-parallel replicas (product of the replica dims), the cp size."""
+    from wholebatch.verify.mesh import replica_dims
+
+    shape = case.ev.mesh
+    if not shape:
+        return 1, 1
+    r = math.prod(shape[d] for d in replica_dims(shape, case.ev.row_dims))
+    return r, shape.get("cp", 1)
+
+
+def _unreplicated(case: Case) -> Comparison | None:
+    """The re-run with the tp and cp dims of size 1 ("dp=2,tp=1"), if verify made it."""
+    from wholebatch.verify.mesh import REPLICAS_ONE
+
+    return next((c for c in case.comparisons if c.variant.startswith(REPLICAS_ONE)), None)
+
+
+def _mesh_at(case: Case, factor: float) -> bool:
+    """The group is `factor` x the reference on a mesh, and exact (if re-run) without tp/cp."""
+    if not case.ev.mesh or factor == 1.0 or not _at(case, factor):
+        return False
+    again = _unreplicated(case)
+    return again is None or again.ok
+
+
+def _counted_replicas(case: Case) -> bool:
+    r, _ = _mesh_sizes(case)
+    return r > 1 and _mesh_at(case, 1.0 / r)
+
+
+def _cp_missing(case: Case) -> bool:
+    _, c = _mesh_sizes(case)
+    return c > 1 and _mesh_at(case, float(c))
+
+
+def _cp_twice(case: Case) -> bool:
+    _, c = _mesh_sizes(case)
+    return c > 1 and _mesh_at(case, 1.0 / c)
+
+
+def _mesh_factor(case: Case) -> bool:
+    """A constant factor one of the mesh causes explains (not also named `scaled`)."""
+    if not case.ev.mesh or case.group is None:
+        return False
+    return _counted_replicas(case) or _cp_missing(case) or _cp_twice(case)
+
+
+def _mesh_shown(case: Case) -> str:
+    return ",".join(f"{d}={s}" for d, s in case.ev.mesh.items())
+
+
+def _rerun_text(case: Case) -> str:
+    again = _unreplicated(case)
+    if again is None:
+        return ""
+    shape = again.variant.partition("(")[2].rstrip(")")
+    return f", and exact on the same step at {shape}"
+
+
+def _counted_replicas_message(case: Case) -> str:
+    from wholebatch.verify.mesh import replica_dims
+
+    r, _ = _mesh_sizes(case)
+    dims = " x ".join(d for d in replica_dims(case.ev.mesh, case.ev.row_dims))
+    return (
+        f"{case.g.subject()} exactly 1/{r} of the whole-batch gradient on the mesh "
+        f"{_mesh_shown(case)}{_rerun_text(case)}: {r} = the {dims} ranks that replicate each "
+        f"row shard. The step counts items over them too (the count all-reduced over the "
+        f"world, or over {' x '.join((*case.ev.row_dims, dims))}), so N is {r}x the batch's: "
+        f"{dims} ranks see the same tokens and must be counted once."
+    )
+
+
+def _cp_missing_message(case: Case) -> str:
+    _, c = _mesh_sizes(case)
+    return (
+        f"{case.g.subject()} exactly cp = {c} times the whole-batch gradient on the mesh "
+        f"{_mesh_shown(case)}{_rerun_text(case)}: the context-parallel ranks hold different "
+        "tokens of the same rows, and the step counts items over the data-parallel dims "
+        f"only, so N holds one cp rank's tokens: 1/{c} of the batch's (Megatron-LM PR #7513)."
+    )
+
+
+def _cp_twice_message(case: Case) -> str:
+    _, c = _mesh_sizes(case)
+    return (
+        f"{case.g.subject()} exactly 1/cp = 1/{c} of the whole-batch gradient on the mesh "
+        f"{_mesh_shown(case)}{_rerun_text(case)}: every context-parallel rank counts the "
+        f"items of the whole rows it shares (not of its own tokens) and the counts are summed "
+        f"over dp x cp, so each row's items are counted {c} times (prime-rl PR #2562)."
+    )
+
+
+def _replica_split(case: Case) -> list[tuple[int, int, int]]:
+    """(rank, rank, forward) for the replicas whose model received different inputs."""
+    from wholebatch.verify.mesh import replica_groups
+
+    ev = case.ev
+    if not ev.mesh or len(ev.inputs) != math.prod(ev.mesh.values()):
+        return []
+    out = []
+    for group in replica_groups(ev.mesh, ev.row_dims):
+        first = ev.inputs[group[0]]
+        for r in group[1:]:
+            mine = ev.inputs[r]
+            if len(mine) != len(first):
+                out.append((group[0], r, min(len(mine), len(first))))
+                continue
+            for i, (a, b) in enumerate(zip(first, mine, strict=True)):
+                if abs(a - b) > 1e-9 * max(1.0, abs(a)):
+                    out.append((group[0], r, i))
+                    break
+    return out
+
+
+def _replica_data_message(case: Case) -> str:
+    from wholebatch.verify.mesh import replica_dims
+
+    dims = "/".join(replica_dims(case.ev.mesh, case.ev.row_dims))
+    shown = "; ".join(
+        f"ranks {a} and {b} at forward call {i + 1}" for a, b, i in _replica_split(case)[:4]
+    )
+    return (
+        f"ranks that replicate a row shard on the mesh {_mesh_shown(case)} (the same "
+        f"coordinates on the batch dims {case.ev.row_dims}, they differ only on {dims}) fed "
+        f"their model different inputs ({shown}): verify gave them the same rows, so the step "
+        "(or its data loader) picks rows by the global rank. Tensor-parallel ranks compute one "
+        "loss together on the same tokens; fed different rows, their gradients mix rows of "
+        "different batches."
+    )
+
+
+_MESH_CAUSES: tuple[Cause, ...] = (
+    Cause(
+        code="replicas-fed-different-data",
+        summary="on a mesh, ranks that replicate a row shard (tp) fed the model different "
+        "inputs",
+        precedence=45, stage="evidence", located=False,
+        test=lambda case: bool(_replica_split(case)), message=_replica_data_message,
+        fix="Fix: shard the data by the batch dims only (DistributedSampler(num_replicas=<product "
+        "of the batch dims' sizes>, rank=<the batch index>)); wholebatch.Accumulator(mesh=, "
+        "batch_dims=) checks this at every step.",
+    ),
+    Cause(
+        code="counted-over-tp",
+        summary="on a mesh, exactly 1/tp: items counted over the tensor-parallel replicas too",
+        precedence=142, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_counted_replicas, message=_counted_replicas_message,
+        fix="Fix: all-reduce the item count over the batch dims' group only "
+        "(MeshSplit(mesh=mesh, batch_dims=('dp',)).batch_group(), not the world), or "
+        "wholebatch.Accumulator(model, opt, mesh=mesh, batch_dims=('dp',)).",
+    ),
+    Cause(
+        code="cp-items-missing",
+        summary="on a mesh, exactly cp times: the context-parallel ranks' items not counted",
+        precedence=143, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_cp_missing, message=_cp_missing_message,
+        fix="Fix: count over dp x cp (name cp in batch_dims: Accumulator(mesh=mesh, "
+        "batch_dims=('dp', 'cp'))).",
+    ),
+    Cause(
+        code="cp-counted-twice",
+        summary="on a mesh, exactly 1/cp: each row's items counted on every context-parallel "
+        "rank",
+        precedence=144, stage="gradient", per_group=True, excluded_by=("replicated-K",),
+        test=_cp_twice, message=_cp_twice_message,
+        fix="Fix: each cp rank counts the items of its own tokens only, summed over dp x cp "
+        "(Accumulator(mesh=mesh, batch_dims=('dp', 'cp')) with a loss_fn over the rank's "
+        "slice).",
+    ),
+)
+
+
 _CAUSES: tuple[Cause, ...] = (
     # -- evidence ----------------------------------------------------------------------
     Cause(
@@ -517,6 +698,7 @@ _CAUSES: tuple[Cause, ...] = (
         code="ranks-differ",
         summary="ranks hold different gradients: nothing reduced them",
         precedence=100, stage="gradient", located=False,
+        excluded_by=("replicas-fed-different-data",),
         test=lambda case: bool(_spread(case)), message=_ranks_differ_message,
         fix="Keep every trained parameter inside the DDP module (or all-reduce its gradient "
         "yourself, matching DDP's mean).",
@@ -649,7 +831,9 @@ _CAUSES: tuple[Cause, ...] = (
           precedence=920, stage="error"),
 )  # fmt: skip
 
-REGISTRY: tuple[Cause, ...] = tuple(sorted(_CAUSES, key=lambda c: c.precedence))
+REGISTRY: tuple[Cause, ...] = tuple(
+    sorted((*_CAUSES, *_MESH_CAUSES), key=lambda c: c.precedence)
+)
 """Every cause, in precedence order."""
 
 CAUSES: dict[str, str] = {c.code: c.summary for c in REGISTRY}

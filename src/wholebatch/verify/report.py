@@ -148,6 +148,18 @@ class Evidence:
     """Why the rows each micro-batch held could not be told (a trainer's forwards that
     verify could not match to the batch's rows), when they could not."""
 
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """On a device mesh: its dims and sizes ({"dp": 2, "tp": 2}); empty for a flat world."""
+
+    row_dims: tuple[str, ...] = ()
+    """On a mesh: the dims whose ranks got different rows (the others replicate them)."""
+
+    shards: tuple[int, ...] = ()
+    """On a mesh: per rank, the row shard it held."""
+
+    inputs: tuple[tuple[float, ...], ...] = ()
+    """On a mesh: per rank, a fingerprint of each forward's arguments."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:

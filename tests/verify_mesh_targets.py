@@ -1,0 +1,151 @@
+"""`wholebatch verify --mesh` targets: TinyLM on dp x tp (FSDP2 on dp, Colwise/Rowwise on tp).
+
+    PYTHONPATH=src python -m wholebatch verify tests/verify_mesh_targets.py:exact --mesh dp=2,tp=2
+
+Each function returns a `VerifySpec` with `mesh="dp=2,tp=2"`: the model of
+`tests/mesh_cases.py` (`parallelize` applies tensor parallel on tp and FSDP2 on
+dp), a ragged batch (sequence lengths 1..8: token counts differ per micro-batch,
+one row holds no target), float64.
+
+- `exact`: `Accumulator(mesh=current_mesh(), batch_dims=("dp",))` (passes).
+- `hand_exact`: the hand-written exact loop (count over dp; grads x dp / N) (passes).
+- `count_world`: the hand loop with the count all-reduced over the world: N counts
+  the tp replicas' tokens too (1/tp).
+- `replica_rows`: the hand loop where rank 1 (tp rank 1 of dp 0) takes the next
+  shard's rows, as a sampler sharded by the global rank does.
+
+Legend: N rows, T padded width, B row shards (dp), K micro-batches per shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tests.models import TinyLM, lm_loss_sum, make_sequences, micro_batch
+from wholebatch.verify import VerifySpec
+from wholebatch.verify.mesh import current_mesh
+from wholebatch.verify.spec import split_batch
+
+MESH = "dp=2,tp=2"
+K = 2
+_LENGTHS = (3, 8, 1, 5, 2, 7, 4, 6, 8, 2, 5, 3)  # N = 12 rows, a multiple of B*K = 4
+WIDTH = 8
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    tokens_NT, targets_NT = micro_batch(make_sequences(_LENGTHS, seed=3), width=WIDTH)
+    return tokens_NT, targets_NT
+
+
+def _model() -> nn.Module:
+    return TinyLM().double()
+
+
+def parallelize(model: nn.Module, mesh: object) -> nn.Module:
+    """Tensor parallel on tp (hidden colwise, out rowwise), then FSDP2 on dp."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(
+        model,
+        mesh["tp"],  # type: ignore[index]
+        {"hidden": ColwiseParallel(), "out": RowwiseParallel()},
+    )
+    fully_shard(model, mesh=mesh["dp"])  # type: ignore[index]
+    return model
+
+
+def reference_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    loss_sum, n = lm_loss_sum(model, batch)
+    return loss_sum / n
+
+
+def _spec(step: object) -> VerifySpec:
+    return VerifySpec(
+        build_model=_model,
+        batch=_batch(),
+        step=step,  # type: ignore[arg-type]
+        reference_loss=reference_loss,
+        count_items=lambda b: int((b[1] != -100).sum()),
+        mesh=MESH,
+        batch_dims=("dp",),
+        parallelize=parallelize,
+    )
+
+
+def _accumulator_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    from wholebatch.train.accumulate import Accumulator
+
+    acc = Accumulator(model, opt, mesh=current_mesh(), batch_dims=("dp",))
+    acc.step(mbs, lm_loss_sum)
+
+
+def _hand(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    mbs: list[tuple[Tensor, Tensor]],
+    *,
+    world_count: bool = False,
+) -> None:
+    """The exact loop a careful user writes on dp x tp (`world_count`: the x tp mutation)."""
+    mesh = current_mesh()
+    k = len(mbs)
+    items = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(mbs):
+        model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
+        loss, n = lm_loss_sum(model, mb)
+        loss.backward()
+        items += n
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    dist.all_reduce(items, group=None if world_count else mesh["dp"].get_group())
+    factor = mesh["dp"].size() / float(items)  # FSDP2 averaged over dp
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    opt.step()
+
+
+def _hand_exact_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    _hand(model, opt, mbs)
+
+
+def _count_world_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    _hand(model, opt, mbs, world_count=True)
+
+
+def _replica_rows_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    if dist.get_rank() == 1:  # a sampler by the global rank: rank 1 reads shard 1's rows
+        b = current_mesh()["dp"].size()
+        mbs = split_batch(_batch(), b * len(mbs))[len(mbs) : 2 * len(mbs)]
+    _hand(model, opt, mbs)
+
+
+def exact() -> VerifySpec:
+    return _spec(_accumulator_step)
+
+
+def hand_exact() -> VerifySpec:
+    return _spec(_hand_exact_step)
+
+
+def count_world() -> VerifySpec:
+    return _spec(_count_world_step)
+
+
+def replica_rows() -> VerifySpec:
+    return _spec(_replica_rows_step)
