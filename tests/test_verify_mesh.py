@@ -1,10 +1,12 @@
-"""`wholebatch verify` on a device mesh (dp2 x tp2): exact steps pass, mistakes are named.
+"""`wholebatch verify` on a device mesh (dp2 x tp2, dp2 x cp2): exact steps pass, mistakes are named.
 
 Four gloo processes per run (verify's own forks), TinyLM in float64 with FSDP2 on
 dp and Colwise/Rowwise tensor parallel on tp (tests/verify_mesh_targets.py),
 ragged token counts per micro-batch, each against one process on the whole batch.
 Mutations that must be named: the count all-reduced over the world (x tp
-replicas: 1/tp), and tp rank 1 fed another shard's rows.
+replicas: 1/tp), tp rank 1 fed another shard's rows, and on dp2 x cp2 (FSDP2 on
+dp_cp, each cp rank holding half of every row's positions) the whole rows' items
+counted on every cp rank (1/cp).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from tests.test_cli import run_cli
 from wholebatch.errors import WholebatchError
-from wholebatch.testing import WholeBatchMismatch, assert_whole_batch
+from wholebatch.testing import WholeBatchMismatch, assert_whole_batch, verify
 from wholebatch.verify import TrainerSpec, VerifyConfig, VerifySpec
 from wholebatch.verify.mesh import replica_groups, replica_shape, row_dims, shard_of
 
@@ -57,7 +59,7 @@ def test_mesh_verdicts(reports: dict[str, Any], target: str) -> None:
     assert not report.passed
     assert codes[0] == code, report.format()
     # One name for one mistake: not also a generic factor, nor DDP's unreduced ranks.
-    assert not {"scaled", "wrong-count", "ranks-differ"} & set(codes), codes
+    assert not {"scaled", "wrong-count", "ranks-differ", "uncompensated-mean"} & set(codes), codes
 
 
 @pytest.mark.distributed
@@ -78,6 +80,26 @@ def test_replica_message_names_the_ranks(
     text = reports[f"{TARGETS}:replica_rows"].diagnoses[0].message
     assert "ranks 0 and 1" in text and "DistributedSampler" in text
     assert "mesh dp=2,tp=2 x 2 micro-batches" in str(mismatch)
+
+
+CP_EXPECTED: dict[str, str | None] = {
+    f"{TARGETS}:cp_exact": None,
+    f"{TARGETS}:cp_twice": "cp-counted-twice",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_context_parallel_from_the_spec_mesh() -> None:
+    # No mesh= here: the specs' own mesh ("dp=2,cp=2") is used.
+    reports = {r.target: r for r in verify(*CP_EXPECTED, micro_batches=2, timeout=60.0)}
+    exact, twice = reports[f"{TARGETS}:cp_exact"], reports[f"{TARGETS}:cp_twice"]
+    assert exact.passed and exact.wrap == "mesh dp=2,cp=2", exact.format()
+    assert exact.comparisons[0].max_rel_err < 1e-12
+    codes = [d.code for d in twice.diagnoses]
+    assert codes == ["cp-counted-twice"], twice.format()
+    assert "exactly 1/cp = 1/2" in twice.diagnoses[0].message
+    assert any(c.variant.startswith("replicas 1 (dp=2,cp=1)") and c.ok for c in twice.comparisons)
 
 
 @pytest.mark.slow

@@ -14,6 +14,13 @@ one row holds no target), float64.
 - `replica_rows`: the hand loop where rank 1 (tp rank 1 of dp 0) takes the next
   shard's rows, as a sampler sharded by the global rank does.
 
+On dp x cp ("dp=2,cp=2", FSDP2 on the flattened dp_cp dim, each cp rank keeping
+its half of every row's token positions):
+
+- `cp_exact`: `Accumulator(mesh=..., batch_dims=("dp", "cp"))` on the rank's slice (passes).
+- `cp_twice`: every cp rank counts the items of the whole rows it shares and the
+  counts are summed over dp x cp (prime-rl PR #2562): 1/cp.
+
 Legend: N rows, T padded width, B row shards (dp), K micro-batches per shard.
 """
 
@@ -149,3 +156,78 @@ def count_world() -> VerifySpec:
 
 def replica_rows() -> VerifySpec:
     return _spec(_replica_rows_step)
+
+
+# ---------------------------------------------------------------------------
+# dp x cp: sequence sharding (each cp rank holds half of every row's positions)
+# ---------------------------------------------------------------------------
+
+CP_MESH = "dp=2,cp=2"
+
+
+def parallelize_cp(model: nn.Module, mesh: object) -> nn.Module:
+    """FSDP2 over dp x cp flattened: gradients reduced over both."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))  # type: ignore[index]
+    return model
+
+
+def _cp_slice(mbs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """This cp rank's positions of every row (the mesh's cp coordinate picks the half)."""
+    mesh = current_mesh()
+    cp, c = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    part = WIDTH // cp
+    return [(t[:, c * part : (c + 1) * part], y[:, c * part : (c + 1) * part]) for t, y in mbs]
+
+
+def _cp_exact_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    from wholebatch.train.accumulate import Accumulator
+
+    acc = Accumulator(model, opt, mesh=current_mesh(), batch_dims=("dp", "cp"))
+    acc.step(_cp_slice(mbs), lm_loss_sum)
+
+
+def _cp_twice_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    mesh = current_mesh()
+    k = len(mbs)
+    items = torch.zeros((), dtype=torch.float64)
+    for i, (mb, whole) in enumerate(zip(_cp_slice(mbs), mbs, strict=True)):
+        model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
+        loss, _n = lm_loss_sum(model, mb)
+        loss.backward()
+        items += (whole[1] != -100).sum()  # the mutation: the whole rows' items, not the slice's
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    data = mesh["dp_cp"]
+    dist.all_reduce(items, group=data.get_group())
+    factor = data.size() / float(items)  # FSDP2 averaged over dp x cp
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    opt.step()
+
+
+def _cp_spec(step: object) -> VerifySpec:
+    return VerifySpec(
+        build_model=_model,
+        batch=_batch(),
+        step=step,  # type: ignore[arg-type]
+        reference_loss=reference_loss,
+        count_items=lambda b: int((b[1] != -100).sum()),
+        mesh=CP_MESH,
+        batch_dims=("dp",),
+        parallelize=parallelize_cp,
+    )
+
+
+def cp_exact() -> VerifySpec:
+    return _cp_spec(_cp_exact_step)
+
+
+def cp_twice() -> VerifySpec:
+    return _cp_spec(_cp_twice_step)

@@ -516,11 +516,6 @@ def _counted_replicas(case: Case) -> bool:
     return r > 1 and _mesh_at(case, 1.0 / r)
 
 
-def _cp_missing(case: Case) -> bool:
-    _, c = _mesh_sizes(case)
-    return c > 1 and _mesh_at(case, float(c))
-
-
 def _cp_twice(case: Case) -> bool:
     _, c = _mesh_sizes(case)
     return c > 1 and _mesh_at(case, 1.0 / c)
@@ -530,7 +525,7 @@ def _mesh_factor(case: Case) -> bool:
     """A constant factor one of the mesh causes explains (not also named `scaled`)."""
     if not case.ev.mesh or case.group is None:
         return False
-    return _counted_replicas(case) or _cp_missing(case) or _cp_twice(case)
+    return _counted_replicas(case) or _cp_twice(case)
 
 
 def _mesh_shown(case: Case) -> str:
@@ -556,16 +551,6 @@ def _counted_replicas_message(case: Case) -> str:
         f"row shard. The step counts items over them too (the count all-reduced over the "
         f"world, or over {' x '.join((*case.ev.row_dims, dims))}), so N is {r}x the batch's: "
         f"{dims} ranks see the same tokens and must be counted once."
-    )
-
-
-def _cp_missing_message(case: Case) -> str:
-    _, c = _mesh_sizes(case)
-    return (
-        f"{case.g.subject()} exactly cp = {c} times the whole-batch gradient on the mesh "
-        f"{_mesh_shown(case)}{_rerun_text(case)}: the context-parallel ranks hold different "
-        "tokens of the same rows, and the step counts items over the data-parallel dims "
-        f"only, so N holds one cp rank's tokens: 1/{c} of the batch's (Megatron-LM PR #7513)."
     )
 
 
@@ -637,14 +622,6 @@ _MESH_CAUSES: tuple[Cause, ...] = (
         fix="Fix: all-reduce the item count over the batch dims' group only "
         "(MeshSplit(mesh=mesh, batch_dims=('dp',)).batch_group(), not the world), or "
         "wholebatch.Accumulator(model, opt, mesh=mesh, batch_dims=('dp',)).",
-    ),
-    Cause(
-        code="cp-items-missing",
-        summary="on a mesh, exactly cp times: the context-parallel ranks' items not counted",
-        precedence=143, stage="gradient", per_group=True, excluded_by=("replicated-K",),
-        test=_cp_missing, message=_cp_missing_message,
-        fix="Fix: count over dp x cp (name cp in batch_dims: Accumulator(mesh=mesh, "
-        "batch_dims=('dp', 'cp'))).",
     ),
     Cause(
         code="cp-counted-twice",
