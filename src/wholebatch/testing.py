@@ -80,9 +80,7 @@ def assert_whole_batch(
     __tracebackhide__ = True
     if not targets:
         raise TypeError("assert_whole_batch: give at least one target")
-    reports = verify(
-        *targets, nproc=nproc, micro_batches=micro_batches, timeout=timeout, mesh=mesh
-    )
+    reports = verify(*targets, nproc=nproc, micro_batches=micro_batches, timeout=timeout, mesh=mesh)
     failed = [r for r in reports if not r.passed]
     if failed:
         split = f"mesh {mesh}" if mesh else f"{nproc} ranks"

@@ -606,10 +606,12 @@ def _replica_data_message(case: Case) -> str:
 _MESH_CAUSES: tuple[Cause, ...] = (
     Cause(
         code="replicas-fed-different-data",
-        summary="on a mesh, ranks that replicate a row shard (tp) fed the model different "
-        "inputs",
-        precedence=45, stage="evidence", located=False,
-        test=lambda case: bool(_replica_split(case)), message=_replica_data_message,
+        summary="on a mesh, ranks that replicate a row shard (tp) fed the model different inputs",
+        precedence=45,
+        stage="evidence",
+        located=False,
+        test=lambda case: bool(_replica_split(case)),
+        message=_replica_data_message,
         fix="Fix: shard the data by the batch dims only (DistributedSampler(num_replicas=<product "
         "of the batch dims' sizes>, rank=<the batch index>)); wholebatch.Accumulator(mesh=, "
         "batch_dims=) checks this at every step.",
@@ -617,18 +619,25 @@ _MESH_CAUSES: tuple[Cause, ...] = (
     Cause(
         code="counted-over-tp",
         summary="on a mesh, exactly 1/tp: items counted over the tensor-parallel replicas too",
-        precedence=142, stage="gradient", per_group=True, excluded_by=("replicated-K",),
-        test=_counted_replicas, message=_counted_replicas_message,
+        precedence=142,
+        stage="gradient",
+        per_group=True,
+        excluded_by=("replicated-K",),
+        test=_counted_replicas,
+        message=_counted_replicas_message,
         fix="Fix: all-reduce the item count over the batch dims' group only "
         "(MeshSplit(mesh=mesh, batch_dims=('dp',)).batch_group(), not the world), or "
         "wholebatch.Accumulator(model, opt, mesh=mesh, batch_dims=('dp',)).",
     ),
     Cause(
         code="cp-counted-twice",
-        summary="on a mesh, exactly 1/cp: each row's items counted on every context-parallel "
-        "rank",
-        precedence=144, stage="gradient", per_group=True, excluded_by=("replicated-K",),
-        test=_cp_twice, message=_cp_twice_message,
+        summary="on a mesh, exactly 1/cp: each row's items counted on every context-parallel rank",
+        precedence=144,
+        stage="gradient",
+        per_group=True,
+        excluded_by=("replicated-K",),
+        test=_cp_twice,
+        message=_cp_twice_message,
         fix="Fix: each cp rank counts the items of its own tokens only, summed over dp x cp "
         "(Accumulator(mesh=mesh, batch_dims=('dp', 'cp')) with a loss_fn over the rank's "
         "slice).",
@@ -675,7 +684,6 @@ _CAUSES: tuple[Cause, ...] = (
         code="ranks-differ",
         summary="ranks hold different gradients: nothing reduced them",
         precedence=100, stage="gradient", located=False,
-        excluded_by=("replicas-fed-different-data",),
         test=lambda case: bool(_spread(case)), message=_ranks_differ_message,
         fix="Keep every trained parameter inside the DDP module (or all-reduce its gradient "
         "yourself, matching DDP's mean).",
@@ -808,9 +816,7 @@ _CAUSES: tuple[Cause, ...] = (
           precedence=920, stage="error"),
 )  # fmt: skip
 
-REGISTRY: tuple[Cause, ...] = tuple(
-    sorted((*_CAUSES, *_MESH_CAUSES), key=lambda c: c.precedence)
-)
+REGISTRY: tuple[Cause, ...] = tuple(sorted((*_CAUSES, *_MESH_CAUSES), key=lambda c: c.precedence))
 """Every cause, in precedence order."""
 
 CAUSES: dict[str, str] = {c.code: c.summary for c in REGISTRY}

@@ -137,9 +137,7 @@ def _fingerprint(args: Any) -> float:
     """A number that changes with the tensors in a forward's arguments."""
     if isinstance(args, Tensor):
         if not args.is_complex():
-            x = args.detach()
-            if hasattr(x, "full_tensor"):
-                x = x.to_local()
+            x = _local(args)
             pos = torch.arange(1, x.numel() + 1, dtype=torch.float64)
             return float((x.reshape(-1).to(torch.float64) * pos).sum()) + float(x.numel())
         return 0.0
@@ -255,5 +253,8 @@ def split_rank_mesh(
 
 
 def _local(t: Tensor) -> Tensor:
+    """This rank's piece of `t` (a DTensor's local shard; a plain tensor as it is), detached."""
+    from torch.distributed.tensor import DTensor
+
     x = t.detach()
-    return x.to_local() if hasattr(x, "to_local") else x
+    return x.to_local() if isinstance(x, DTensor) else x

@@ -363,7 +363,9 @@ class _Target:
         return dataclasses.replace(report, notes=notes)
 
 
-def _mesh_evidence_of(mesh: str, batch_dims: tuple[str, ...] | None, outs: list[RankResult]) -> dict[str, Any]:
+def _mesh_evidence_of(
+    mesh: str, batch_dims: tuple[str, ...] | None, outs: list[RankResult]
+) -> dict[str, Any]:
     """Evidence fields of a mesh run (none for a flat world)."""
     if not mesh:
         return {}
