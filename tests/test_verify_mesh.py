@@ -6,7 +6,8 @@ ragged token counts per micro-batch, each against one process on the whole batch
 Mutations that must be named: the count all-reduced over the world (x tp
 replicas: 1/tp), tp rank 1 fed another shard's rows, and on dp2 x cp2 (FSDP2 on
 dp_cp, each cp rank holding half of every row's positions) the whole rows' items
-counted on every cp rank (1/cp).
+counted on every cp rank (1/cp); on pp2 x dp2 (1F1B, FSDP2 on dp per stage) the
+first stage left unscaled.
 """
 
 from __future__ import annotations
@@ -103,6 +104,31 @@ def test_context_parallel_from_the_spec_mesh() -> None:
     assert codes == ["cp-counted-twice"], twice.format()
     assert "exactly 1/cp = 1/2" in twice.diagnoses[0].message
     assert any(c.variant.startswith("replicas 1 (dp=2,cp=1)") and c.ok for c in twice.comparisons)
+
+
+PP_EXPECTED: dict[str, str | None] = {
+    f"{TARGETS}:pp_exact": None,
+    f"{TARGETS}:pp_stage0_unscaled": "stage-not-rescaled",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_pipeline_stages_gathered_by_owner() -> None:
+    # pp2 x dp2, 1F1B: each rank holds its stage's parameters only; the full gradient of
+    # every parameter comes from its stage's ranks.
+    reports = {r.target: r for r in verify(*PP_EXPECTED, micro_batches=2, timeout=60.0)}
+    exact, bad = reports[f"{TARGETS}:pp_exact"], reports[f"{TARGETS}:pp_stage0_unscaled"]
+    assert exact.passed and exact.wrap == "mesh pp=2,dp=2", exact.format()
+    assert exact.comparisons[0].max_rel_err < 1e-12
+    assert [d.code for d in bad.diagnoses] == ["stage-not-rescaled"], bad.format()
+    diagnosis = bad.diagnoses[0]
+    assert set(diagnosis.params) == {"emb.weight", "hidden.weight", "hidden.bias"}
+    assert "pipeline stage 0" in diagnosis.message
+    assert exact.evidence is not None
+    assert [set(o) for o in exact.evidence.owned] == [
+        {"emb.weight", "hidden.weight", "hidden.bias"}
+    ] * 2 + [{"out.weight", "out.bias"}] * 2
 
 
 @pytest.mark.slow

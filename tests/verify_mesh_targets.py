@@ -26,6 +26,8 @@ Legend: N rows, T padded width, B row shards (dp), K micro-batches per shard.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -231,3 +233,101 @@ def cp_exact() -> VerifySpec:
 
 def cp_twice() -> VerifySpec:
     return _cp_spec(_cp_twice_step)
+
+
+# ---------------------------------------------------------------------------
+# pp x dp: two stages of TinyLM (tests/mesh_cases.py), FSDP2 on dp per stage
+# ---------------------------------------------------------------------------
+
+PP_MESH = "pp=2,dp=2"
+
+
+def parallelize_pp(model: nn.Module, mesh: object) -> nn.Module:
+    """This rank's stage of `model` (its pp coordinate), FSDP2 on dp; the step builds the
+    PipelineStage around it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.mesh_cases import Stage0, Stage1
+
+    lm = model
+    pp = mesh["pp"].get_local_rank()  # type: ignore[index]
+    stage_mod: nn.Module = Stage0(lm) if pp == 0 else Stage1(lm)  # type: ignore[arg-type]
+    fully_shard(stage_mod, mesh=mesh["dp"])  # type: ignore[index]
+    return stage_mod
+
+
+def _pipeline_stage(module: nn.Module) -> object:
+    from torch.distributed.pipelining import PipelineStage
+
+    mesh = current_mesh()
+    pp = mesh["pp"].get_local_rank()
+    return PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def _pp_exact_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    from tests.mesh_cases import token_loss_sum
+    from wholebatch.train.pipeline import PipelineAccumulator
+
+    acc = PipelineAccumulator(
+        _pipeline_stage(model), opt, mesh=current_mesh(), batch_dims=("dp",),
+        pipeline_dim="pp", schedule="1f1b", n_microbatches=len(mbs), loss_fn=token_loss_sum,
+    )  # fmt: skip
+    tokens = torch.cat([t for t, _ in mbs])  # [K*S, T]: the schedule cuts K chunks
+    targets = torch.cat([y for _, y in mbs])
+    acc.step(tokens, target=targets)
+
+
+def _pp_stage0_unscaled_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    """A hand-written pipeline step whose first stage keeps its unscaled gradient sum."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from tests.mesh_cases import token_loss_sum
+
+    stage: Any = _pipeline_stage(model)
+    parts: list[Tensor] = []
+
+    def loss_fn(out: Tensor, tgt: Tensor) -> Tensor:
+        loss, n = token_loss_sum(out, tgt)
+        parts.append(torch.stack([loss.detach(), n.to(loss.dtype)]))
+        return loss
+
+    schedule = Schedule1F1B(stage, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
+    if stage.is_first:
+        schedule.step(torch.cat([t for t, _ in mbs]))
+    else:
+        schedule.step(target=torch.cat([y for _, y in mbs]))
+    mine = torch.stack(parts[-len(mbs) :]).sum(0) if parts else torch.zeros(2, dtype=torch.float64)
+    dist.all_reduce(mine)  # only the last stages hold counts: the world sum is N
+    factor = current_mesh()["dp"].size() / float(mine[1])  # FSDP2 averaged over dp
+    if stage.is_first:
+        factor = 1.0  # the mutation: this stage is not rescaled
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    opt.step()
+
+
+def _pp_spec(step: object) -> VerifySpec:
+    return VerifySpec(
+        build_model=_model,
+        batch=_batch(),
+        step=step,  # type: ignore[arg-type]
+        reference_loss=reference_loss,
+        count_items=lambda b: int((b[1] != -100).sum()),
+        mesh=PP_MESH,
+        batch_dims=("dp",),
+        parallelize=parallelize_pp,
+    )
+
+
+def pp_exact() -> VerifySpec:
+    return _pp_spec(_pp_exact_step)
+
+
+def pp_stage0_unscaled() -> VerifySpec:
+    return _pp_spec(_pp_stage0_unscaled_step)

@@ -603,6 +603,44 @@ def _replica_data_message(case: Case) -> str:
     )
 
 
+def _stages(case: Case) -> dict[int, set[str]]:
+    """On a pipeline mesh: each pp stage's parameters (those its ranks gave a gradient)."""
+    from wholebatch.verify.mesh import coordinate
+
+    ev = case.ev
+    if ev.mesh.get("pp", 1) < 2 or len(ev.owned) != math.prod(ev.mesh.values()):
+        return {}
+    out: dict[int, set[str]] = {}
+    for rank, names_ in enumerate(ev.owned):
+        out.setdefault(coordinate(ev.mesh, rank)["pp"], set()).update(names_)
+    return out
+
+
+def _unscaled_stage(case: Case) -> int | None:
+    """The one stage whose parameters are this group, at one factor, the others exact."""
+    stages, g = _stages(case), case.g
+    if not stages or g.ratio is None or near(g.ratio, 1.0):
+        return None
+    group = set(g.names)
+    hit = [s for s, owned in stages.items() if group <= owned]
+    if len(hit) != 1:
+        return None
+    others = {n for s, owned in stages.items() if s != hit[0] for n in owned}
+    exact = all(p.ok for p in case.main.params if p.name in others)
+    return hit[0] if exact and others else None
+
+
+def _stage_message(case: Case) -> str:
+    stage = _unscaled_stage(case)
+    return (
+        f"{case.g.subject()} {case.g.ratio:.4g} x the whole-batch gradient, and they are the "
+        f"parameters of pipeline stage {stage} on the mesh {_mesh_shown(case)}, while every "
+        "other stage's gradient is exact: that stage's gradients were not rescaled by the "
+        "step's factor (the agreed 1/N, times the wrapper's divisor). Only the last stage "
+        "computes the loss, but every stage's gradient is part of the same step."
+    )
+
+
 _MESH_CAUSES: tuple[Cause, ...] = (
     Cause(
         code="replicas-fed-different-data",
@@ -641,6 +679,18 @@ _MESH_CAUSES: tuple[Cause, ...] = (
         fix="Fix: each cp rank counts the items of its own tokens only, summed over dp x cp "
         "(Accumulator(mesh=mesh, batch_dims=('dp', 'cp')) with a loss_fn over the rank's "
         "slice).",
+    ),
+    Cause(
+        code="stage-not-rescaled",
+        summary="on a pipeline mesh, one stage's parameters at a factor, the other stages exact",
+        precedence=146,
+        stage="gradient",
+        per_group=True,
+        excluded_by=("replicated-K",),
+        test=lambda case: _unscaled_stage(case) is not None,
+        message=_stage_message,
+        fix="Fix: after the schedule, agree N over the mesh and rescale every stage by the "
+        "same factor (wholebatch.train.pipeline.PipelineAccumulator does).",
     ),
 )
 

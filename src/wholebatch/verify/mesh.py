@@ -10,7 +10,9 @@ dims, the replicas, gets the same rows and the same seed), applies the spec's
 `current_mesh()`. Afterwards every rank gathers each parameter's full gradient
 (a DTensor's shards through `full_tensor()`, in parameter order on every rank),
 so every rank's gradients are compared with one process on the whole batch, as
-for a flat world. Each rank also records a fingerprint of what the model's
+for a flat world. On a pipeline ("pp=2,dp=2") a rank holds its stage's parameters
+only: each parameter's gradient comes from the first rank whose stage computed one
+(one all-gather), and each rank reports which parameters its stage owns. Each rank also records a fingerprint of what the model's
 forward received: ranks that replicate a data shard must have seen the same.
 
 Legend: W processes (the mesh's size), B row shards (the product of the batch
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REPLICAS_ONE",
+    "coordinate",
     "current_mesh",
     "mesh_world",
     "replica_dims",
@@ -109,12 +112,12 @@ def replica_groups(shape: Mapping[str, int], rows: Sequence[str]) -> list[list[i
     free = set(replica_dims(shape, rows))
     groups: dict[tuple[int, ...], list[int]] = {}
     for r in range(math.prod(shape.values())):
-        coord = _coordinate(shape, r)
+        coord = coordinate(shape, r)
         groups.setdefault(tuple(c for d, c in coord.items() if d not in free), []).append(r)
     return [g for g in groups.values() if len(g) > 1]
 
 
-def _coordinate(shape: Mapping[str, int], rank: int) -> dict[str, int]:
+def coordinate(shape: Mapping[str, int], rank: int) -> dict[str, int]:
     """Row-major coordinate of `rank` (init_device_mesh lays ranks out row-major)."""
     out: dict[str, int] = {}
     rest = rank
@@ -126,7 +129,7 @@ def _coordinate(shape: Mapping[str, int], rank: int) -> dict[str, int]:
 
 def shard_of(shape: Mapping[str, int], rows: Sequence[str], rank: int) -> int:
     """Which row shard (0..B-1) `rank` holds: row-major over the row dims."""
-    coord = _coordinate(shape, rank)
+    coord = coordinate(shape, rank)
     index = 0
     for d in rows:
         index = index * shape[d] + coord[d]
@@ -183,7 +186,7 @@ def split_rank_mesh(
     dims = row_dims(shape, spec.batch_dims)
     b = math.prod(shape[d] for d in dims)
     shard = shard_of(shape, dims, rank)
-    coord = _coordinate(shape, rank)
+    coord = coordinate(shape, rank)
     primary = all(coord[d] == 0 for d in shape if d not in dims)
     batch = worker._batch(spec, condition)
     k, n = micro_batches, rows(batch)
@@ -228,6 +231,9 @@ def split_rank_mesh(
             if not torch.equal(_local(p), _local(was))
         )
         grads = {name: _full(optimizer.gradient(p), p) for name, p in named}
+        owned = tuple(n for n, g in grads.items() if g is not None)
+        if shape.get("pp", 1) > 1:
+            grads = _from_owners(grads)
     finally:
         _CURRENT.pop()
         hook.remove()
@@ -248,8 +254,26 @@ def split_rank_mesh(
         redrawn=tuple(name for name, t in tapes.items() if t.redrawn(my_rows)) if primary else (),
         shard=shard,
         primary=primary,
+        owned=owned,
         inputs=tuple(seen),
     )
+
+
+def _from_owners(grads: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """On a pipeline: every parameter's gradient from the first rank whose stage holds it.
+
+    Every rank of the world calls it (one all-gather of objects); a parameter no stage
+    computed a gradient for stays None.
+    """
+    import torch.distributed as dist
+
+    mine = {n: g for n, g in grads.items() if g is not None}
+    everyone: list[dict[str, Tensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, Tensor | None] = {}
+    for name in grads:
+        out[name] = next((d[name] for d in everyone if d is not None and name in d), None)
+    return out
 
 
 def _local(t: Tensor) -> Tensor:

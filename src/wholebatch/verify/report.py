@@ -160,6 +160,9 @@ class Evidence:
     inputs: tuple[tuple[float, ...], ...] = ()
     """On a mesh: per rank, a fingerprint of each forward's arguments."""
 
+    owned: tuple[tuple[str, ...], ...] = ()
+    """On a mesh: per rank, the parameters its step gave a gradient (a pipeline stage's)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:

@@ -375,6 +375,7 @@ def _mesh_evidence_of(
         "row_dims": row_dims(shape, batch_dims),
         "shards": tuple(o.shard for o in outs),
         "inputs": tuple(o.inputs for o in outs),
+        "owned": tuple(o.owned for o in outs),
     }
 
 

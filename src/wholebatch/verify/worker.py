@@ -126,6 +126,8 @@ class RankResult:
     """On a mesh: the first replica of its shard (its rows and masks stand for the shard)."""
     inputs: tuple[float, ...] = ()
     """On a mesh: a fingerprint of each forward's arguments (replicas must agree)."""
+    owned: tuple[str, ...] = ()
+    """On a mesh: the parameters this rank's step gave a gradient (its pipeline stage's)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
