@@ -6,7 +6,8 @@ ragged token counts per micro-batch, each against one process on the whole batch
 Mutations that must be named: the count all-reduced over the world (x tp
 replicas: 1/tp), tp rank 1 fed another shard's rows, and on dp2 x cp2 (FSDP2 on
 dp_cp, each cp rank holding half of every row's positions) the whole rows' items
-counted on every cp rank (1/cp); on pp2 x dp2 (1F1B, FSDP2 on dp per stage) the
+counted on every cp rank (1/cp) and cp's counts dropped (each rank's shard at
+N / N_c); on pp2 x dp2 (1F1B, FSDP2 on dp per stage) the
 first stage left unscaled.
 """
 
@@ -89,6 +90,7 @@ def test_replica_message_names_the_ranks(
 CP_EXPECTED: dict[str, str | None] = {
     f"{TARGETS}:cp_exact": None,
     f"{TARGETS}:cp_twice": "cp-counted-twice",
+    f"{TARGETS}:cp_dp_only": "cp-items-missing",
 }
 
 
@@ -104,6 +106,13 @@ def test_context_parallel_from_the_spec_mesh() -> None:
     assert codes == ["cp-counted-twice"], twice.format()
     assert "exactly 1/cp = 1/2" in twice.diagnoses[0].message
     assert any(c.variant.startswith("replicas 1 (dp=2,cp=1)") and c.ok for c in twice.comparisons)
+    # cp's counts dropped: each cp rank's shard at its own N / N_c (ragged: no one ratio).
+    dropped = reports[f"{TARGETS}:cp_dp_only"]
+    assert [d.code for d in dropped.diagnoses] == ["cp-items-missing"], dropped.format()
+    assert dropped.evidence is not None
+    factors = dropped.evidence.rank_factors
+    assert all(f is not None for f in factors) and factors[0] == pytest.approx(factors[2])
+    assert 1 / factors[0] + 1 / factors[1] == pytest.approx(1.0, rel=1e-9)  # type: ignore[operator]
 
 
 PP_EXPECTED: dict[str, str | None] = {

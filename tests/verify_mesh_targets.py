@@ -18,6 +18,7 @@ On dp x cp ("dp=2,cp=2", FSDP2 on the flattened dp_cp dim, each cp rank keeping
 its half of every row's token positions):
 
 - `cp_exact`: `Accumulator(mesh=..., batch_dims=("dp", "cp"))` on the rank's slice (passes).
+- `cp_dp_only`: each cp rank counts its own tokens over dp only (cp's counts dropped).
 - `cp_twice`: every cp rank counts the items of the whole rows it shares and the
   counts are summed over dp x cp (prime-rl PR #2562): 1/cp.
 
@@ -212,6 +213,32 @@ def _cp_twice_step(
             if p.grad is not None:
                 p.grad.mul_(factor)
     opt.step()
+
+
+def _cp_dp_only_step(
+    model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
+) -> None:
+    """The mutation: each cp rank counts its own tokens, all-reduced over dp only."""
+    mesh = current_mesh()
+    k = len(mbs)
+    items = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(_cp_slice(mbs)):
+        model.set_requires_gradient_sync(i == k - 1)  # type: ignore[operator]
+        loss, n = lm_loss_sum(model, mb)
+        loss.backward()
+        items += n
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    dist.all_reduce(items, group=mesh["dp"].get_group())  # cp's counts dropped
+    factor = mesh["dp_cp"].size() / float(items)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    opt.step()
+
+
+def cp_dp_only() -> VerifySpec:
+    return _cp_spec(_cp_dp_only_step)
 
 
 def _cp_spec(step: object) -> VerifySpec:

@@ -603,6 +603,39 @@ def _replica_data_message(case: Case) -> str:
     )
 
 
+def _cp_factors(case: Case) -> dict[int, float]:
+    """On a mesh with cp: each cp coordinate's factor, when every rank's shards are one
+    multiple of the reference, the ranks of one cp coordinate agree, and sum(1/f) = 1."""
+    from wholebatch.verify.mesh import coordinate
+
+    ev, (_, c) = case.ev, _mesh_sizes(case)
+    if c < 2 or not ev.rank_factors or any(f is None or f <= 0 for f in ev.rank_factors):
+        return {}
+    by_cp: dict[int, float] = {}
+    for rank, f in enumerate(ev.rank_factors):
+        assert f is not None
+        at = coordinate(ev.mesh, rank)["cp"]
+        if at in by_cp and not near(by_cp[at], f):
+            return {}
+        by_cp.setdefault(at, f)
+    if len(by_cp) != c or all(near(f, 1.0) for f in by_cp.values()):
+        return {}
+    return by_cp if abs(math.fsum(1.0 / f for f in by_cp.values()) - 1.0) <= 1e-6 else {}
+
+
+def _cp_missing_message(case: Case) -> str:
+    factors = _cp_factors(case)
+    shown = ", ".join(f"cp rank {r}: {f:.4g}" for r, f in sorted(factors.items()))
+    inverse = " + ".join(f"1/{f:.4g}" for _, f in sorted(factors.items()))
+    return (
+        f"on the mesh {_mesh_shown(case)} each rank's shard of the gradient is its own "
+        f"multiple of the whole-batch gradient ({shown}), and {inverse} = 1: each cp rank "
+        "divides by the items of its own tokens (N_c, agreed over dp only) where the whole "
+        "batch has N = the sum over cp of N_c, so the other context-parallel ranks' items are "
+        "missing from its count (x cp when every cp rank holds as many; Megatron-LM PR #7513)."
+    )
+
+
 def _stages(case: Case) -> dict[int, set[str]]:
     """On a pipeline mesh: each pp stage's parameters (those its ranks gave a gradient)."""
     from wholebatch.verify.mesh import coordinate
@@ -679,6 +712,16 @@ _MESH_CAUSES: tuple[Cause, ...] = (
         fix="Fix: each cp rank counts the items of its own tokens only, summed over dp x cp "
         "(Accumulator(mesh=mesh, batch_dims=('dp', 'cp')) with a loss_fn over the rank's "
         "slice).",
+    ),
+    Cause(
+        code="cp-items-missing",
+        summary="on a mesh with cp, each rank's shard at N / N_c: cp's items left out of the count",
+        precedence=147,
+        stage="gradient",
+        test=lambda case: bool(_cp_factors(case)),
+        message=_cp_missing_message,
+        fix="Fix: count over dp x cp (Accumulator(mesh=mesh, batch_dims=('dp', 'cp'))), the "
+        "count all-reduced over the flattened dp_cp group.",
     ),
     Cause(
         code="stage-not-rescaled",

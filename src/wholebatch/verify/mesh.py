@@ -230,6 +230,7 @@ def split_rank_mesh(
             for (name, p), was in zip(named, before, strict=True)
             if not torch.equal(_local(p), _local(was))
         )
+        local = {name: _local_piece(optimizer.gradient(p), p) for name, p in named}
         grads = {name: _full(optimizer.gradient(p), p) for name, p in named}
         owned = tuple(n for n, g in grads.items() if g is not None)
         if shape.get("pp", 1) > 1:
@@ -255,8 +256,56 @@ def split_rank_mesh(
         shard=shard,
         primary=primary,
         owned=owned,
+        local={n: v for n, v in local.items() if v is not None},
         inputs=tuple(seen),
     )
+
+
+def _local_piece(g: Tensor | None, p: Tensor) -> tuple[Tensor, tuple[int, ...]] | None:
+    """This rank's piece of a DTensor gradient and its offset in the full tensor; None for a
+    plain tensor, or placements other than Shard/Replicate (a strided shard under TP)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if g is None or not isinstance(p, DTensor) or not isinstance(g, DTensor):
+        return None
+    if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+        return None
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return g.to_local().detach().to(torch.float64).cpu(), tuple(int(o) for o in offset)
+
+
+def rank_factors(
+    local: Sequence[Mapping[str, tuple[Tensor, tuple[int, ...]]]],
+    reference: Mapping[str, Tensor | None],
+) -> tuple[float | None, ...]:
+    """Per rank, the one factor its gradient pieces are of the reference's (None: no one factor).
+
+    A rank's FSDP shard scaled by its own wrong count shows here, where the full
+    gradient (shards of different ranks at different factors) has no single ratio.
+    """
+    out: list[float | None] = []
+    for pieces in local:
+        factors: list[float] = []
+        fits = True
+        for name, (piece, offset) in pieces.items():
+            full = reference.get(name)
+            if full is None or piece.numel() == 0:
+                continue
+            ref = full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))]
+            norm = float((ref * ref).sum())
+            if norm == 0.0:
+                continue
+            f = float((piece * ref).sum()) / norm
+            if float((piece - f * ref).norm()) > 1e-6 * float(piece.norm()):
+                fits = False
+                break
+            factors.append(f)
+        same = (
+            fits and factors and all(abs(f - factors[0]) <= 1e-6 * abs(factors[0]) for f in factors)
+        )
+        out.append(factors[0] if same else None)
+    return tuple(out)
 
 
 def _from_owners(grads: dict[str, Tensor | None]) -> dict[str, Tensor | None]:

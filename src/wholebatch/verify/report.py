@@ -163,6 +163,10 @@ class Evidence:
     owned: tuple[tuple[str, ...], ...] = ()
     """On a mesh: per rank, the parameters its step gave a gradient (a pipeline stage's)."""
 
+    rank_factors: tuple[float | None, ...] = ()
+    """On a mesh: per rank, the one factor its shards of the gradient are of the
+    reference's (None where they are not one multiple)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:

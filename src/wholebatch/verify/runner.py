@@ -45,7 +45,13 @@ import torch
 
 from wholebatch.comm.mesh import parse_mesh_shape
 from wholebatch.verify.diagnose import diagnose, error_report
-from wholebatch.verify.mesh import REPLICAS_ONE, mesh_world, replica_shape, row_dims
+from wholebatch.verify.mesh import (
+    REPLICAS_ONE,
+    mesh_world,
+    rank_factors,
+    replica_shape,
+    row_dims,
+)
 from wholebatch.verify.procs import ChildFailure, Session
 from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, VerifyReport, compare
 from wholebatch.verify.spec import (
@@ -304,8 +310,8 @@ class _Target:
         fit, measured = self._fit_and_floor(fit_cond, fit_outs, rtol)
         return comparisons, fit, measured
 
-    def _mesh_evidence(self, outs: list[RankResult]) -> dict[str, Any]:
-        return _mesh_evidence_of(self.mesh, self.desc.batch_dims, outs)
+    def _mesh_evidence(self, outs: list[RankResult], ref: RefResult) -> dict[str, Any]:
+        return _mesh_evidence_of(self.mesh, self.desc.batch_dims, outs, ref)
 
     def _mesh_reruns(self, rtol: float) -> list[Comparison]:
         """On a mesh: the same step with every replica dim of size 1 ("dp=2,tp=1")."""
@@ -346,7 +352,7 @@ class _Target:
             in_functions=tuple(o.in_functions for o in outs),
             redrawn=tuple(o.redrawn for o in outs),
             rows_note=_rows_missing(outs, self.desc.rows),
-            **self._mesh_evidence(outs),
+            **self._mesh_evidence(outs, ref),
         )
         comparisons: list[Comparison] = [main]
         fit: Fit | None = None
@@ -364,7 +370,7 @@ class _Target:
 
 
 def _mesh_evidence_of(
-    mesh: str, batch_dims: tuple[str, ...] | None, outs: list[RankResult]
+    mesh: str, batch_dims: tuple[str, ...] | None, outs: list[RankResult], ref: RefResult
 ) -> dict[str, Any]:
     """Evidence fields of a mesh run (none for a flat world)."""
     if not mesh:
@@ -376,6 +382,7 @@ def _mesh_evidence_of(
         "shards": tuple(o.shard for o in outs),
         "inputs": tuple(o.inputs for o in outs),
         "owned": tuple(o.owned for o in outs),
+        "rank_factors": rank_factors([o.local for o in outs], ref.grads),
     }
 
 

@@ -128,6 +128,8 @@ class RankResult:
     """On a mesh: a fingerprint of each forward's arguments (replicas must agree)."""
     owned: tuple[str, ...] = ()
     """On a mesh: the parameters this rank's step gave a gradient (its pipeline stage's)."""
+    local: dict[str, tuple[Tensor, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """On a mesh: this rank's piece of each sharded gradient and its offset in the full one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
