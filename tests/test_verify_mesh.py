@@ -85,6 +85,13 @@ def test_replica_message_names_the_ranks(
     text = reports[f"{TARGETS}:replica_rows"].diagnoses[0].message
     assert "ranks 0 and 1" in text and "DistributedSampler" in text
     assert "mesh dp=2,tp=2 x 2 micro-batches" in str(mismatch)
+    doc = reports[f"{TARGETS}:replica_rows"].to_json()
+    assert doc["evidence"]["mesh"] == {"dp": 2, "tp": 2} and doc["evidence"]["shards"] == [
+        0,
+        0,
+        1,
+        1,
+    ]
 
 
 CP_EXPECTED: dict[str, str | None] = {
@@ -167,6 +174,16 @@ def test_cli_bad_mesh_is_a_usage_error() -> None:
     from wholebatch.cli.main import main
 
     assert main(["verify", f"{TARGETS}:exact", "--mesh", "dp=two"]) == 2
+
+
+def test_bad_mesh_for_the_spec_is_a_usage_error() -> None:
+    # Checked before any process starts: batch dims not on the mesh, too few rows.
+    from wholebatch.verify import TargetError, run_verify
+
+    with pytest.raises(TargetError, match=r"batch_dims \['dp'\] are not dims"):
+        run_verify([f"{TARGETS}:exact"], VerifyConfig(mesh="data=2,tp=2"))
+    with pytest.raises(TargetError, match="fewer than B·K = 8·2 = 16"):
+        run_verify([f"{TARGETS}:exact"], VerifyConfig(mesh="dp=8", micro_batches=2))
 
 
 def _tiny_spec(**kw: Any) -> VerifySpec:

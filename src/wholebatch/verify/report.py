@@ -343,6 +343,11 @@ class VerifyReport:
                 "collectives_in_functions": [dict(c) for c in ev.in_functions],
                 "redrawn_dropout": [list(r) for r in ev.redrawn],
                 "rows_note": ev.rows_note,
+                "mesh": dict(ev.mesh),
+                "row_dims": list(ev.row_dims),
+                "shards": list(ev.shards),
+                "owned_parameters": [list(o) for o in ev.owned],
+                "rank_factors": [num(f) for f in ev.rank_factors],
             },
             "fit": None
             if self.fit is None

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from wholebatch.comm.mesh import parse_mesh_shape
+from wholebatch.errors import WholebatchError
 from wholebatch.verify.diagnose import diagnose, error_report
 from wholebatch.verify.mesh import (
     REPLICAS_ONE,
@@ -127,6 +128,8 @@ class _Target:
         """The device mesh the split runs on ("dp=2,tp=2"); "" a flat world."""
         self.world = mesh_world(self.mesh) if self.mesh else config.nproc
         """W: the processes of the split run."""
+        if self.mesh:
+            _check_mesh_split(target, self.mesh, desc, config.micro_batches)
 
     def _split(self, condition: Condition, w: int, k: int) -> list[RankResult] | ChildFailure:
         values = self.session.call(
@@ -367,6 +370,29 @@ class _Target:
         if not main.ok and evidence.rows_note:
             notes += (evidence.rows_note,)
         return dataclasses.replace(report, notes=notes)
+
+
+def _check_mesh_split(target: str, mesh: str, desc: Description, k: int) -> None:
+    """A TargetError (the same for every rank: checked before any runs) unless the spec can
+    run on `mesh`: a VerifySpec, batch dims among its dims, at least B·K rows."""
+    if desc.kind == "trainer":
+        raise TargetError(
+            f"verify: {target}: --mesh {mesh}: a TrainerSpec cannot run on a mesh yet (its "
+            "trainer owns the split); write the step as a VerifySpec with parallelize="
+        )
+    try:
+        shape = parse_mesh_shape(mesh)
+        dims = row_dims(shape, desc.batch_dims)
+    except WholebatchError as exc:
+        raise TargetError(f"verify: {target}: --mesh {mesh}: {exc}") from None
+    b = math.prod(shape[d] for d in dims)
+    for what, n in (("batch", desc.rows), ("equal_batch", desc.equal_rows)):
+        if n and n < b * k:
+            raise TargetError(
+                f"verify: {target}: the spec's {what} has {n} rows, fewer than B·K = {b}·{k} = "
+                f"{b * k} (B: the row shards of mesh {mesh}, the product of {dims}); lower "
+                "--micro-batches or make the batch larger"
+            )
 
 
 def _mesh_evidence_of(
