@@ -145,11 +145,12 @@ class _Target:
 
     def _reference(self, req: RefRequest) -> RefResult | ChildFailure:
         reuse = req.masks is None and req.pieces is None and not req.floor
-        if reuse and req.condition in self._refs:
-            return self._refs[req.condition]
+        key = dataclasses.replace(req.condition, mesh="")  # one whole batch for every mesh
+        if reuse and key in self._refs:
+            return self._refs[key]
         (value,) = self.session.call(self.where, reference, (req,))
         if isinstance(value, RefResult) and reuse:
-            self._refs[req.condition] = value
+            self._refs[key] = value
         return value  # type: ignore[no-any-return]
 
     def _ref_for(
