@@ -29,6 +29,7 @@ TARGETS = "tests/verify_mesh_targets.py"
 EXPECTED: dict[str, str | None] = {
     f"{TARGETS}:exact": None,
     f"{TARGETS}:hand_exact": None,
+    f"{TARGETS}:ddp_exact": None,  # no parallelize: verify's DDP over dp, replicated over tp
     f"{TARGETS}:count_world": "counted-over-tp",
     f"{TARGETS}:replica_rows": "replicas-fed-different-data",
 }

@@ -9,6 +9,8 @@ one row holds no target), float64.
 
 - `exact`: `Accumulator(mesh=current_mesh(), batch_dims=("dp",))` (passes).
 - `hand_exact`: the hand-written exact loop (count over dp; grads x dp / N) (passes).
+- `ddp_exact`: no `parallelize`: verify wraps the model in DDP over dp (replicated
+  over tp); the `Accumulator` (passes).
 - `count_world`: the hand loop with the count all-reduced over the world: N counts
   the tp replicas' tokens too (1/tp).
 - `replica_rows`: the hand loop where rank 1 (tp rank 1 of dp 0) takes the next
@@ -27,6 +29,7 @@ Legend: N rows, T padded width, B row shards (dp), K micro-batches per shard.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -358,3 +361,9 @@ def pp_exact() -> VerifySpec:
 
 def pp_stage0_unscaled() -> VerifySpec:
     return _pp_spec(_pp_stage0_unscaled_step)
+
+
+def ddp_exact() -> VerifySpec:
+    """No parallelize: verify wraps the plain model in DDP over the batch dims (dp), the
+    model replicated over tp; the Accumulator counts over dp."""
+    return dataclasses.replace(_spec(_accumulator_step), parallelize=None, wrap="ddp")
