@@ -37,8 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tests.models import TinyLM, lm_loss_sum, make_sequences, micro_batch
-from wholebatch.verify import VerifySpec
-from wholebatch.verify.mesh import current_mesh
+from wholebatch.verify import VerifySpec, current_mesh
 from wholebatch.verify.spec import split_batch
 
 MESH = "dp=2,tp=2"
