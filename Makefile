@@ -7,11 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # Peers installed without their dependencies: both pull torchvision, whose PyPI
 # build cannot load beside the CPU torch; the tests load only their loss modules.
+# open-clip-torch also ships open_clip_train (its training CLI): the package imports,
+# but its `main` and `train` modules import open_clip (so torchvision); the tests run
+# open_clip_train/train.py from its installed file (tests/support/peers.py).
 NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
 # -qq: pip's errors only; the lines below say what the bootstrap is doing.
 PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
-.PHONY: demo test bench lint gpu clean
+.PHONY: demo test test-fast bench lint gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> .venv: creating it with $(PYTHON)"
@@ -25,7 +28,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The test suite also compares against the peer libraries (the `peers` extra).
 $(VENV)/.peers: $(VENV)/.installed
-	@echo "==> .venv: peer libraries for the tests (transformers, accelerate, sentence-transformers, open_clip, lightly)"
+	@echo "==> .venv: peer libraries for the tests (transformers, accelerate, sentence-transformers, lightning, trl, deepspeed, open_clip, lightly)"
 	@$(PIP) -e ".[dev,demo,peers]" "$(TORCH_PIN)"
 	@$(PIP) --no-deps $(NODEPS_PEERS)
 	@touch $@
@@ -35,6 +38,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.peers
 	$(PY) -m pytest -q
+
+# The unit tier alone (one process each, under a minute): the loop to run while editing.
+test-fast: $(VENV)/.peers
+	$(PY) -m pytest -q tests/unit
 
 bench: $(VENV)/.peers
 	$(VENV)/bin/wholebatch bench

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from benchmarks._common import free_port
-from tests.plan_counting import wchar
+from tests.support.plan_counting import wchar
 
 KIB = 1024
 

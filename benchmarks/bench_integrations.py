@@ -6,7 +6,7 @@
 
 Contrastive losses (one process, CPU float32, D = 256, forward + backward with
 respect to both embeddings and the scalars), each peer loaded from its real
-installed file (tests/peers.py):
+installed file (tests/support/peers.py):
 
     clip    open_clip 3.3.0 ClipLoss        vs wholebatch.integrations.open_clip.ClipLoss
     siglip  open_clip 3.3.0 SigLipLoss      vs wholebatch.integrations.open_clip.SigLipLoss
@@ -64,7 +64,7 @@ LOSS_CASES = ("clip", "siglip", "ntxent", "bank")
 
 
 def _modules(case: str) -> tuple[nn.Module, nn.Module]:
-    from tests.peers import load_lightly_ntxent, load_open_clip_loss
+    from tests.support.peers import load_lightly_ntxent, load_open_clip_loss
     from wholebatch.integrations import lightly, open_clip
 
     if case in ("clip", "siglip"):

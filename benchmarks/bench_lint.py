@@ -15,7 +15,7 @@ loaded machine inflates least) are both printed. The earlier revision is read fr
 temporary folder; nothing is checked out here.
 
 Start-up (`--startup`, issue 10): wall time of `wholebatch lint FILE` on a 100-line file
-(tests/lint_cases/right_train_100.py) against the same command as it was before the
+(tests/support/lint_cases/right_train_100.py) against the same command as it was before the
 layout change, when the CLI imported torch first (the pre-layout revision `LAYOUT_REV`,
 run from `git archive`), and against `python -c "import torch; from wholebatch.cli import
 main; main(['lint', FILE])"`; and `import wholebatch` against `import torch`. Each
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The linter before summaries across functions (issue 16) and before the layout (issue 10).
 BASELINE_REV = "290ef4b"
 LAYOUT_REV = "606270a"
-SMALL_FILE = ROOT / "tests" / "lint_cases" / "right_train_100.py"
+SMALL_FILE = ROOT / "tests" / "support" / "lint_cases" / "right_train_100.py"
 # Peer libraries the test extra installs (`make .venv/.peers`): distribution -> packages.
 PEERS: dict[str, tuple[str, ...]] = {
     "open_clip_torch": ("open_clip", "open_clip_train"),

@@ -443,7 +443,7 @@ def _contention_table(n: int, d: int, rounds: int) -> None:
 # ---------------------------------------------------------------------------
 
 # (scale s, noise σ): text = normalise(image + σ/√D·noise); σ bisected on the float64
-# CLIP loss at N = 2,048 to give the issue's losses (tests/test_loss_precision.py).
+# CLIP loss at N = 2,048 to give the issue's losses (tests/unit/test_loss_precision.py).
 REGIMES = {
     "s = 100, ordinary": (100.0, 8.0),
     "s = 100, loss 0.32": (100.0, 3.205),
@@ -539,9 +539,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (~1 minute)")
     parser.add_argument(
         "--only",
-        choices=["clip", "siglip", "nt_xent", "info_nce", "cache", "contention", "precision"],
+        choices=[
+            "clip",
+            "siglip",
+            "nt_xent",
+            "info_nce",
+            "cache",
+            "contention",
+            "precision",
+            "ring",
+            "small",
+        ],
         action="append",
-        help="run only these tables' rows (repeatable); default: all",
+        help="run only these tables' rows (repeatable); default: all but ring and small "
+        "(benchmarks/losses_ring.py: ring vs gather on 4 ranks; losses_small.py: small "
+        "batches against open_clip on 2 ranks; each takes its own flags when run directly)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -592,6 +604,14 @@ def main(argv: list[str] | None = None) -> None:
         _contention_table(2048 if args.quick else 4096, 256, 3 if args.quick else 7)
     if "precision" in only:
         _precision_table(512 if args.quick else 2048, 256)
+    if "ring" in only:
+        from benchmarks import losses_ring
+
+        losses_ring.main(["--n", "8192", "--rounds", "1"] if args.quick else [])
+    if "small" in only:
+        from benchmarks import losses_small
+
+        losses_small.main(["--calls", "10"] if args.quick else [])
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
 

@@ -73,8 +73,8 @@ def _model(mesh: Any) -> tuple[nn.Module, Any]:
         parallelize_module,
     )
 
-    from tests.mesh_cases import _CountingReduceScatter
-    from tests.models import TinyLM
+    from tests.support.mesh_cases import _CountingReduceScatter
+    from tests.support.models import TinyLM
 
     model = TinyLM(vocab=VOCAB, dim=DIM)
     parallelize_module(model, mesh["tp"], {"hidden": ColwiseParallel(), "out": RowwiseParallel()})
@@ -112,7 +112,7 @@ def _slowest(seconds: float) -> float:
 
 def bench_rank(steps: int, warmup: int, s_mb: int, t_seq: int) -> dict[str, Any]:
     """Run on each of the 4 ranks: both methods, step by step; times and reduction counts."""
-    from tests.mesh_cases import get_mesh
+    from tests.support.mesh_cases import get_mesh
     from wholebatch.comm.mesh import MeshSplit
     from wholebatch.train.accumulate import Accumulator
 
@@ -156,7 +156,7 @@ def main() -> None:
     steps = 8 if args.quick else 30
     s_mb, t_seq = (16, 128) if args.big else (S, T)
     from benchmarks.bench_mesh import bench_rank as by_name  # pickled by module name, not __main__
-    from tests.harness import run_ranks, shutdown_worlds
+    from tests.support.harness import run_ranks, shutdown_worlds
 
     try:
         out = run_ranks(4, by_name, steps, 3, s_mb, t_seq, timeout=1500)[0]

@@ -5,15 +5,15 @@
     .venv/bin/python -m benchmarks.bench_plan --quick          # N = 4,096 (W = 1, 2) only; ~2 min
 
 1. Memory: each loss's forward + backward (the real public losses; InfoNCE also
-   with k = 3 hard negatives) in FRESH processes (tests/plan_memprobe.py:
+   with k = 3 hard negatives) in FRESH processes (tests/support/plan_memprobe.py:
    peak-RSS growth, glibc's mmap threshold fixed so RSS follows live memory),
    against `wholebatch.planner.memory.loss_memory`; D = 256. Calibration points
    (where the coefficients were read): W = 1 at N = 8,192 (tiles 512 and
    2,048), W = 2 and 4 at N = 16,384, InfoNCE's directions at W = 2, N = 8,192.
    Checks: every other row (N = 4,096 and 32,768, W = 1 at 16,384 in bfloat16,
-   k = 1), and W = 3 in tests/test_plan_dist.py.
+   k = 1), and W = 3 in tests/distributed/test_plan_dist.py.
 2. Bytes: every rank of W = 2, 3, 4 gloo ranks counts what the library hands to c10d
-   (tests/plan_counting.py) and what it writes to its sockets (/proc/self/io wchar),
+   (tests/support/plan_counting.py) and what it writes to its sockets (/proc/self/io wchar),
    against `wholebatch.planner.traffic.loss_traffic`, uneven sizes with an empty rank.
 3. Speed: `plan()` wall time (median of 5, after one warm call) for W = 8 .. 65,536,
    even and uneven splits; the CLI's wall time apart.
@@ -55,7 +55,7 @@ DIRECTIONS = [
 
 def _memprobe(world: int, specs: list[str]) -> dict[str, list[int]]:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.plan_memprobe", str(world), *specs],
+        [sys.executable, "-m", "tests.support.plan_memprobe", str(world), *specs],
         capture_output=True, text=True, env=ENV,
     )  # fmt: skip
     if out.returncode:
@@ -65,8 +65,8 @@ def _memprobe(world: int, specs: list[str]) -> dict[str, list[int]]:
 
 
 def _planned(spec: str, world: int) -> int:
-    from tests.plan_cases import DTYPES
-    from tests.plan_memprobe import case_of
+    from tests.support.plan_cases import DTYPES
+    from tests.support.plan_memprobe import case_of
     from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
 
     c = case_of(spec, world)
@@ -105,9 +105,9 @@ def memory_table(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def bytes_table() -> list[dict[str, Any]]:
-    from tests.harness import run_ranks, shutdown_worlds
-    from tests.plan_cases import Case, planned
-    from tests.test_plan_dist import _count_all
+    from tests.distributed.test_plan_dist import _count_all
+    from tests.support.harness import run_ranks, shutdown_worlds
+    from tests.support.plan_cases import Case, planned
 
     rows = []
     cases = [
@@ -167,6 +167,56 @@ def published_table() -> None:
             f"| {w} | {method} | {k}k | {published:.2f} | {mine:.2f} | {100 * (mine / published - 1):+.0f}% | "
             f"{ours512:.2f} | {ours:.2f} (T = {tile:,}) |"
         )
+
+
+# Inf-CL Table 2: the largest batch their method trains (with data offload), CLIP ViT-L/14.
+INF_CL_TABLE_2 = [(8, 4096), (32, 12288)]  # (GPUs, batch in k)
+
+
+def ring_table() -> None:
+    """wholebatch's ring CLIP (strategy="ring") against Inf-CL's ring rows of Table 1, and its
+    largest batch against Table 2: loss memory only (fp16 features, D = 768), tile 512 (as
+    Inf-CL's kernels) and the tile the losses choose on an accelerator."""
+    from wholebatch.losses.sizing import tile_size_for
+    from wholebatch.planner import PlanConfig, plan
+    from wholebatch.planner.memory import loss_memory
+
+    print(
+        "| GPUs | batch | Inf-CL ring GB | wholebatch ring GiB, T = 512 | vs Inf-CL | default tile GiB |"
+    )
+    print("|---|---|---|---|---|---|")
+    for w, method, k, published in INF_CL_TABLE_1:
+        if method != "ring + tiled":
+            continue
+        n = k * 1024
+        b = n // w
+        kw: dict[str, Any] = dict(n=n, b=b, dim=768, elem=2, acc=4, w=w, strategy="ring + tiled")
+        ours = loss_memory("clip", tile=512, **kw)
+        tile = tile_size_for("cuda", b, b)
+        ours_t = loss_memory("clip", tile=tile, **kw)
+        print(
+            f"| {w} | {k}k | {published:.2f} | {ours / 2**30:.3f} | {ours / 2**30 / published:.2f}x | "
+            f"{ours_t / 2**30:.2f} (T = {tile:,}) |"
+        )
+    print(
+        "\n| GPUs | Inf-CL largest batch | wholebatch ring, largest batch (80 GiB, T = 512) | gather |"
+    )
+    print("|---|---|---|---|")
+    for w, k in INF_CL_TABLE_2:
+        common: dict[str, Any] = dict(
+            loss="clip",
+            dim=768,
+            dtype="fp16",
+            world=w,
+            batch=w * 1024,
+            tile=512,
+            act_mib=0,
+            params=4.28e8,
+            memory_gib=80,
+        )
+        ring = plan(PlanConfig(strategy="ring", **common)).max_batch
+        gather = plan(PlanConfig(strategy="gather", **common)).max_batch
+        print(f"| {w} | {k:,}k | {ring:,} ({(ring or 0) / (k * 1024):.1f}x) | {gather:,} |")
 
 
 def speed_table() -> list[dict[str, Any]]:
@@ -229,10 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--only", choices=["memory", "bytes", "speed", "published"], action="append"
+        "--only", choices=["memory", "bytes", "speed", "published", "ring"], action="append"
     )
     args = parser.parse_args(argv)
-    only = set(args.only or ["memory", "bytes", "speed", "published"])
+    only = set(args.only or ["memory", "bytes", "speed", "published", "ring"])
     print(f"load: {os.getloadavg()}")
     if "memory" in only:
         print(
@@ -253,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
             "wholebatch clip, default tile |\n|---|---|---|---|---|---|---|---|"
         )
         published_table()
+    if "ring" in only:
+        print()
+        ring_table()
     print(f"load: {os.getloadavg()}")
 
 

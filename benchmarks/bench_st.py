@@ -86,8 +86,7 @@ def _build_model(path: str) -> nn.Module:
     import transformers
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tok_models
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
     transformers.logging.set_verbosity_error()

@@ -44,6 +44,8 @@ BENCHMARKS = (
     "bench_st",
     "bench_plan",
     "bench_lint",
+    "bench_mesh",
+    "bench_trainers",
 )
 
 

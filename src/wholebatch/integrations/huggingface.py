@@ -23,7 +23,7 @@ What transformers 5.23 does, and where it goes wrong (trainer.py):
   `loss_type=None`, so the count includes every row's first label although
   its loss (`ForCausalLMLoss`, the default `loss_function`) shifts them away:
   N is too large and the step's gradient too small (0.947x on the test batch
-  of tests/test_integrations_hf.py, 0.871x on the batch of issue 13).
+  of tests/distributed/test_integrations_hf.py, 0.871x on the batch of issue 13).
 - A model whose forward does not accept loss kwargs gets a mean of
   per-micro-batch means; a custom `compute_loss` gets the (possibly wrong)
   count and no factor for DDP's mean over ranks.

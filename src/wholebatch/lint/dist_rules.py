@@ -26,8 +26,7 @@ from wholebatch.lint.names import (
     walk_local,
 )
 from wholebatch.lint.rules import Finding, Hop, format_trace
-from wholebatch.lint.scope import FileContext, Scope
-from wholebatch.lint.scope import finding as _finding
+from wholebatch.lint.scope import FileContext, Scope, finding as _finding
 
 __all__ = ["check_dist", "layer_uses"]
 

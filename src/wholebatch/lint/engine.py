@@ -130,7 +130,7 @@ def lint_tree(
         codes: the enabled rule codes (default: all).
         gate: skip the rules whose gate words (`Rule.words`) do not occur in `source`;
             False runs every enabled rule, which finds the same when the words are right
-            (tests/test_lint_rules.py compares the two).
+            (tests/unit/test_lint_rules.py compares the two).
     """
     return _lint_module(tree, source, path, codes, None, "", False, gate=gate)[0]
 

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.names import dotted, last_name
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
-from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt
-from wholebatch.lint.scope import finding as _finding
+from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
 from wholebatch.lint.summaries import Resolver
 
 __all__ = ["attach", "check_flow"]

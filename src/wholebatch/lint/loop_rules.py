@@ -33,8 +33,8 @@ from wholebatch.lint.scope import (
     FileContext,
     Scope,
     exclusive,
+    finding as _finding,
 )
-from wholebatch.lint.scope import finding as _finding
 
 __all__ = ["check_loops"]
 

@@ -32,7 +32,7 @@ class Rule:
             file's text (or a call of the file is followed into another file, which
             brings that file's events); ``()`` means no gate, it always runs. Every
             snippet that triggers the rule must contain one of them
-            (tests/test_lint_rules.py checks it on every wrong example).
+            (tests/unit/test_lint_rules.py checks it on every wrong example).
     """
 
     code: str

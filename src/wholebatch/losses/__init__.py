@@ -1,10 +1,13 @@
 """Whole-batch losses: CLIP, SigLIP, NT-Xent and InfoNCE over the global batch.
 
 `contrastive` and `info_nce` hold the loss functions, `modules` their
-`nn.Module` forms, `common` the validation agreed across ranks and the
-gradient convention of DESIGN.md, `tiles` the tiled autograd kernels that keep
-memory linear in the batch, `sizing` their pure bookkeeping (tile size, the
-exchange's row). Losses use `wholebatch.comm` and nothing above it.
+`nn.Module` forms, `specs` one descriptor per loss (torch-free: what the
+exchange, the planner and the docs ask of it), `common` the validation agreed
+across ranks and the gradient convention of DESIGN.md, `tiles` the tiled
+autograd kernels that keep memory linear in the batch, `ring` the ring forms
+of the softmax losses (memory independent of N), `sizing` their pure
+bookkeeping (tile size, the exchange's row, what "auto" picks). Losses use
+`wholebatch.comm` and nothing above it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
     )
     from wholebatch.losses.sizing import (
         tile_size_for as tile_size_for,
+    )
+    from wholebatch.losses.specs import (
+        Strategy as Strategy,
     )
 
 _LAZY, __all__, __getattr__, __dir__ = lazy_package(globals())

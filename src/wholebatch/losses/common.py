@@ -14,13 +14,17 @@
    same checks on the same table, so a bad input raises the same error on
    every rank. On CUDA with NCCL reading the table is the one host sync of
    the call; with `sizes=` given and checks off there is no exchange at all.
-3. The agreement (W > 1, always): one all-reduce (max) of the scalars and the
-   reduction code, on the device. When ranks agree (the checks above say so,
-   or the caller promises it) this returns every value unchanged; when checks
-   are off and they do not, every rank still computes with the same values,
-   never a silently different loss per rank. Its backward sends each scalar's
-   gradient to every rank holding the value (split evenly among ties: all
-   ranks when they agree), so every rank's copy of `logit_scale` receives the
+3. The agreement (W > 1). When the exchange ran, it found the scalars and the
+   reduction equal on every rank (or raised): the forward uses each rank's
+   values as they are, with no collective. Without the exchange (`sizes=`
+   with checks off), one all-reduce (max) of the scalars and the reduction
+   code, on the device: when ranks agree (the caller promises it) this
+   returns every value unchanged; when they do not, every rank still
+   computes with the same values, never a silently different loss per rank.
+   Either way the backward sends each scalar's gradient to every rank holding
+   the value (split evenly among ties: all ranks when they agree; one
+   all-reduce of the gradients after the exchange, of the gradients and the
+   tie counts after the max), so every rank's copy of `logit_scale` receives the
    same gradient dL/ds (after DDP's mean: dL/ds; with ``grad_reduction="sum"``
    each rank gets dL/ds / W and the sum is dL/ds).
 
@@ -46,10 +50,10 @@ from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.sizing import exchange_row_elements, sizes_fingerprint
+from wholebatch.losses.sizing import auto_strategy, exchange_row_elements, sizes_fingerprint
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
-__all__ = ["Prepared", "Problem", "prepare", "resolve_tile", "whole"]
+__all__ = ["Prepared", "Problem", "prepare", "resolve_strategy", "resolve_tile", "whole"]
 
 _REDUCTIONS: tuple[str, ...] = GRAD_REDUCTIONS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -209,6 +213,15 @@ def resolve_tile(tile_size: int | None, device: torch.device, rows: int, cols: i
     return tile_size
 
 
+def resolve_strategy(strategy: str, gathered_bytes: int) -> str:
+    """ "gather" or "ring": `strategy` itself, or what "auto" picks (`sizing.auto_strategy`).
+
+    Every rank decides alike: the strategy was agreed (an exchange column) and
+    `gathered_bytes` comes from agreed numbers (N, k, D, the dtype).
+    """
+    return auto_strategy(gathered_bytes) if strategy == "auto" else strategy
+
+
 def _scalar_tensor(value: Tensor | float, like: Tensor) -> Tensor:
     """`value` as a 0-d tensor of the compute dtype on `like`'s device (gradient flows; no host copy)."""
     acc = compute_dtype(like.dtype)
@@ -264,7 +277,8 @@ def prepare(
         assert isinstance(first, Tensor)
         vals = [_scalar_tensor(v, first) for v in scalars.values()]  # type: ignore[arg-type]
         return Prepared(sizes=[b], scalars=vals, grad_factor=1.0)
-    if sizes is None or checks_enabled(check):
+    checked = sizes is None or checks_enabled(check)
+    if checked:
         table = _exchange(op, embeddings, scalars, grad_reduction, sizes, options, err, group)
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
     elif err is not None:
@@ -279,7 +293,11 @@ def prepare(
             "at least one rank must pass rows"
         )
     assert isinstance(first, Tensor)
-    vals, factor = _agree(first, list(scalars.values()), str(grad_reduction), w, group)  # type: ignore[arg-type]
+    values: list[Tensor | float] = list(scalars.values())  # type: ignore[arg-type]
+    if checked:  # the exchange found every scalar and the reduction equal on every rank
+        vals, factor = _replicated(first, values, str(grad_reduction), w, group)
+    else:
+        vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
 
 
@@ -392,6 +410,36 @@ def _check_table(
 
 def _same_value(v: float) -> object:
     return v
+
+
+class _Replicated(torch.autograd.Function):
+    """Identity in the forward (every rank holds the same values: checked); backward: all-reduce
+    (mean) of the gradient, so every rank's copy gets the same sum over ranks / W, what the
+    agreement's max gives W tied ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, vec: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return vec.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return all_reduce(grad.contiguous(), "mean", group=ctx.group, check=False), None
+
+
+def _replicated(
+    like: Tensor, values: list[Tensor | float], grad_reduction: str, w: int, group: Any
+) -> tuple[list[Tensor], Tensor]:
+    """`_agree` once the exchange has checked the values equal: no forward collective; the
+    backward sends every rank the mean of the scalars' gradients (one all-reduce)."""
+    acc = compute_dtype(like.dtype)
+    factor = torch.full(
+        (), 1.0 / w if grad_reduction == "sum" else 1.0, dtype=acc, device=like.device
+    )
+    if not values:
+        return [], factor
+    vec = torch.stack([_scalar_tensor(v, like) for v in values])
+    return list(_Replicated.apply(vec, group).unbind()), factor  # type: ignore[no-untyped-call]
 
 
 def _agree(

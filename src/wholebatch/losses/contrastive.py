@@ -34,8 +34,9 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.common import prepare, resolve_tile, whole
-from wholebatch.losses.specs import SPECS
+from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.ring import PositiveRing
+from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
 
 __all__ = ["clip_loss", "nt_xent_loss", "siglip_loss"]
@@ -57,6 +58,7 @@ def clip_loss(
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
     check: bool | None = None,
+    strategy: Strategy = "gather",
 ) -> Tensor:
     """Symmetric InfoNCE (CLIP) over the whole batch: every rank's rows, in rank order.
 
@@ -68,9 +70,14 @@ def clip_loss(
     checked like the scale, and gets the exact gradient 0.
 
     Every rank of `group` must call it; each gets L. Rank r computes its rows'
-    log-sum-exps against all N texts (row direction) and its partial
-    statistics for every text column (combined across ranks: 2 all-reduces of
-    N floats): O(B·N·D) work, one B x N sweep in the forward, one in the backward.
+    log-sum-exps against all N texts (row direction) and the statistics of
+    every text column its rows touch: O(B·N·D) work, one B x N sweep in the
+    forward, one in the backward. ``strategy="gather"`` (default) all-gathers
+    the texts and combines the column statistics across ranks (2 all-reduces
+    of N floats, or one all-gather of the pairs while small); ``"ring"`` passes each rank's text block around the ring
+    with its columns' statistics (`wholebatch.losses.ring.PositiveRing`),
+    keeping nothing N-sized; ``"auto"`` rings when the gathered texts would
+    pass `wholebatch.losses.sizing.AUTO_RING_BYTES` (1 GiB) per rank.
     Each row's loss is computed as softplus(lse over its negatives − its
     positive logit): float32 error relative to the loss, also near saturation.
 
@@ -81,8 +88,8 @@ def clip_loss(
     after a sum over ranks. Text gradients reach their owners through the
     all-gather's reduce-scatter.
 
-    Memory: O(N·D + T²) peak (the gathered texts, their gradient, one tile);
-    never O(N²) or O(B·N).
+    Memory: gather O(N·D + T²) peak (the gathered texts, their gradient, one
+    tile); ring O(B·D + T²), whatever N and W; never O(N²) or O(B·N).
 
     Args:
         image_BD: this rank's image embeddings (B x D), normalised by the caller.
@@ -100,25 +107,36 @@ def clip_loss(
             the call then makes no metadata exchange and no host sync.
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
+        strategy: "gather", "ring" or "auto" (see above); the same on every rank.
     """
-    op = SPECS["clip"].function
+    spec = SPECS["clip"]
+    op = spec.function
     scalars: dict[str, object] = {"logit_scale": logit_scale}
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
+    ((name, fix),) = spec.options
     prep = prepare(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
         tile_size=tile_size, sizes=sizes, check=check, group=group,
+        options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
     )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
     s = prep.scalars[0]
-    tile = resolve_tile(tile_size, image_BD.device, b, n)
-    all_text_ND = all_gather(text_BD, sizes=prep.sizes, group=group, check=False)
     pos_B = s * (image_BD.to(acc) * text_BD.to(acc)).sum(1)  # s·Iᵢ·Tᵢ
-    row_B, col_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-        image_BD, all_text_ND, s, pos_B, offset, (0,), n, tuple(prep.sizes), tile, group
-    )
+    sizes_t = tuple(prep.sizes)
+    if resolve_strategy(strategy, n * text_BD.shape[1] * text_BD.element_size()) == "ring":
+        tile = resolve_tile(tile_size, image_BD.device, b, max(sizes_t))
+        row_B, col_B = PositiveRing.apply(  # type: ignore[no-untyped-call]
+            image_BD, text_BD, s, pos_B, 1, (0,), True, sizes_t, tile, group
+        )
+    else:
+        tile = resolve_tile(tile_size, image_BD.device, b, n)
+        all_text_ND = all_gather(text_BD, sizes=prep.sizes, group=group, check=False)
+        row_B, col_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
+            image_BD, all_text_ND, s, pos_B, offset, (0,), n, sizes_t, tile, group
+        )
     local = (softplus(row_B).sum() + softplus(col_B).sum()) / (2 * n)
     if logit_bias is not None:
         local = local + 0.0 * prep.scalars[1]  # in the graph, gradient exactly 0
@@ -212,7 +230,7 @@ def nt_xent_loss(
     its columns). Panel pairs of the upper triangle are dealt to the ranks from
     N and W alone (ranks may use different tile sizes): O(N²·D / W) work per
     rank, half that of every rank sweeping its 2B rows against all 2N. The
-    partial statistics are combined across ranks (2 all-reduces of 2N floats).
+    partial statistics are combined across ranks (2 all-reduces of 2N floats, or one all-gather of the pairs while small).
     Each row's loss is softplus(lse over its negatives − its positive logit).
 
     Backward (gradient contract): with the default ``grad_reduction="mean"``,

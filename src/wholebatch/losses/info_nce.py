@@ -21,7 +21,7 @@ negatives), C = N·J candidate documents, D embedding dim, T tile size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -30,8 +30,9 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.common import Prepared, prepare, resolve_tile, whole
-from wholebatch.losses.specs import SPECS
+from wholebatch.losses.common import Prepared, prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.ring import PositiveRing
+from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
 
 __all__ = ["DIRECTIONS", "Direction", "PartitionMode", "info_nce_loss"]
@@ -78,6 +79,7 @@ def info_nce_loss(
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
     check: bool | None = None,
+    strategy: Strategy = "gather",
 ) -> Tensor:
     """InfoNCE over the whole batch: each query against every document of every rank.
 
@@ -140,28 +142,55 @@ def info_nce_loss(
             cross-rank checks off the call makes no metadata exchange and no host sync.
         check: run the cross-rank checks even when `sizes` is given (default:
             the process setting, on).
+        strategy: "gather" (the all-gathers above), "ring" (blocks around the ring, memory
+            O(B·(1 + k)·D + T²): `losses.ring`) or "auto"; as for `clip_loss`.
     """
-    mask, err = _check_options(directions, partition_mode)
     k = (
         negatives_BKD.shape[1]
         if isinstance(negatives_BKD, Tensor) and negatives_BKD.dim() == 3
         else 0
     )
-    values = (k, mask, _PARTITIONS.index(str(partition_mode)) if err is None else 0)
-    prep = prepare(
-        SPEC.function,
-        {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
-        {"logit_scale": logit_scale}, grad_reduction=grad_reduction, tile_size=tile_size,
-        sizes=sizes, check=check, error=err, group=group,
-        options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
+    prep = _prepare(
+        query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
+        strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
+        group=group,
     )  # fmt: skip
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
-    parts = _direction_terms(
+    terms = _direction_terms
+    gathered = sum(prep.sizes) * (1 + k) * query_BD.shape[1] * query_BD.element_size()
+    if resolve_strategy(strategy, gathered) == "ring":
+        terms = _ring_terms
+    parts = terms(
         query_BD, document_BD, negatives_BKD, s, pos_B, set(directions), prep, tile_size, group
     )
     per_row_B = _row_losses(parts, partition_mode, "doc_to_query" in directions)
     return whole(per_row_B.sum() / sum(prep.sizes), prep, group)
+
+
+def _prepare(
+    query_BD: Tensor,
+    document_BD: Tensor,
+    negatives_BKD: Tensor | None,
+    logit_scale: Tensor | float,
+    k: int,
+    directions: object,
+    partition_mode: object,
+    strategy: object,
+    **common: Any,
+) -> Prepared:
+    """`prepare` with InfoNCE's options (k, directions, partition mode, strategy) agreed."""
+    mask, err = _check_options(directions, partition_mode)
+    partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
+    values = (k, mask, partition, strategy_code(strategy))
+    return prepare(
+        SPEC.function,
+        {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
+        {"logit_scale": logit_scale},
+        options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
+        error=err or strategy_problem(SPEC, strategy),
+        **common,
+    )
 
 
 def _row_losses(parts: list[Tensor], partition_mode: str, doc_to_query: bool) -> Tensor:
@@ -224,5 +253,42 @@ def _direction_terms(
         d2d_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
             document_BD, cand_CD, s, pos_B, offset, own, 0, sizes_t, tile, group
         )
+        parts.append(d2d_B)
+    return parts
+
+
+def _ring_terms(
+    query_BD: Tensor,
+    document_BD: Tensor,
+    negatives_BKD: Tensor | None,
+    s: Tensor,
+    pos_B: Tensor,
+    wanted: set[str],
+    prep: Prepared,
+    tile_size: int | None,
+    group: ProcessGroup | None,
+) -> list[Tensor]:
+    """`_direction_terms` with every rank's keys passed around the ring (`PositiveRing`):
+    one ring of [document | negatives] blocks for query_to_doc (its columns: doc_to_query),
+    one of query blocks for query_to_query, one more of the key blocks for doc_to_doc."""
+    b, d = query_BD.shape
+    k = 0 if negatives_BKD is None else negatives_BKD.shape[1]
+    keys_BX = (
+        document_BD
+        if negatives_BKD is None
+        else torch.cat([document_BD[:, None], negatives_BKD], 1).reshape(b, (1 + k) * d)
+    )
+    sizes_t = tuple(prep.sizes)
+    tile = resolve_tile(tile_size, query_BD.device, b, max(sizes_t) * (1 + k))
+    cols = "doc_to_query" in wanted
+    ring = PositiveRing.apply
+    q2d_B, d2q_B = ring(query_BD, keys_BX, s, pos_B, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+    parts = [q2d_B, d2q_B] if cols else [q2d_B]
+    if "query_to_query" in wanted:
+        q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+        parts.append(q2q_B)
+    if "doc_to_doc" in wanted:
+        own = tuple(range(1 + k))  # d_i itself and its own hard negatives
+        d2d_B, _ = ring(document_BD, keys_BX, s, pos_B, 1 + k, own, False, sizes_t, tile, group)  # type: ignore[no-untyped-call]
         parts.append(d2d_B)
     return parts

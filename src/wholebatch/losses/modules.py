@@ -38,6 +38,7 @@ from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
 from wholebatch.losses.info_nce import Direction, PartitionMode, info_nce_loss
+from wholebatch.losses.specs import Strategy
 
 __all__ = ["ClipLoss", "InfoNCELoss", "NTXentLoss", "SigLipLoss"]
 
@@ -113,7 +114,8 @@ class ClipLoss(_LossModule):
         normalize: L2-normalise image and text rows first (True) or not (False).
         logit_scale: the logit multiplier (not its log); None: pass it to each call.
         learn_scale: learn it (stored as log(logit_scale); CLIP starts at 1 / 0.07).
-        group, grad_reduction, tile_size: as for `clip_loss`.
+        group, grad_reduction, tile_size, strategy: as for `clip_loss` ("ring": memory
+            independent of N).
     """
 
     def __init__(
@@ -125,9 +127,11 @@ class ClipLoss(_LossModule):
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
+        strategy: Strategy = "gather",
     ) -> None:
         super().__init__(normalize, group, grad_reduction, tile_size)
         self.scale = _Scalar("logit_scale", "ClipLoss", logit_scale, learn_scale, log=True)
+        self.strategy: Strategy = strategy
 
     def forward(
         self,
@@ -140,7 +144,7 @@ class ClipLoss(_LossModule):
         return clip_loss(
             self._prep(image_BD), self._prep(text_BD), self.scale.resolve(logit_scale),
             logit_bias=logit_bias, group=self.group, grad_reduction=self.grad_reduction,
-            tile_size=self.tile_size,
+            tile_size=self.tile_size, strategy=self.strategy,
         )  # fmt: skip
 
 
@@ -234,7 +238,7 @@ class InfoNCELoss(_LossModule):
         logit_scale: the multiplier (sentence-transformers' `scale`); None: pass it per call.
         learn_scale: learn it (stored as its log).
         directions, partition_mode: as for `info_nce_loss`.
-        group, grad_reduction, tile_size: as for `info_nce_loss`.
+        group, grad_reduction, tile_size, strategy: as for `info_nce_loss`.
     """
 
     def __init__(
@@ -248,11 +252,13 @@ class InfoNCELoss(_LossModule):
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
+        strategy: Strategy = "gather",
     ) -> None:
         super().__init__(normalize, group, grad_reduction, tile_size)
         self.scale = _Scalar("logit_scale", "InfoNCELoss", logit_scale, learn_scale, log=True)
         self.directions = tuple(directions)
         self.partition_mode: PartitionMode = partition_mode
+        self.strategy: Strategy = strategy
 
     def forward(
         self,
@@ -280,7 +286,7 @@ class InfoNCELoss(_LossModule):
             self._prep(query_BD), self._prep(document_BD), self.scale.resolve(logit_scale),
             negatives_BKD=None if negs is None else self._prep(negs),
             directions=self.directions, partition_mode=self.partition_mode, group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
+            grad_reduction=self.grad_reduction, tile_size=self.tile_size, strategy=self.strategy,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

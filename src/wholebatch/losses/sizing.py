@@ -14,11 +14,15 @@ import math
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
+    "AUTO_RING_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
+    "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
+    "auto_strategy",
     "exchange_row_elements",
     "sizes_fingerprint",
+    "stats_gathered",
     "tile_size_for",
 ]
 
@@ -28,6 +32,29 @@ CPU_TILE = 512
 TILE_BUFFERS = 3
 ACCEL_TILE_BUDGET = 2**30  # bytes for those buffers: 1 GiB (T = 9,216)
 _TILE_QUANTUM = 256  # accelerator tiles are multiples of this (matrix-unit friendly)
+
+# strategy="auto" rings when the keys a gather would hold on every rank (N·J·D
+# elements of the embeddings' dtype) pass this many bytes; below it, it gathers
+# (the gather's time was measured no worse on CPU; docs/contrastive.md).
+AUTO_RING_BYTES = 2**30
+
+
+def auto_strategy(gathered_bytes: int) -> str:
+    """What strategy="auto" runs when a gather would hold `gathered_bytes` of keys per rank."""
+    return "ring" if gathered_bytes > AUTO_RING_BYTES else "gather"
+
+
+# Per-row (max, sum) statistics of every rank are combined with one all-gather of the
+# pairs while each rank would receive at most this many bytes, else with two
+# all-reduces (max, then the rescaled sums): at small batches a collective's latency,
+# not its bytes, sets the cost (benchmarks/RESULTS.md, small batches).
+STATS_GATHER_BYTES = 2**16
+
+
+def stats_gathered(rows: int, world: int, elem: int) -> bool:
+    """Whether `rows` (max, sum) pairs of `elem`-byte floats are combined by one all-gather."""
+    return (world - 1) * 2 * rows * elem <= STATS_GATHER_BYTES
+
 
 # The exchange row's fixed columns (losses/common.py): error flag, rows, dim,
 # dtype, device, reduction.

@@ -27,6 +27,8 @@ __all__ = [
     "LossSpec",
     "Strategy",
     "spec",
+    "strategy_code",
+    "strategy_problem",
 ]
 
 Strategy = Literal["gather", "ring", "auto"]
@@ -108,6 +110,7 @@ class LossSpec:
 COLUMN_PASSES = 14
 
 _SAME = "pass the same on every rank"
+_STRATEGY = ("strategy", "pass the same strategy= on every rank")
 
 _SPECS = (
     LossSpec(
@@ -119,6 +122,8 @@ _SPECS = (
         keys="text embeddings",
         scalars=("logit_scale",),
         optional_scalars=("logit_bias",),
+        options=(_STRATEGY,),
+        strategies=(GATHER, RING),
         columns="always",
         passes=16,
         tile_buffers=2.5,
@@ -158,7 +163,9 @@ _SPECS = (
             ("hard negatives per query (k)", _SAME + " (pad, or drop rows to a common k)"),
             ("directions", _SAME),
             ("partition_mode", _SAME),
+            _STRATEGY,
         ),
+        strategies=(GATHER, RING),
         negatives=True,
         directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
         columns="doc_to_query",
@@ -176,3 +183,16 @@ def spec(name: str) -> LossSpec:
         return SPECS[name]
     except KeyError:
         raise KeyError(f"no whole-batch loss {name!r}; the losses are {tuple(SPECS)}") from None
+
+
+def strategy_problem(loss: LossSpec, strategy: object) -> str | None:
+    """Why `strategy` is not one `loss` offers, or None."""
+    if isinstance(strategy, str) and loss.offers(strategy):
+        return None
+    offered = [*loss.strategies, *(["auto"] if len(loss.strategies) > 1 else [])]
+    return f"strategy={strategy!r} must be one of {offered}"
+
+
+def strategy_code(strategy: object) -> int:
+    """`strategy` as the number its exchange column carries (0 when it is not a strategy)."""
+    return STRATEGIES.index(strategy) if strategy in STRATEGIES else 0

@@ -53,7 +53,14 @@ from wholebatch.comm.collectives import all_gather, ring_pass, ring_peers
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.comm.sizes import ring_block
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.sizing import ACCEL_TILE_BUDGET, CPU_TILE, TILE_BUFFERS, tile_size_for
+from wholebatch.losses import fused
+from wholebatch.losses.sizing import (
+    ACCEL_TILE_BUDGET,
+    CPU_TILE,
+    TILE_BUFFERS,
+    stats_gathered,
+    tile_size_for,
+)
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
@@ -203,9 +210,18 @@ def _running(
 
 
 def _combine(m_vec: Tensor, l_vec: Tensor, group: Any) -> tuple[Tensor, Tensor]:
-    """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled sums."""
+    """Every rank's partial (max, sum) combined: all-reduce max, then all-reduce sum of rescaled
+    sums; or, while the pairs are small (`sizing.stats_gathered`), one all-gather of them."""
     if not is_distributed(group):
         return m_vec, l_vec
+    w = get_world_size(group)
+    if stats_gathered(m_vec.numel(), w, m_vec.element_size()):
+        n = m_vec.numel()  # the same on every rank (N and the directions are agreed)
+        pairs = all_gather(torch.stack([m_vec, l_vec], 1), sizes=[n] * w, group=group, check=False)
+        m_WV, l_WV = pairs.view(w, -1, 2).unbind(2)  # every rank's, in rank order
+        m_all = m_WV.amax(0)
+        safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+        return m_all, (l_WV * (m_WV - safe).exp()).sum(0)
     m_all = m_vec.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
@@ -239,6 +255,95 @@ def _tiles(rows: int, cols: int, tile: int) -> Iterator[tuple[int, int, int, int
     for i0 in range(0, rows, tile):
         for j0 in range(0, cols, tile):
             yield i0, min(i0 + tile, rows), j0, min(j0 + tile, cols)
+
+
+def _positive_stats(
+    q_BD: Tensor,
+    k_CD: Tensor,
+    scale: Tensor,
+    offset: int,
+    masks: tuple[int, ...],
+    n_cols: int,
+    tile: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(m_row, l_row, m_col, l_col) of `scale * q_BD @ k_CDᵀ` with the masked entries left out:
+    the fused Triton kernels where `fused.use_fused` says, else the PyTorch tiles."""
+    if fused.use_fused(q_BD):
+        try:
+            m_row, l_row = fused.row_stats(q_BD, k_CD, scale, offset, masks)
+            m_col, l_col = fused.col_stats(q_BD, k_CD, scale, offset, masks, n_cols)
+            return m_row, l_row, m_col, l_col
+        except Exception as failure:  # a kernel that does not build here: the PyTorch tiles
+            if fused.forced():
+                raise
+            fused.disable(failure)
+    acc = compute_dtype(q_BD.dtype)
+    b, c = q_BD.shape[0], k_CD.shape[0]
+    qs_BD, post = _scaled_rows(q_BD, scale, acc)
+    m_row = qs_BD.new_full((b,), float("-inf"), dtype=acc)
+    l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
+    m_col = torch.full((n_cols,), float("-inf"), dtype=acc, device=q_BD.device)
+    l_col = torch.zeros(n_cols, dtype=acc, device=q_BD.device)
+    buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
+    k = k_CD if post is not None else k_CD.to(acc)
+    for i0, i1, j0, j1 in _tiles(b, c, tile):
+        s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
+        # the positives (i, offset + i) are not negatives: masked in rows and columns
+        _mask_rows(s_TT, masks, offset + i0 - j0)
+        e = buf[: s_TT.numel()].view(s_TT.shape)
+        m_row[i0:i1], l_row[i0:i1] = _running(m_row[i0:i1], l_row[i0:i1], s_TT, 1, e)
+        if j0 < n_cols:
+            jc = min(j1, n_cols)
+            sc = s_TT[:, : jc - j0]
+            e = buf[: sc.numel()].view(sc.shape)  # the rows' exponentials are summed: reuse
+            m_col[j0:jc], l_col[j0:jc] = _running(m_col[j0:jc], l_col[j0:jc], sc, 0, e)
+    return m_row, l_row, m_col, l_col
+
+
+def _positive_grads(
+    q_BD: Tensor,
+    k_CD: Tensor,
+    scale: Tensor,
+    offset: int,
+    masks: tuple[int, ...],
+    tile: int,
+    row_coef: tuple[Tensor, Tensor],
+    col_coef: tuple[Tensor, Tensor],
+) -> tuple[Tensor, Tensor]:
+    """(uq, uk), unscaled (dq = s·uq, dk = s·uk): every tile recomputed and its softmax
+    gradient applied; fused where `fused.use_fused` says, else the PyTorch tiles."""
+    acc = row_coef[0].dtype
+    if fused.use_fused(q_BD):
+        try:
+            uq, uk = fused.grads(q_BD, k_CD, scale, offset, masks, row_coef, col_coef)
+            return uq.to(acc), uk.to(acc)
+        except Exception as failure:  # a kernel that does not build here: the PyTorch tiles
+            if fused.forced():
+                raise
+            fused.disable(failure)
+    (sh_row, cf_row), (sh_col, cf_col) = row_coef, col_coef
+    b, c, n_cols = q_BD.shape[0], k_CD.shape[0], col_coef[0].shape[0]
+    qs_BD, post = _scaled_rows(q_BD, scale, acc)
+    low = post is not None
+    q = q_BD if low else q_BD.to(acc)
+    k = k_CD if low else k_CD.to(acc)
+    # Unscaled: dq = s·uq, dk = s·uk, d scale = sum_ij g_ij q_i·k_j = (q · uq).sum().
+    uq_BD = torch.zeros(q_BD.shape, dtype=acc, device=q_BD.device)
+    uk_CD = torch.zeros(k_CD.shape, dtype=acc, device=k_CD.device)
+    buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
+    for i0, i1, j0, j1 in _tiles(b, c, tile):
+        s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
+        _mask_rows(s_TT, masks, offset + i0 - j0)
+        # d a_i / d s_ij = softmax over row i's negatives; likewise along the columns.
+        g_TT = buf[: s_TT.numel()].view(s_TT.shape)
+        torch.sub(s_TT, sh_row[i0:i1, None], out=g_TT).exp_().mul_(cf_row[i0:i1, None])
+        if j0 < n_cols:
+            jc = min(j1, n_cols)
+            sc = s_TT[:, : jc - j0]
+            g_TT[:, : jc - j0].addcmul_(sc.sub_(sh_col[None, j0:jc]).exp_(), cf_col[None, j0:jc])
+        uq_BD[i0:i1] += _mm_acc(g_TT.to(k.dtype), k[j0:j1], acc)
+        uk_CD[j0:j1] += _mm_acc(g_TT.T.to(q.dtype), q[i0:i1], acc)
+    return uq_BD, uk_CD
 
 
 class PositiveLSE(torch.autograd.Function):
@@ -285,25 +390,8 @@ class PositiveLSE(torch.autograd.Function):
         group: Any,
     ) -> tuple[Tensor, Tensor]:
         acc = compute_dtype(q_BD.dtype)
-        b, c = q_BD.shape[0], k_CD.shape[0]
-        qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        m_row = qs_BD.new_full((b,), float("-inf"), dtype=acc)
-        l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
-        m_col = torch.full((n_cols,), float("-inf"), dtype=acc, device=q_BD.device)
-        l_col = torch.zeros(n_cols, dtype=acc, device=q_BD.device)
-        buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-        k = k_CD if post is not None else k_CD.to(acc)
-        for i0, i1, j0, j1 in _tiles(b, c, tile):
-            s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
-            # the positives (i, offset + i) are not negatives: masked in rows and columns
-            _mask_rows(s_TT, masks, offset + i0 - j0)
-            e = buf[: s_TT.numel()].view(s_TT.shape)
-            m_row[i0:i1], l_row[i0:i1] = _running(m_row[i0:i1], l_row[i0:i1], s_TT, 1, e)
-            if j0 < n_cols:
-                jc = min(j1, n_cols)
-                sc = s_TT[:, : jc - j0]
-                e = buf[: sc.numel()].view(sc.shape)  # the rows' exponentials are summed: reuse
-                m_col[j0:jc], l_col[j0:jc] = _running(m_col[j0:jc], l_col[j0:jc], sc, 0, e)
+        b = q_BD.shape[0]
+        m_row, l_row, m_col, l_col = _positive_stats(q_BD, k_CD, scale, offset, masks, n_cols, tile)
         if n_cols:  # the same on every rank (N and the directions are agreed): no empty calls
             m_col, l_col = _combine(m_col, l_col, group)
         pos = pos_B.detach().to(acc)
@@ -324,7 +412,6 @@ class PositiveLSE(torch.autograd.Function):
     def backward(ctx: Any, g_row_B: Tensor, g_col_B: Tensor) -> tuple[Tensor | None, ...]:
         q_BD, k_CD, scale, m_row, l_row, m_col, l_col = ctx.saved_tensors
         acc, tile, n_cols, offset, masks = m_row.dtype, ctx.tile, ctx.n_cols, ctx.offset, ctx.masks
-        b, c = q_BD.shape[0], k_CD.shape[0]
         s = scale.detach().to(acc)
         g_row_B = g_row_B.to(acc)
         sh_row, cf_row = _softmax_coef(m_row, l_row, g_row_B)
@@ -337,28 +424,12 @@ class PositiveLSE(torch.autograd.Function):
                 else g_col_B
             )
             sh_col, cf_col = _softmax_coef(m_col, l_col, g_col_N)
-        qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        low = post is not None
-        q = q_BD if low else q_BD.to(acc)
-        k = k_CD if low else k_CD.to(acc)
-        # Unscaled: dq = s·uq, dk = s·uk, d scale = sum_ij g_ij q_i·k_j = (q · uq).sum().
-        uq_BD = torch.zeros(q_BD.shape, dtype=acc, device=q_BD.device)
-        uk_CD = torch.zeros(k_CD.shape, dtype=acc, device=k_CD.device)
-        buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-        for i0, i1, j0, j1 in _tiles(b, c, tile):
-            s_TT = _logits(qs_BD[i0:i1], k[j0:j1].T, post, acc)
-            _mask_rows(s_TT, masks, offset + i0 - j0)
-            # d a_i / d s_ij = softmax over row i's negatives; likewise along the columns.
-            g_TT = buf[: s_TT.numel()].view(s_TT.shape)
-            torch.sub(s_TT, sh_row[i0:i1, None], out=g_TT).exp_().mul_(cf_row[i0:i1, None])
-            if n_cols and j0 < n_cols:
-                jc = min(j1, n_cols)
-                sc = s_TT[:, : jc - j0]
-                g_TT[:, : jc - j0].addcmul_(
-                    sc.sub_(sh_col[None, j0:jc]).exp_(), cf_col[None, j0:jc]
-                )
-            uq_BD[i0:i1] += _mm_acc(g_TT.to(k.dtype), k[j0:j1], acc)
-            uk_CD[j0:j1] += _mm_acc(g_TT.T.to(q.dtype), q[i0:i1], acc)
+        else:
+            sh_col = cf_col = m_col  # empty: no columns
+        cols = (sh_col, cf_col)
+        uq_BD, uk_CD = _positive_grads(
+            q_BD, k_CD, scale, offset, masks, tile, (sh_row, cf_row), cols
+        )
         need = ctx.needs_input_grad
         ds = (q_BD.to(acc) * uq_BD).sum() if need[2] else None
         g_pos = -g_row_B

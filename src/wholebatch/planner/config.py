@@ -45,9 +45,14 @@ class PlanConfig:
     """info_nce's directions, comma-separated: query_to_doc (always), doc_to_query,
     query_to_query, doc_to_doc."""
 
+    strategy: str = ""
+    """How the loss reaches other ranks' rows: gather, ring (clip, info_nce; siglip always
+    rings) or auto (ring past wholebatch.losses.sizing.AUTO_RING_BYTES of gathered keys);
+    "": the loss's default (gather; ring for siglip)."""
+
     known_sizes: bool = False
     """The loss is called with sizes= and check=False: no cross-rank metadata exchange
-    (default: the exchange runs, an all-gather of W + 7 to 10 float64 per rank)."""
+    (default: the exchange runs, an all-gather of 10 to 13 float64 per rank)."""
 
     dtype: str = "bf16"
     """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64
@@ -144,6 +149,10 @@ class PlanConfig:
             raise bad("negatives", self.negatives, f"applies to {_losses(_WITH_NEGATIVES)} only")
         if dirs != DIRECTIONS[:1] and self.loss not in _WITH_DIRECTIONS:
             raise bad("directions", self.directions, f"applies to {_losses(_WITH_DIRECTIONS)} only")
+        spec = SPECS.get(self.loss)
+        if self.strategy and (spec is None or not spec.offers(self.strategy)):
+            offered = spec.strategies if spec else ()
+            raise bad("strategy", self.strategy, f"is not one of {offered} for loss={self.loss!r}")
         if self.world > 65536:
             raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
         if self.batch < self.world and self.loss != "tokens":

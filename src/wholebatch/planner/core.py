@@ -19,10 +19,10 @@ import time
 from collections.abc import Sequence
 
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.sizing import tile_size_for
+from wholebatch.losses.sizing import auto_strategy, tile_size_for
 from wholebatch.losses.specs import COLUMN_PASSES, SPECS
 from wholebatch.planner.config import PlanConfig
-from wholebatch.planner.memory import LOSS_STRATEGY, loss_memory
+from wholebatch.planner.memory import STRATEGY_NAMES, loss_memory
 from wholebatch.planner.traffic import (
     Collective,
     ddp_grad_traffic,
@@ -159,9 +159,23 @@ def _embeddings(c: PlanConfig, b: int) -> int:
     return SPECS[c.loss].embeddings_per_row(c.negatives) * b * c.dim * c.elem
 
 
+def resolved_strategy(c: PlanConfig, n: int) -> str:
+    """ "gather" or "ring": what the loss runs at a global batch of `n` (the losses' own rule)."""
+    spec = SPECS[c.loss]
+    want = c.strategy or spec.default_strategy
+    if want == "auto":
+        return auto_strategy(n * spec.key_rows(c.negatives) * c.dim * c.elem)
+    return want
+
+
+def _own(c: PlanConfig, n: int) -> str:
+    """The planner's name of the strategy the loss runs."""
+    return STRATEGY_NAMES[resolved_strategy(c, n)]
+
+
 def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
     return loss_memory(
-        c.loss, strategy=strategy or LOSS_STRATEGY[c.loss], n=n, b=b, dim=c.dim, elem=c.elem,
+        c.loss, strategy=strategy or _own(c, n), n=n, b=b, dim=c.dim, elem=c.elem,
         acc=c.acc, tile=tile, w=c.world, negatives=c.negatives, directions=c.direction_list,
     )  # fmt: skip
 
@@ -225,6 +239,8 @@ def _sweep(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) ->
         return spec.views * n, spec.views * n
     if spec.kernel == "sigmoid":
         return b, max(sizes) if sizes else b
+    if resolved_strategy(c, n) == "ring":  # one block at a time: the largest
+        return b, (max(sizes) if sizes else b) * spec.key_rows(c.negatives)
     return b, n * spec.key_rows(c.negatives)
 
 
@@ -332,10 +348,12 @@ class _Traffic:
 
     def _walk(self, strategy: str, rank: int) -> list[Collective]:
         c, sizes = self.c, self.sizes
-        if strategy == LOSS_STRATEGY[c.loss]:  # the library's own loss, every call counted
+        spec = SPECS[c.loss]
+        own = {v: k for k, v in STRATEGY_NAMES.items()}.get(strategy)
+        if own is not None and own in spec.strategies:  # the library's own loss, every call counted
             return loss_traffic(
                 c.loss, sizes, rank, c.dim, c.elem, c.acc, negatives=c.negatives,
-                directions=c.direction_list, exchange=not c.known_sizes,
+                directions=c.direction_list, exchange=not c.known_sizes, strategy=own,
             )  # fmt: skip
         width = _key_width(c)
         if strategy == "ring + tiled":
@@ -358,7 +376,7 @@ def _strategies(
         out.append(
             Strategy(
                 name=name,
-                in_wholebatch=name == LOSS_STRATEGY[c.loss],
+                in_wholebatch=name == _own(c, n),
                 loss_memory=_loss_memory(c, n, sizes[rank], tile, name),
                 sent=sum(r.sent for r in rows),
                 received=sum(r.received for r in rows),
@@ -403,7 +421,7 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
     traffic = _Traffic(c, rows)
     per_rank = {}
     for r in ranks:
-        coll = [] if c.loss == "tokens" else traffic(LOSS_STRATEGY[c.loss], r)
+        coll = [] if c.loss == "tokens" else traffic(_own(c, n), r)
         per_rank[r] = coll + ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     busiest = max(ranks, key=lambda r: (sum(x.sent + x.received for x in per_rank[r]), rows[r]))
     collectives = per_rank[busiest]
@@ -439,11 +457,11 @@ def _assumptions(c: PlanConfig) -> list[str]:
             "the last micro-batch's graph kept through the loss"
         )
     if c.loss != "tokens" and not c.known_sizes and c.world > 1:
-        row = 8 * (c.world - 1) * 13
+        row = 8 * (c.world - 1) * 14
         if row > 2**20:
             out.append(
                 f"the losses' metadata exchange all-gathers ~{row / 2**20:.0f} MiB per rank per call "
-                "(a row of 9..12 float64 per rank): pass sizes= with check=False (--known-sizes) to skip it"
+                "(a row of 10..13 float64 per rank): pass sizes= with check=False (--known-sizes) to skip it"
             )
     if c.act_mib == 0:
         out.append(

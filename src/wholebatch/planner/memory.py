@@ -12,22 +12,27 @@ of buffers, each a multiple of one of
 with e the embeddings' element size and a the kernels' compute element size
 (4, or 8 for float64 inputs). The coefficients were read off peak-RSS
 measurements of the kernels on CPU (glibc's mmap threshold fixed, so RSS
-follows live memory; benchmarks/bench_plan.py, tests/plan_memprobe.py) at
+follows live memory; benchmarks/bench_plan.py, tests/support/plan_memprobe.py) at
 N = 8,192 (W = 1) and 16,384 (W = 2, 4), D = 256, tiles 512 and 2,048, and are
 explained by the buffers below; the tests and the benchmark check them at
 other N, W (3), k and dtypes (docs/plan.md).
 
 - clip, info_nce without hard negatives (`PositiveLSE` over the all-gathered
   keys), W > 1: float32 inputs 2a·G (the gathered keys, their gradient, then
-  the reduce-scatter's receive buffer) + 3a·B (the scaled queries, their
-  gradient, one product for d scale); 16-bit inputs 11·G + 26·B bytes per
-  element (the float32 copies of keys and queries the CPU kernels make, and
-  the gradients cast back). At W = 1 the same less the gathered copy (e·B).
+  the reduce-scatter's receive buffer) + 2.3a·B (the queries' gradient, one
+  product for d scale; the scaled queries are freed with the tile loop);
+  16-bit inputs 10.2·G + 19.6·B bytes per element (the float32 copies of keys
+  and queries the CPU kernels make, and the gradients cast back). At W = 1
+  the same less the gathered copy (e·B). (Re-read at W = 2 and 4, N = 8,192
+  and 16,384, after the backward's tile loop became a function whose float32
+  copies are freed before the gradients are cast back: 3a·B and 11·G + 26·B
+  before.)
 - info_nce with k > 0 hard negatives: the candidates are a copy of the
   gathered [document | negatives] rows, so the larger of the forward (float32:
   2e·G + e·Bk + 2a·B: gathered rows, their candidate-ordered copy, the local
-  [document | negatives] row) and the backward (float32 (e + a)·G + 3a·B;
-  16-bit (2e + 2a)·G + 5a·B); at W = 1 no Bk term (the local row is the gathered one).
+  [document | negatives] row) and the backward (float32 (e + a)·G + 2.3a·B;
+  16-bit (e + 2a)·G + 5a·B: the float32 copy of the candidates is freed
+  before their gradient is cast back; (2e + 2a)·G before); at W = 1 no Bk term (the local row is the gathered one).
   Extra directions (measured together at W = 2, k = 1): query_to_query keeps
   the gathered queries (e·N·D); doc_to_doc sweeps the candidates once more,
   its key gradient accumulating beside the first (a·G).
@@ -39,6 +44,9 @@ other N, W (3), k and dtypes (docs/plan.md).
   arriving), 7a from W = 3 (the previous block still alive during the shift);
   16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
   travel in their own dtype, their gradients in float32).
+- clip and info_nce with `strategy="ring"` (`PositiveRing`): only B·D and
+  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 2.8 T²·a
+  of tiles.
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
   nt_xent and siglip; plus 4 vectors of the columns' statistics (N floats)
@@ -56,7 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from wholebatch.losses.specs import SPECS
+from wholebatch.losses.specs import RING, SPECS
 
 __all__ = ["LOSS_STRATEGY", "STRATEGY_NAMES", "loss_memory"]
 
@@ -73,6 +81,31 @@ def _ring_per_bd(w: int, elem: int, acc: int) -> float:
     return 4 * acc if w == 1 else (6 if w == 2 else 7) * acc
 
 
+def _positive_ring(
+    b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str]
+) -> float:
+    """`PositiveRing` (clip, info_nce with strategy="ring"): B·D and B·J·D buffers only.
+
+    Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and
+    1,024; tests/support/plan_memprobe.py, docs/plan.md): float32 3.7a per B·J·D element at
+    W = 2 and 4.8a from W = 3 (the block held and the one arriving, the gradient
+    accumulated and the one arriving, the queries' gradient; the scale is applied per
+    tile), 1.6a more with hard negatives (the [document | negatives] row and the
+    candidate-ordered copies); 16-bit inputs 2.36a per B·D + 4.72a per B·J·D at W = 2,
+    1.28a + 5.88a from W = 3 (the float32 copies of queries and blocks); each extra
+    direction's ring (query_to_query, doc_to_doc) 1.05a per B·J·D more. W = 1 (nothing
+    in flight, not measured): 3a.
+    """
+    bd, bjd = b * dim, b * (1 + k) * dim
+    if elem < acc:
+        out = (2.36 * bd + 4.72 * bjd if w == 2 else 1.28 * bd + 5.88 * bjd) * acc
+    else:
+        base = 3.0 if w == 1 else (3.7 if w == 2 else 4.8)
+        out = (base + (1.6 if k else 0.0)) * acc * bjd
+    extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
+    return out + 1.05 * acc * bjd * extra
+
+
 def _gather_keys(
     n: int, b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str]
 ) -> float:
@@ -81,16 +114,18 @@ def _gather_keys(
     g, bk = n * (1 + k) * dim, b * (1 + k) * dim
     bd = b * dim
     if k == 0:
-        alpha, beta = (11.0, 26.0) if narrow else (2.0 * a, 3.0 * a)
+        alpha, beta = (10.2, 19.6) if narrow else (2.0 * a, 2.3 * a)
         out = alpha * g + beta * bd if w > 1 else (alpha + beta - e) * bd
     else:
         local = e * bk if w > 1 else 0.0
+        fwd: float
+        bwd: float
         if narrow:
             fwd = (2 * e + a) * g + local + 3 * a * bd
-            bwd = (2 * e + 2 * a) * g + 5 * a * bd
+            bwd = (e + 2 * a) * g + 5 * a * bd
         else:
             fwd = 2 * e * g + local + 2 * a * bd
-            bwd = (e + a) * g + 3 * a * bd
+            bwd = (e + a) * g + 2.3 * a * bd
         out = max(fwd, bwd)
     if "query_to_query" in directions:
         out += e * n * dim
@@ -139,7 +174,9 @@ def loss_memory(
     if strategy == "local":  # B x N logits per direction (open_clip's local_loss, DisCo-CLIP)
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
-    if strategy == "ring + tiled":
+    if strategy == "ring + tiled" and spec.kernel == "positive" and RING in spec.strategies:
+        return int(_positive_ring(b, dim, elem, acc, w, k, directions) + 2.8 * tiles)
+    if strategy == "ring + tiled":  # SigmoidRing's schedule (the comparison for other losses)
         width = spec.key_rows(k)  # key blocks of `width` x D per row
         buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers
         return int(_ring_per_bd(w, elem, acc) * width * b * dim + buffers * tiles)

@@ -13,9 +13,10 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
   all-gather of one float64 row per rank, `exchange_row_elements` long
   (header, options, the sizes= fingerprint, scalars): the same length at any W;
-- the agreement: an all-reduce (max) of the scalars and the reduction code;
-  backward (when a scalar is learnable): one all-reduce of twice that (the
-  gradient and the tie count);
+- the agreement: after the exchange none in the forward (it checked the
+  scalars equal), backward one all-reduce of the scalars' gradients; without
+  it an all-reduce (max) of the scalars and the reduction code, backward one
+  all-reduce of twice that (the gradient and the tie count);
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
@@ -36,7 +37,7 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import exchange_row_elements
+from wholebatch.losses.sizing import exchange_row_elements, stats_gathered
 from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "ddp_grad_traffic",
     "gather_traffic",
     "loss_traffic",
+    "positive_ring_traffic",
     "representative_ranks",
     "ring_traffic",
 ]
@@ -163,6 +165,7 @@ def loss_traffic(
     negatives: int = 0,
     directions: Sequence[str] = ("query_to_doc",),
     exchange: bool = True,
+    strategy: str = "gather",
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
@@ -176,6 +179,7 @@ def loss_traffic(
         negatives: info_nce's k hard negatives per query.
         directions: info_nce's directions (holding "query_to_doc").
         exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
+        strategy: "gather" or "ring" (resolved: what the loss runs; siglip always rings).
     """
     w = len(sizes)
     if w <= 1:
@@ -183,18 +187,26 @@ def loss_traffic(
     spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
     scalars = len(spec.scalars)
-    moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
+    stats: list[Collective]
+    if strategy == "ring" and spec.kernel == "positive":
+        moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
+        stats = []
+    else:
+        moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
-    if exchange:
+    if exchange:  # the exchange checks the scalars equal: no forward agreement
         row = exchange_row_elements(spec.exchange_options(), scalars)
         out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
-    out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
+    else:
+        out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
     out.append(_all_reduce("whole-batch loss (sum of shares)", fwd, 1, acc, w, 1))
     out.append(_all_reduce("its gradient", bwd, 1, acc, w, 1))
     out += [x for x in stats + moves if x.phase == bwd]
-    # the agreement's backward: the scalars' gradients and their tie counts, summed
-    out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
+    if exchange:  # the replicated scalars' gradients, averaged over ranks
+        out.append(_all_reduce("scalars' gradients (mean)", bwd, scalars, acc, w, 1))
+    else:  # the agreement's backward: the scalars' gradients and their tie counts, summed
+        out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
     return out
 
 
@@ -210,7 +222,7 @@ def _moves(
 ) -> tuple[list[Collective], list[Collective]]:
     """(the embeddings' own traffic, the kernels' log-sum-exp statistics and their gradients)."""
     w, n = len(sizes), sum(sizes)
-    fwd, bwd = "forward", "backward"
+    bwd = "backward"
     width = spec.key_rows(negatives) * dim
     if spec.kernel == "sigmoid":
         return ring_traffic(spec.keys, sizes, rank, width, elem, acc), []
@@ -219,7 +231,7 @@ def _moves(
     if spec.kernel == "symmetric":
         m = spec.views * n
         stats = [
-            _all_reduce("combine row log-sum-exps (max, sum)", fwd, m, acc, w, 2),
+            _combine_stats("combine row log-sum-exps (max, sum)", m, rank, acc, w),
             _all_reduce("row log-sum-exp gradient", bwd, m, acc, w, 1),
         ]
     if "query_to_query" in directions:
@@ -227,10 +239,70 @@ def _moves(
     if spec.has_columns(directions):
         # column statistics combined over ranks; their gradients all-gathered (B floats each)
         stats = [
-            _all_reduce("combine column log-sum-exps (max, sum)", fwd, n, acc, w, 2),
+            _combine_stats("combine column log-sum-exps (max, sum)", n, rank, acc, w),
             _gather("all_gather column gradients", bwd, sizes, rank, acc),
         ]
     return moves, stats
+
+
+def _combine_stats(name: str, rows: int, rank: int, acc: int, w: int) -> Collective:
+    """`tiles._combine`: one all-gather of the (max, sum) pairs while small, else 2 all-reduces."""
+    if stats_gathered(rows, w, acc):
+        return _gather(name, "forward", [rows] * w, rank, 2 * acc)
+    return _all_reduce(name, "forward", rows, acc, w, 2)
+
+
+def positive_ring_traffic(
+    what: str, sizes: Sequence[int], rank: int, width: int, elem: int, acc: int, columns: bool
+) -> list[Collective]:
+    """`PositiveRing`'s schedule (losses/ring.py) for key blocks of `width` elements per row.
+
+    Forward: W - 1 shifts of the blocks (the embeddings' dtype); with `columns`,
+    each followed by a shift of the block's column statistics (2 compute
+    elements per row), and one more that takes them home. Backward: W - 1
+    shifts of each block with its column coefficients, each followed by one of
+    its accumulated gradient (the compute dtype), and one more that returns each
+    gradient to its owner.
+    """
+    w = len(sizes)
+    steps, home = range(w - 1), range(w - 1, w)
+    stat = 2 * acc if columns else 0
+    out = [_ring(f"ring_shift {what}", "forward", sizes, rank, steps, width * elem)]
+    if columns:
+        out += [
+            _ring("ring_shift column statistics", "forward", sizes, rank, steps, stat),
+            _ring("ring_shift column statistics home", "forward", sizes, rank, home, stat),
+        ]
+    return [
+        *out,
+        _ring(f"ring_shift {what} (and column coefficients)", "backward", sizes, rank, steps,
+              width * elem + stat),
+        _ring("ring_shift accumulated key gradient", "backward", sizes, rank, steps, width * acc),
+        _ring("ring_shift key gradient home", "backward", sizes, rank, home, width * acc),
+    ]  # fmt: skip
+
+
+def _positive_rings(
+    spec: LossSpec,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    negatives: int,
+    directions: Sequence[str],
+) -> list[Collective]:
+    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py)."""
+    width = spec.key_rows(negatives) * dim
+    cols = spec.has_columns(directions)
+    out = positive_ring_traffic(spec.keys, sizes, rank, width, elem, acc, cols)
+    if "query_to_query" in directions:
+        out += positive_ring_traffic("queries", sizes, rank, dim, elem, acc, False)
+    if "doc_to_doc" in directions:
+        out += positive_ring_traffic(
+            f"{spec.keys} for doc_to_doc", sizes, rank, width, elem, acc, False
+        )
+    return out
 
 
 def ddp_grad_traffic(params: int, grad_elem: int, w: int) -> list[Collective]:

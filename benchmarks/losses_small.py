@@ -1,0 +1,132 @@
+"""Small batches: one loss call of wholebatch against open_clip's exact configuration, on 2 CPU ranks.
+
+    .venv/bin/python -m benchmarks.losses_small              # 8 and 64 rows per rank
+    .venv/bin/python -m benchmarks.losses_small --profile    # + where wholebatch's forward goes
+
+open_clip 3.3.0's own `ClipLoss` / `SigLipLoss` (tests/support/peers.py loads its
+loss.py; `gather_with_grad=True`, `local_loss=False`, the configuration its
+training CLI runs with `--gather-with-grad`) beside `wholebatch.clip_loss` /
+`siglip_loss` on the same inputs, alternating, median over calls of forward
+and of forward + backward; wholebatch with the checks on (default) and with
+`sizes=` + `check=False` (no exchange).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+
+def _impls(b: int, w: int) -> dict[str, Any]:
+    from tests.support.peers import load_open_clip_loss
+    from wholebatch.losses import clip_loss, siglip_loss
+
+    oc = load_open_clip_loss()
+    r = dist.get_rank()
+    known: dict[str, Any] = dict(sizes=[b] * w, check=False)
+    out: dict[str, Any] = {
+        "clip wholebatch": lambda i, t, s: clip_loss(i, t, s),
+        "clip wholebatch sizes+check=False": lambda i, t, s: clip_loss(i, t, s, **known),
+        "siglip wholebatch": lambda i, t, s: siglip_loss(i, t, s, -10.0),
+        "siglip wholebatch sizes+check=False": lambda i, t, s: siglip_loss(i, t, s, -10.0, **known),
+    }
+    if oc is not None:
+        cl = oc.ClipLoss(gather_with_grad=True, rank=r, world_size=w)
+        sl = oc.SigLipLoss(rank=r, world_size=w)
+        out["clip open_clip"] = lambda i, t, s: cl(i, t, s)
+        out["siglip open_clip"] = lambda i, t, s: sl(i, t, s, torch.tensor(-10.0))
+    return out
+
+
+def _time(fn: Any, i: torch.Tensor, t: torch.Tensor, backward: bool) -> float:
+    s = torch.tensor(10.0, requires_grad=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = fn(i, t, s)
+    if backward:
+        loss.backward()
+    return time.perf_counter() - t0
+
+
+def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], q: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=w,
+        timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    rows: dict[tuple[int, str, str], float] = {}
+    for b in cfg["rows"]:
+        g = torch.Generator().manual_seed(rank)
+        i = F.normalize(torch.randn(b, cfg["d"], generator=g), dim=-1).requires_grad_()
+        t = F.normalize(torch.randn(b, cfg["d"], generator=g), dim=-1).requires_grad_()
+        impls = _impls(b, w)
+        for phase, backward in (("forward", False), ("forward + backward", True)):
+            times: dict[str, list[float]] = {name: [] for name in impls}
+            for _ in range(cfg["calls"]):
+                for name, fn in impls.items():
+                    times[name].append(_time(fn, i, t, backward))
+            for name, ts in times.items():
+                rows[(b, phase, name)] = statistics.median(ts[2:])
+        if cfg["profile"] and rank == 0:
+            _profile(impls["clip wholebatch"], i, t)
+        elif cfg["profile"]:
+            for _ in range(20):
+                impls["clip wholebatch"](i, t, torch.tensor(10.0))
+    q.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def _profile(fn: Any, i: torch.Tensor, t: torch.Tensor) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            fn(i, t, torch.tensor(10.0))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rows", default="8,64")
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args(argv)
+    w = 2
+    cfg = dict(rows=[int(x) for x in a.rows.split(",")], d=a.d, calls=a.calls, profile=a.profile)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, w, port, cfg, q)) for r in range(w)]
+    for pr in procs:
+        pr.start()
+    got = dict(q.get(timeout=1200) for _ in procs)
+    for pr in procs:
+        pr.join(timeout=30)
+    print(f"W = 2 CPU ranks, D = {a.d}, median of {a.calls - 2} calls (ms; the slower rank)")
+    print("| rows per rank | phase | implementation | ms | vs open_clip |")
+    print("|---|---|---|---|---|")
+    for key in got[0]:
+        b, phase, name = key
+        ms = max(got[r][key] for r in got) * 1e3
+        loss = name.split()[0]
+        ref = (b, phase, f"{loss} open_clip")
+        base = max(got[r][ref] for r in got) * 1e3 if ref in got[0] else float("nan")
+        print(f"| {b} | {phase} | {name} | {ms:.2f} | {ms / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
