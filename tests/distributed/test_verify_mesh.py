@@ -1,7 +1,7 @@
 """`wholebatch verify` on a device mesh (dp2 x tp2, dp2 x cp2): exact steps pass, mistakes are named.
 
 Four gloo processes per run (verify's own forks), TinyLM in float64 with FSDP2 on
-dp and Colwise/Rowwise tensor parallel on tp (tests/verify_mesh_targets.py),
+dp and Colwise/Rowwise tensor parallel on tp (tests/support/verify_mesh_targets.py),
 ragged token counts per micro-batch, each against one process on the whole batch.
 Mutations that must be named: the count all-reduced over the world (x tp
 replicas: 1/tp), tp rank 1 fed another shard's rows, and on dp2 x cp2 (FSDP2 on
@@ -13,19 +13,14 @@ first stage left unscaled.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_cli import run_cli
-from wholebatch.errors import WholebatchError
 from wholebatch.testing import WholeBatchMismatch, assert_whole_batch, verify
-from wholebatch.verify import TrainerSpec, VerifyConfig, VerifySpec
-from wholebatch.verify.mesh import replica_groups, replica_shape, row_dims, shard_of
+from wholebatch.verify import VerifyConfig
 
-TARGETS = "tests/verify_mesh_targets.py"
+TARGETS = "tests/support/verify_mesh_targets.py"
 EXPECTED: dict[str, str | None] = {
     f"{TARGETS}:exact": None,
     f"{TARGETS}:hand_exact": None,
@@ -47,7 +42,6 @@ def reports(mismatch: WholeBatchMismatch) -> dict[str, Any]:
     return {r.target: r for r in mismatch.reports}
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("target", list(EXPECTED))
 def test_mesh_verdicts(reports: dict[str, Any], target: str) -> None:
@@ -68,7 +62,6 @@ def test_mesh_verdicts(reports: dict[str, Any], target: str) -> None:
         assert codes == [code], codes
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_count_over_tp_is_exact_without_replicas(reports: dict[str, Any]) -> None:
     report = reports[f"{TARGETS}:count_world"]
@@ -78,7 +71,6 @@ def test_count_over_tp_is_exact_without_replicas(reports: dict[str, Any]) -> Non
     assert "exactly 1/2" in text and "dp=2,tp=1" in text and "batch_dims=('dp',)" in text
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_replica_message_names_the_ranks(
     reports: dict[str, Any], mismatch: WholeBatchMismatch
@@ -102,7 +94,6 @@ CP_EXPECTED: dict[str, str | None] = {
 }
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_context_parallel_from_the_spec_mesh() -> None:
     # No mesh= here: the specs' own mesh ("dp=2,cp=2") is used.
@@ -129,7 +120,6 @@ PP_EXPECTED: dict[str, str | None] = {
 }
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_pipeline_stages_gathered_by_owner() -> None:
     # pp2 x dp2, 1F1B: each rank holds its stage's parameters only; the full gradient of
@@ -148,35 +138,6 @@ def test_pipeline_stages_gathered_by_owner() -> None:
     ] * 2 + [{"out.weight", "out.bias"}] * 2
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_cli_mesh_flag_overrides_the_spec() -> None:
-    # The spec says dp=2,tp=2; --mesh dp=4,tp=1 runs four data shards instead.
-    result = run_cli(
-        "verify", f"{TARGETS}:exact", "--mesh", "dp=4,tp=1", "--micro-batches", "2",
-        timeout=110,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "4 ranks x 2 micro-batches (mesh dp=4,tp=1)" in result.stdout
-
-
-# ---------------------------------------------------------------------------
-# Units: the config, the spec's fields, the mesh layout verify deals rows by
-# ---------------------------------------------------------------------------
-
-
-def test_config_mesh_is_parsed() -> None:
-    assert VerifyConfig(mesh="dp=2,tp=2").mesh == "dp=2,tp=2"
-    with pytest.raises(WholebatchError, match="NAME=SIZE"):
-        VerifyConfig(mesh="dp2,tp=2")
-
-
-def test_cli_bad_mesh_is_a_usage_error() -> None:
-    from wholebatch.cli.main import main
-
-    assert main(["verify", f"{TARGETS}:exact", "--mesh", "dp=two"]) == 2
-
-
 def test_bad_mesh_for_the_spec_is_a_usage_error() -> None:
     # Checked before any process starts: batch dims not on the mesh, too few rows.
     from wholebatch.verify import TargetError, run_verify
@@ -185,57 +146,3 @@ def test_bad_mesh_for_the_spec_is_a_usage_error() -> None:
         run_verify([f"{TARGETS}:exact"], VerifyConfig(mesh="data=2,tp=2"))
     with pytest.raises(TargetError, match="fewer than B·K = 8·2 = 16"):
         run_verify([f"{TARGETS}:exact"], VerifyConfig(mesh="dp=8", micro_batches=2))
-
-
-def _tiny_spec(**kw: Any) -> VerifySpec:
-    import torch
-
-    return VerifySpec(
-        build_model=lambda: torch.nn.Linear(2, 1),
-        batch=torch.zeros(4, 2),
-        step=lambda m, o, mbs: None,
-        reference_loss=lambda m, b: m(b).sum(),
-        **kw,
-    )
-
-
-def test_spec_mesh_fields_are_checked() -> None:
-    with pytest.raises(WholebatchError, match=r"batch_dims \['data'\] are not dims"):
-        _tiny_spec(mesh="dp=2,tp=2", batch_dims=("data",))
-    with pytest.raises(WholebatchError, match="is a string"):
-        _tiny_spec(mesh="dp=2,tp=2", batch_dims="dp")
-    with pytest.raises(WholebatchError, match="NAME=SIZE"):
-        _tiny_spec(mesh="dp")
-    with pytest.raises(WholebatchError, match="not supported yet"):
-        import torch
-
-        TrainerSpec(
-            build_model=lambda: torch.nn.Linear(2, 1),
-            batch=torch.zeros(4, 2),
-            train=lambda run: None,
-            reference_loss=lambda m, b: m(b).sum(),
-            mesh="dp=2",
-        )
-
-
-def test_layout() -> None:
-    shape = {"dp": 2, "tp": 2}
-    assert row_dims(shape, None) == ("dp",)
-    assert row_dims({"dp": 2, "cp": 2, "pp": 2}, None) == ("dp",)
-    assert [shard_of(shape, ("dp",), r) for r in range(4)] == [0, 0, 1, 1]
-    assert replica_groups(shape, ("dp",)) == [[0, 1], [2, 3]]
-    assert replica_groups({"dp": 2, "cp": 2}, ("dp",)) == []  # cp ranks hold other tokens
-    assert replica_shape("dp=2,tp=2", None) == "dp=2,tp=1"
-    assert replica_shape("pp=2,dp=2", None) == ""
-    assert replica_shape("dp=2,cp=2", ("dp",)) == "dp=2,cp=1"
-
-
-def test_current_mesh_outside_a_run() -> None:
-    from wholebatch.verify.mesh import current_mesh
-
-    with pytest.raises(WholebatchError, match="only while wholebatch verify runs"):
-        current_mesh()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([str(Path(__file__)), "-q"]))

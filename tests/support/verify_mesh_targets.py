@@ -1,9 +1,9 @@
 """`wholebatch verify --mesh` targets: TinyLM on dp x tp (FSDP2 on dp, Colwise/Rowwise on tp).
 
-    PYTHONPATH=src python -m wholebatch verify tests/verify_mesh_targets.py:exact --mesh dp=2,tp=2
+    PYTHONPATH=src python -m wholebatch verify tests/support/verify_mesh_targets.py:exact --mesh dp=2,tp=2
 
 Each function returns a `VerifySpec` with `mesh="dp=2,tp=2"`: the model of
-`tests/mesh_cases.py` (`parallelize` applies tensor parallel on tp and FSDP2 on
+`tests/support/mesh_cases.py` (`parallelize` applies tensor parallel on tp and FSDP2 on
 dp), a ragged batch (sequence lengths 1..8: token counts differ per micro-batch,
 one row holds no target), float64.
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tests.models import TinyLM, lm_loss_sum, make_sequences, micro_batch
+from tests.support.models import TinyLM, lm_loss_sum, make_sequences, micro_batch
 from wholebatch.verify import VerifySpec, current_mesh
 from wholebatch.verify.spec import split_batch
 
@@ -265,7 +265,7 @@ def cp_twice() -> VerifySpec:
 
 
 # ---------------------------------------------------------------------------
-# pp x dp: two stages of TinyLM (tests/mesh_cases.py), FSDP2 on dp per stage
+# pp x dp: two stages of TinyLM (tests/support/mesh_cases.py), FSDP2 on dp per stage
 # ---------------------------------------------------------------------------
 
 PP_MESH = "pp=2,dp=2"
@@ -276,7 +276,7 @@ def parallelize_pp(model: nn.Module, mesh: object) -> nn.Module:
     PipelineStage around it."""
     from torch.distributed.fsdp import fully_shard
 
-    from tests.mesh_cases import Stage0, Stage1
+    from tests.support.mesh_cases import Stage0, Stage1
 
     lm = model
     pp = mesh["pp"].get_local_rank()  # type: ignore[index]
@@ -296,7 +296,7 @@ def _pipeline_stage(module: nn.Module) -> object:
 def _pp_exact_step(
     model: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[Tensor, Tensor]]
 ) -> None:
-    from tests.mesh_cases import token_loss_sum
+    from tests.support.mesh_cases import token_loss_sum
     from wholebatch.train.pipeline import PipelineAccumulator
 
     acc = PipelineAccumulator(
@@ -314,7 +314,7 @@ def _pp_stage0_unscaled_step(
     """A hand-written pipeline step whose first stage keeps its unscaled gradient sum."""
     from torch.distributed.pipelining import Schedule1F1B
 
-    from tests.mesh_cases import token_loss_sum
+    from tests.support.mesh_cases import token_loss_sum
 
     stage: Any = _pipeline_stage(model)
     parts: list[Tensor] = []
