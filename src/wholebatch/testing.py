@@ -44,36 +44,49 @@ class WholeBatchMismatch(AssertionError):
 
 
 def verify(
-    *targets: Target, nproc: int = 2, micro_batches: int = 3, timeout: float = 120.0
+    *targets: Target,
+    nproc: int = 2,
+    micro_batches: int = 3,
+    timeout: float = 120.0,
+    mesh: str = "",
 ) -> list[VerifyReport]:
     """Run `wholebatch verify` on each target; the reports (`report.passed`, `report.format()`).
+
+    `mesh` ("dp=2,tp=2") splits the step over that device mesh instead of `nproc` ranks
+    (as `--mesh`; it overrides the spec's `mesh`).
 
     Raises:
         wholebatch.verify.TargetError: a target cannot be loaded, returns no spec, or its
             batch has fewer rows than nproc x micro_batches.
     """
-    config = VerifyConfig(nproc=nproc, micro_batches=micro_batches, timeout=timeout)
+    config = VerifyConfig(nproc=nproc, micro_batches=micro_batches, timeout=timeout, mesh=mesh)
     return run_verify(list(targets), config)
 
 
 def assert_whole_batch(
-    *targets: Target, nproc: int = 2, micro_batches: int = 3, timeout: float = 120.0
+    *targets: Target,
+    nproc: int = 2,
+    micro_batches: int = 3,
+    timeout: float = 120.0,
+    mesh: str = "",
 ) -> list[VerifyReport]:
     """Fail (`WholeBatchMismatch`, an AssertionError) unless every target's step is one whole-batch step.
 
     The message holds each failing target's report: the gradients next to the
     whole-batch reference, where the step breaks, and the likely cause with its fix.
-    Returns the reports when all pass.
+    Returns the reports when all pass. `mesh` ("dp=2,tp=2"): split over that device
+    mesh (`wholebatch verify --mesh`; docs/mesh.md, "verify on a mesh").
     """
     __tracebackhide__ = True
     if not targets:
         raise TypeError("assert_whole_batch: give at least one target")
-    reports = verify(*targets, nproc=nproc, micro_batches=micro_batches, timeout=timeout)
+    reports = verify(*targets, nproc=nproc, micro_batches=micro_batches, timeout=timeout, mesh=mesh)
     failed = [r for r in reports if not r.passed]
     if failed:
+        split = f"mesh {mesh}" if mesh else f"{nproc} ranks"
         head = (
             f"{len(failed)} of {len(reports)} steps do not give the whole-batch gradient "
-            f"({nproc} ranks x {micro_batches} micro-batches vs one process):"
+            f"({split} x {micro_batches} micro-batches vs one process):"
         )
         body = "\n\n".join(r.format() for r in failed)
         raise WholeBatchMismatch(f"{head}\n\n{body}", reports)

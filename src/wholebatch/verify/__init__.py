@@ -12,6 +12,7 @@ drive it.
 
 from __future__ import annotations
 
+from wholebatch.verify.mesh import current_mesh
 from wholebatch.verify.report import VerifyReport
 from wholebatch.verify.runner import run_verify
 from wholebatch.verify.spec import (
@@ -31,6 +32,7 @@ __all__ = [
     "VerifyConfig",
     "VerifyReport",
     "VerifySpec",
+    "current_mesh",
     "load_spec",
     "run_verify",
     "split_batch",

@@ -151,6 +151,25 @@ class Evidence:
     """Why the rows each micro-batch held could not be told (a trainer's forwards that
     verify could not match to the batch's rows), when they could not."""
 
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """On a device mesh: its dims and sizes ({"dp": 2, "tp": 2}); empty for a flat world."""
+
+    row_dims: tuple[str, ...] = ()
+    """On a mesh: the dims whose ranks got different rows (the others replicate them)."""
+
+    shards: tuple[int, ...] = ()
+    """On a mesh: per rank, the row shard it held."""
+
+    inputs: tuple[tuple[float, ...], ...] = ()
+    """On a mesh: per rank, a fingerprint of each forward's arguments."""
+
+    owned: tuple[tuple[str, ...], ...] = ()
+    """On a mesh: per rank, the parameters its step gave a gradient (a pipeline stage's)."""
+
+    rank_factors: tuple[float | None, ...] = ()
+    """On a mesh: per rank, the one factor its shards of the gradient are of the
+    reference's (None where they are not one multiple)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:
@@ -381,6 +400,11 @@ class VerifyReport:
                 "collectives_in_functions": [dict(c) for c in ev.in_functions],
                 "redrawn_dropout": [list(r) for r in ev.redrawn],
                 "rows_note": ev.rows_note,
+                "mesh": dict(ev.mesh),
+                "row_dims": list(ev.row_dims),
+                "shards": list(ev.shards),
+                "owned_parameters": [list(o) for o in ev.owned],
+                "rank_factors": [num(f) for f in ev.rank_factors],
             },
             "fit": None
             if self.fit is None

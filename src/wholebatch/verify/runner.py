@@ -42,10 +42,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from wholebatch.comm.mesh import parse_mesh_shape
+from wholebatch.errors import WholebatchError
 from wholebatch.verify.diagnose import diagnose, error_report
+from wholebatch.verify.mesh import (
+    REPLICAS_ONE,
+    mesh_world,
+    rank_factors,
+    replica_shape,
+    row_dims,
+)
 from wholebatch.verify.procs import ChildFailure, Session
 from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, VerifyReport, compare
 from wholebatch.verify.spec import (
@@ -117,6 +127,12 @@ class _Target:
         self.desc = desc
         self.config = config
         self._refs: dict[Condition, RefResult] = {}
+        self.mesh = config.mesh or desc.mesh
+        """The device mesh the split runs on ("dp=2,tp=2"); "" a flat world."""
+        self.world = mesh_world(self.mesh) if self.mesh else config.nproc
+        """W: the processes of the split run."""
+        if self.mesh:
+            _check_mesh_split(target, self.mesh, desc, config.micro_batches)
 
     def _split(self, condition: Condition, w: int, k: int) -> list[RankResult] | ChildFailure:
         values = self.session.call(
@@ -132,11 +148,12 @@ class _Target:
 
     def _reference(self, req: RefRequest) -> RefResult | ChildFailure:
         reuse = req.masks is None and req.pieces is None and not req.floor
-        if reuse and req.condition in self._refs:
-            return self._refs[req.condition]
+        key = dataclasses.replace(req.condition, mesh="")  # one whole batch for every mesh
+        if reuse and key in self._refs:
+            return self._refs[key]
         (value,) = self.session.call(self.where, reference, (req,))
         if isinstance(value, RefResult) and reuse:
-            self._refs[req.condition] = value
+            self._refs[key] = value
         return value  # type: ignore[no-any-return]
 
     def _ref_for(
@@ -144,6 +161,8 @@ class _Target:
     ) -> RefResult | ChildFailure:
         replay = condition.dropout and self.desc.has_dropout
         autocast = tuple(sorted({a for o in outs for a in o.autocast})) if probe else ()
+        # On a mesh the first replica of each row shard stands for the shard, in shard order.
+        outs = sorted((o for o in outs if o.primary), key=lambda o: o.shard)
         return self._reference(
             RefRequest(
                 target=self.target,
@@ -163,10 +182,14 @@ class _Target:
         if what.startswith("the reference"):
             code = "reference-raised"
         return error_report(
-            target=self.target, world_size=self.config.nproc,
-            micro_batches=self.config.micro_batches, rows=self.desc.rows, wrap=self.desc.wrap,
+            target=self.target, world_size=self.world,
+            micro_batches=self.config.micro_batches, rows=self.desc.rows, wrap=self._wrap(),
             error=text, code=code,
         )  # fmt: skip
+
+    def _wrap(self) -> str:
+        """The report's wrapper column: the spec's, or the mesh the split ran on."""
+        return f"mesh {self.mesh}" if self.mesh else self.desc.wrap
 
     def _check_same_inputs(self, outs: list[RankResult], ref: RefResult) -> None:
         for r, o in enumerate(outs):
@@ -265,22 +288,26 @@ class _Target:
         self, main: Comparison, outs: list[RankResult], rtol: float
     ) -> tuple[list[Comparison], Fit | None, float | None]:
         """A failing step again: dropout off, equal_batch, the (W, 1), (1, K), (1, 1) grid."""
-        w, k = self.config.nproc, self.config.micro_batches
-        main_cond = Condition()
+        w, k, mesh = self.world, self.config.micro_batches, self.mesh
+        main_cond = Condition(mesh=mesh)
         comparisons = [main]
         fit_cond, fit_outs = main_cond, outs
         if self.desc.has_dropout:
-            off = self._rerun(Condition(dropout=False), w, k, rtol, "dropout off")
+            off_cond = Condition(dropout=False, mesh=mesh)
+            off = self._rerun(off_cond, w, k, rtol, "dropout off")
             if off is not None:
                 comparisons.append(off[0])
-                fit_cond, fit_outs = Condition(dropout=False), off[1]
+                fit_cond, fit_outs = off_cond, off[1]
         if self.desc.has_equal:
-            eq = self._rerun(Condition(dropout=False, equal=True), w, k, rtol, "equal items")
+            eq_cond = Condition(dropout=False, equal=True, mesh=mesh)
+            eq = self._rerun(eq_cond, w, k, rtol, "equal items")
             if eq is not None:
                 comparisons.append(eq[0])
         grid = [(w, 1)] if k > 1 else []
-        grid += [(1, k)] if w > 1 else []
-        grid += [(1, 1)] if (w, k) != (1, 1) and (w > 1 or k > 1) else []
+        if mesh:
+            comparisons += self._mesh_reruns(rtol)
+        grid += [(1, k)] if w > 1 and not mesh else []
+        grid += [(1, 1)] if (w, k) != (1, 1) and (w > 1 or k > 1) and not mesh else []
         for gw, gk in dict.fromkeys(grid):
             again = self._rerun(main_cond, gw, gk, rtol, f"re-run W={gw}, K={gk}")
             if again is not None:
@@ -290,9 +317,23 @@ class _Target:
         fit, measured = self._fit_and_floor(fit_cond, fit_outs, rtol)
         return comparisons, fit, measured
 
+    def _mesh_evidence(self, outs: list[RankResult], ref: RefResult) -> dict[str, Any]:
+        return _mesh_evidence_of(self.mesh, self.desc.batch_dims, outs, ref)
+
+    def _mesh_reruns(self, rtol: float) -> list[Comparison]:
+        """On a mesh: the same step with every replica dim of size 1 ("dp=2,tp=1")."""
+        shape = replica_shape(self.mesh, self.desc.batch_dims)
+        if not shape:
+            return []
+        again = self._rerun(
+            Condition(mesh=shape), mesh_world(shape), self.config.micro_batches, rtol,
+            f"{REPLICAS_ONE} ({shape})",
+        )  # fmt: skip
+        return [] if again is None else [again[0]]
+
     def verify(self) -> VerifyReport:
-        w, k = self.config.nproc, self.config.micro_batches
-        main_cond = Condition()
+        w, k = self.world, self.config.micro_batches
+        main_cond = Condition(mesh=self.mesh)
         outs = self._split(main_cond, w, k)
         if isinstance(outs, ChildFailure):
             return self._error(outs, "the split step failed")
@@ -318,6 +359,7 @@ class _Target:
             in_functions=tuple(o.in_functions for o in outs),
             redrawn=tuple(o.redrawn for o in outs),
             rows_note=_rows_missing(outs, self.desc.rows),
+            **self._mesh_evidence(outs, ref),
         )
         comparisons: list[Comparison] = [main]
         fit: Fit | None = None
@@ -326,12 +368,52 @@ class _Target:
             floor = dataclasses.replace(floor, measured=measured)
         report = diagnose(
             target=self.target, world_size=w, micro_batches=k, rows=self.desc.rows,
-            wrap=self.desc.wrap, comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
+            wrap=self._wrap(), comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
         )  # fmt: skip
         notes = _blind_spots(ref.piece_counts)
         if not main.ok and evidence.rows_note:
             notes += (evidence.rows_note,)
         return dataclasses.replace(report, notes=notes)
+
+
+def _check_mesh_split(target: str, mesh: str, desc: Description, k: int) -> None:
+    """A TargetError (the same for every rank: checked before any runs) unless the spec can
+    run on `mesh`: a VerifySpec, batch dims among its dims, at least B·K rows."""
+    if desc.kind == "trainer":
+        raise TargetError(
+            f"verify: {target}: --mesh {mesh}: a TrainerSpec cannot run on a mesh yet (its "
+            "trainer owns the split); write the step as a VerifySpec with parallelize="
+        )
+    try:
+        shape = parse_mesh_shape(mesh)
+        dims = row_dims(shape, desc.batch_dims)
+    except WholebatchError as exc:
+        raise TargetError(f"verify: {target}: --mesh {mesh}: {exc}") from None
+    b = math.prod(shape[d] for d in dims)
+    for what, n in (("batch", desc.rows), ("equal_batch", desc.equal_rows)):
+        if n and n < b * k:
+            raise TargetError(
+                f"verify: {target}: the spec's {what} has {n} rows, fewer than B·K = {b}·{k} = "
+                f"{b * k} (B: the row shards of mesh {mesh}, the product of {dims}); lower "
+                "--micro-batches or make the batch larger"
+            )
+
+
+def _mesh_evidence_of(
+    mesh: str, batch_dims: tuple[str, ...] | None, outs: list[RankResult], ref: RefResult
+) -> dict[str, Any]:
+    """Evidence fields of a mesh run (none for a flat world)."""
+    if not mesh:
+        return {}
+    shape = parse_mesh_shape(mesh)
+    return {
+        "mesh": shape,
+        "row_dims": row_dims(shape, batch_dims),
+        "shards": tuple(o.shard for o in outs),
+        "inputs": tuple(o.inputs for o in outs),
+        "owned": tuple(o.owned for o in outs),
+        "rank_factors": rank_factors([o.local for o in outs], ref.grads),
+    }
 
 
 def _rows_missing(outs: list[RankResult], n: int) -> str:

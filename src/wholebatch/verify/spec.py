@@ -162,7 +162,29 @@ class VerifySpec:
     shaped like `normalize.items(batch)["mask"]` (what `Accumulator.step(...,
     normalize=)` takes as `loss_fn`). Each item's loss must depend on its own row only."""
 
+    mesh: str | None = None
+    """Optional: the device mesh to split the step over, as dims and sizes ("dp=2,tp=2";
+    `--mesh` overrides it). Verify then runs product-of-sizes processes, builds the
+    `DeviceMesh` (named dims, gloo), deals the batch's rows over `batch_dims` only (the
+    ranks of every other dim get the same rows), and gathers each parameter's full
+    gradient (DTensor shards via `full_tensor()`) on every rank. The step reads the mesh
+    from `wholebatch.verify.current_mesh()` (docs/mesh.md, "verify on a mesh")."""
+
+    batch_dims: tuple[str, ...] | None = None
+    """With a mesh: the dims whose ranks get different rows of the batch (data parallel).
+    None: every dim except those named "tp", "cp" and "pp". A context-parallel dim is left
+    out here (its ranks get the same rows; the step keeps its slice of the tokens) and
+    named in the step's own `Accumulator(batch_dims=...)`."""
+
+    parallelize: Callable[[nn.Module, Any], nn.Module | None] | None = None
+    """With a mesh: `parallelize(model, mesh)` applies the model's parallelism in place
+    (`parallelize_module`, `fully_shard`) or returns the wrapped module; the step gets
+    that module (`wrap` is not applied). None: the plain model, wrapped in DDP over the
+    batch dims when `wrap="ddp"` (a model replicated over the other dims)."""
+
     def __post_init__(self) -> None:
+        if self.mesh is not None:
+            _check_mesh(self, "VerifySpec")
         if not callable(self.step):
             raise WholebatchTypeError(
                 f"VerifySpec: step must be callable, got {type(self.step).__name__}"
@@ -258,7 +280,16 @@ class TrainerSpec:
     item_losses: Callable[[nn.Module, Batch], Tensor] | None = None
     """As `VerifySpec.item_losses`."""
 
+    mesh: str | None = None
+    """As `VerifySpec.mesh`. Not supported yet for a trainer: verify refuses it."""
+
     def __post_init__(self) -> None:
+        if self.mesh is not None:
+            raise WholebatchError(
+                f"TrainerSpec: mesh={self.mesh!r}: verify on a mesh runs a VerifySpec step "
+                "only (a trainer's own split over a mesh is not supported yet); write the "
+                "step as a VerifySpec with mesh= and parallelize="
+            )
         if self.row_key is not None and not (
             isinstance(self.batch, Mapping) and isinstance(self.batch.get(self.row_key), Tensor)
         ):
@@ -274,6 +305,33 @@ class TrainerSpec:
 
 
 Spec = VerifySpec | TrainerSpec
+
+
+def _check_mesh(spec: VerifySpec, kind: str) -> None:
+    """A spec's mesh fields: a parseable shape, batch dims among its dims, a callable."""
+    from wholebatch.comm.mesh import parse_mesh_shape
+
+    if not isinstance(spec.mesh, str):
+        raise WholebatchTypeError(
+            f"{kind}: mesh={spec.mesh!r} must be a string of dims and sizes, e.g. 'dp=2,tp=2'"
+        )
+    dims = parse_mesh_shape(spec.mesh)
+    if spec.batch_dims is not None:
+        if isinstance(spec.batch_dims, str):
+            raise WholebatchTypeError(
+                f"{kind}: batch_dims={spec.batch_dims!r} is a string; pass a tuple of dim "
+                f"names, e.g. batch_dims=({spec.batch_dims!r},)"
+            )
+        unknown = [d for d in spec.batch_dims if d not in dims]
+        if unknown:
+            raise WholebatchError(
+                f"{kind}: batch_dims {unknown} are not dims of mesh={spec.mesh!r}; its dims "
+                f"are {tuple(dims)}"
+            )
+    if spec.parallelize is not None and not callable(spec.parallelize):
+        raise WholebatchTypeError(
+            f"{kind}: parallelize must be callable or None, got {type(spec.parallelize).__name__}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -292,7 +350,16 @@ class VerifyConfig:
     json: bool = False
     """Print the report as JSON (for CI) instead of the table."""
 
+    mesh: str = ""
+    """A device mesh to split the step over, e.g. "dp=2,tp=2" (dims and sizes; the
+    processes are the product of the sizes, --nproc is not used); overrides the spec's
+    mesh. Empty: the spec's mesh, else a flat world of --nproc ranks."""
+
     def __post_init__(self) -> None:
+        if self.mesh:
+            from wholebatch.comm.mesh import parse_mesh_shape
+
+            parse_mesh_shape(self.mesh)
         for name in ("nproc", "micro_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

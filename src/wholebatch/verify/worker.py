@@ -79,6 +79,9 @@ class Condition:
     equal: bool = False
     """Run on `equal_batch` instead of `batch`."""
 
+    mesh: str = ""
+    """The device mesh the split runs on ("dp=2,tp=2"); "" a flat world."""
+
     @property
     def label(self) -> str:
         """ "as given", "dropout off", "equal items, dropout off"."""
@@ -98,6 +101,8 @@ class Description:
     has_dropout: bool
     has_equal: bool
     rtol: float | None
+    mesh: str = ""
+    batch_dims: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,6 +122,16 @@ class RankResult:
     in_functions: dict[str, int] = dataclasses.field(default_factory=dict)
     redrawn: tuple[str, ...] = ()
     rows_note: str = ""
+    shard: int = -1
+    """On a mesh: the row shard this rank held (ranks of one shard replicate it)."""
+    primary: bool = True
+    """On a mesh: the first replica of its shard (its rows and masks stand for the shard)."""
+    inputs: tuple[float, ...] = ()
+    """On a mesh: a fingerprint of each forward's arguments (replicas must agree)."""
+    owned: tuple[str, ...] = ()
+    """On a mesh: the parameters this rank's step gave a gradient (its pipeline stage's)."""
+    local: dict[str, tuple[Tensor, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """On a mesh: this rank's piece of each sharded gradient and its offset in the full one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +223,8 @@ def describe(target: str, world_size: int, micro_batches: int) -> Description | 
         has_dropout=bool(tapes) and not isinstance(spec, TrainerSpec),
         has_equal=spec.equal_batch is not None,
         rtol=None if spec.rtol is None else float(spec.rtol),
+        mesh=getattr(spec, "mesh", None) or "",
+        batch_dims=getattr(spec, "batch_dims", None),
     )
 
 
@@ -216,6 +233,10 @@ def split_rank(
 ) -> RankResult:
     """One rank of the split run (called in a forked process that joined the W-rank group)."""
     spec = load_spec(target)
+    if condition.mesh and isinstance(spec, VerifySpec):
+        from wholebatch.verify.mesh import split_rank_mesh
+
+        return split_rank_mesh(spec, condition, micro_batches, rank, world_size)
     batch = _batch(spec, condition)
     trainer = isinstance(spec, TrainerSpec)
     model, tapes = _build(spec, "record" if condition.dropout and not trainer else "off")
