@@ -311,17 +311,42 @@ def rank_factors(
 def _from_owners(grads: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
     """On a pipeline: every parameter's gradient from the first rank whose stage holds it.
 
-    Every rank of the world calls it (one all-gather of objects); a parameter no stage
+    Every rank of the world calls it, with the same parameter names: one agreed row
+    says who holds which gradient and its shape, then one broadcast per parameter from
+    its owner (tensors only: no pickled objects cross ranks). A parameter no stage
     computed a gradient for stays None.
     """
+    import torch
     import torch.distributed as dist
 
-    mine = {n: g for n, g in grads.items() if g is not None}
-    everyone: list[dict[str, Tensor] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    from wholebatch.comm.agree import agree_rows
+
+    dims = 8
+    names = sorted(grads)
+    row: dict[str, list[int]] = {}
+    for name in names:
+        g = grads[name]
+        shape = list(g.shape) if g is not None else []
+        if len(shape) > dims:
+            raise ValueError(f"verify: parameter {name} has more than {dims} dims")
+        row[name] = [int(g is not None), len(shape), *shape, *([0] * (dims - len(shape)))]
+    rows = agree_rows(row, dtype=torch.int64)
     out: dict[str, Tensor | None] = {}
-    for name in grads:
-        out[name] = next((d[name] for d in everyone if d is not None and name in d), None)
+    for name in names:
+        table = rows.vectors(name)
+        owner = next((r for r, v in enumerate(table) if v[0]), None)
+        if owner is None:
+            out[name] = None
+            continue
+        shape = [int(x) for x in table[owner][2 : 2 + int(table[owner][1])]]
+        g = grads[name]
+        buf = (
+            g.detach().to(torch.float64).contiguous()
+            if dist.get_rank() == owner and g is not None
+            else torch.empty(shape, dtype=torch.float64)
+        )
+        dist.broadcast(buf, src=owner)
+        out[name] = buf
     return out
 
 
