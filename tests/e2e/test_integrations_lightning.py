@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.support.harness import run_ranks
+from tests.support.lightning_env import existing_group_environment
 from tests.support.peers import SKIP_REASON, peer_root
 
 pytestmark = pytest.mark.skipif(
@@ -106,34 +107,8 @@ def reference_token_steps() -> tuple[list[dict[str, Tensor]], list[float]]:
 
 def _lightning() -> Any:
     import lightning.pytorch as pl
-    from lightning.fabric.plugins.environments import ClusterEnvironment
 
-    class HarnessEnvironment(ClusterEnvironment):  # the harness already joined the gloo group
-        creates_processes_externally = True  # type: ignore[assignment]
-        main_address = "127.0.0.1"  # type: ignore[assignment]
-        main_port = 0  # type: ignore[assignment]
-
-        @staticmethod
-        def detect() -> bool:
-            return True
-
-        def world_size(self) -> int:
-            return torch.distributed.get_world_size()
-
-        def set_world_size(self, size: int) -> None:
-            pass
-
-        def global_rank(self) -> int:
-            return torch.distributed.get_rank()
-
-        def set_global_rank(self, rank: int) -> None:
-            pass
-
-        def local_rank(self) -> int:
-            return torch.distributed.get_rank()
-
-        def node_rank(self) -> int:
-            return 0
+    HarnessEnvironment = existing_group_environment()
 
     class Probe(
         pl.Callback

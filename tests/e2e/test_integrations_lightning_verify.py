@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.e2e.test_cli import ROOT, run_cli
+from tests.support.lightning_env import existing_group_environment
 from tests.support.peers import SKIP_REASON, peer_root
 from wholebatch.verify.spec import TrainerRun, TrainerSpec
 
@@ -106,36 +107,7 @@ def _fit(run: TrainerRun, fixed: bool) -> None:
 
 
 def _environment_class() -> Any:
-    from lightning.fabric.plugins.environments import ClusterEnvironment
-
-    class ExistingGroup(ClusterEnvironment):  # verify's ranks already joined their group
-        creates_processes_externally = True  # type: ignore[assignment]
-        main_address = "127.0.0.1"  # type: ignore[assignment]
-        main_port = 0  # type: ignore[assignment]
-
-        @staticmethod
-        def detect() -> bool:
-            return True
-
-        def world_size(self) -> int:
-            return torch.distributed.get_world_size()
-
-        def set_world_size(self, size: int) -> None:
-            pass
-
-        def global_rank(self) -> int:
-            return torch.distributed.get_rank()
-
-        def set_global_rank(self, rank: int) -> None:
-            pass
-
-        def local_rank(self) -> int:
-            return torch.distributed.get_rank()
-
-        def node_rank(self) -> int:
-            return 0
-
-    return ExistingGroup
+    return existing_group_environment()
 
 
 def lightning_fixed() -> TrainerSpec:
