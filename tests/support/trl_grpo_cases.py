@@ -102,14 +102,17 @@ def tiny_model() -> Any:
     return model
 
 
-def trainer(loss_type: str, model: Any, *, steps_per_generation: int = K) -> Any:
-    """A `GRPOTrainer` with only what `_compute_loss` reads (defaults of GRPOConfig)."""
+def trainer(
+    loss_type: str, model: Any, *, steps_per_generation: int = K, cls: type | None = None
+) -> Any:
+    """A `GRPOTrainer` (or subclass `cls`) with only what `_compute_loss` reads (GRPOConfig defaults)."""
     from trl import GRPOConfig, GRPOTrainer
 
     cfg = GRPOConfig(
         output_dir="/tmp/unused", loss_type=loss_type, report_to=[], use_cpu=True, bf16=False
     )
-    t = GRPOTrainer.__new__(GRPOTrainer)
+    cls = GRPOTrainer if cls is None else cls
+    t = cls.__new__(cls)
     t.model = model
     t.accelerator = _Accelerator()
     cfg.steps_per_generation = steps_per_generation

@@ -1,11 +1,13 @@
-"""trl's `SFTTrainer` and `DPOTrainer` with the whole-batch step: `WholeBatchSFTTrainer`, `WholeBatchDPOTrainer`.
+"""trl's `SFTTrainer`, `DPOTrainer` and `GRPOTrainer` with the whole-batch step.
+
+`WholeBatchSFTTrainer`, `WholeBatchDPOTrainer`, `WholeBatchGRPOTrainer`.
 
 Change two lines (docs/integrations/trl.md):
 
     # from trl import SFTTrainer
     from wholebatch.integrations.trl import WholeBatchSFTTrainer as SFTTrainer
 
-(`WholeBatchDPOTrainer as DPOTrainer` likewise). Both are the trl class with
+(`WholeBatchDPOTrainer as DPOTrainer`, `WholeBatchGRPOTrainer as GRPOTrainer` likewise). Both are the trl class with
 `wholebatch.integrations.huggingface.WholeBatchTrainerMixin` in front, plus
 what each trl loss needs; trl is imported only when a class is first used.
 
@@ -34,6 +36,14 @@ What these classes change (the training loop is the Trainer's):
   rejected); each micro-batch's mean becomes W·(its pairs' loss sum)/N. Loss
   types that average over tokens instead (`"sft"`) are refused.
 
+- GRPO (`GRPOMixin`, see its docstring): `loss_type="bnpo"` divides each
+  micro-batch by its OWN token count (a mean of per-micro-batch token means),
+  and `"dapo"` / `"cispo"` / `"vespo"` divide by the generation batch's token
+  count rescaled by GA / steps_per_generation, which is the accumulation
+  window's count only when steps_per_generation == GA (trl #5619 / PR #6024).
+  The fix counts each window's tokens, agreed across ranks, when trl buffers
+  the generation batch, and divides every micro-batch of the window by it.
+
 Legend: W data-parallel ranks, K micro-batches per step, N items in the step.
 """
 
@@ -51,9 +61,17 @@ from wholebatch.integrations.huggingface import ItemShare, WholeBatchTrainerMixi
 
 if TYPE_CHECKING:
     from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer
     from trl.trainer.sft_trainer import SFTTrainer
 
-__all__ = ["DPOMixin", "SFTMixin", "WholeBatchDPOTrainer", "WholeBatchSFTTrainer"]
+__all__ = [
+    "DPOMixin",
+    "GRPOMixin",
+    "SFTMixin",
+    "WholeBatchDPOTrainer",
+    "WholeBatchGRPOTrainer",
+    "WholeBatchSFTTrainer",
+]
 
 # trl 1.16's DPO loss types that average over the micro-batch's pairs (per_sequence_loss.mean()).
 _PAIR_LOSSES = frozenset(
@@ -126,6 +144,142 @@ class DPOMixin(WholeBatchTrainerMixin):
         return int(ids.shape[0]) // 2
 
 
+# trl 1.16's GRPO loss types whose batch loss is a token mean (docs/accumulation.md's trl table).
+# bnpo is fixed too: trl documents it as the token mean of the batch, computes it per micro-batch.
+_TOKEN_MEAN_GRPO = frozenset({"bnpo", "dapo", "cispo", "vespo"})
+
+
+class GRPOMixin:
+    """Token-mean GRPO loss types divided by the accumulation window's global token count.
+
+    In front of trl 1.16's `GRPOTrainer`. For `loss_type` in bnpo, dapo, cispo
+    and vespo, each micro-batch's loss becomes W·(its masked token loss sum)/N,
+    N the completion tokens (`completion_mask`, times `tool_mask` when present)
+    of the accumulation window it belongs to, summed over its GA micro-batches
+    and over every rank. After DDP's mean the optimizer step's gradient is that
+    of (sum of every token loss of the window) / N: the whole batch's token mean.
+
+    How N is known before the window's backward passes: trl generates once per
+    `steps_per_generation` micro-batches and buffers the generation batch, split
+    into `steps_per_generation` micro-batches, in `_prepare_inputs`. When a new
+    buffer appears, its windows (buffer slices `[j·GA, (j+1)·GA)`) are counted
+    and the per-window counts agreed across ranks in one `agree_rows` all-gather
+    (every rank buffers in the same call). `_compute_loss` then hands trl's own
+    dapo normaliser the `num_items_in_batch` that makes it N / W, and runs bnpo
+    through that same branch (bnpo and dapo share their per-token loss). The
+    rest of trl's loss (clipping, KL, entropy bonus, metrics) is unchanged,
+    except that the metric `policy_loss` (logged with the entropy bonus) is
+    then the window-normalised sum for bnpo, as it is for dapo.
+
+    Not changed: grpo, sapo, dr_grpo and luspo (per-sequence or constant
+    normalisers: they are trl's, and match their own definitions when every
+    micro-batch holds the same number of completions, as trl's split gives);
+    evaluation (no accumulation: trl's dapo already divides by the eval batch's
+    global tokens).
+
+    Not exact, refused: `steps_per_generation` not a multiple of
+    `gradient_accumulation_steps`. A window then spans two generation batches,
+    and the second is generated only after the window's first backward passes,
+    so its count is not known in time; construction raises `WholebatchError`
+    for the token-mean loss types. Also assumed: windows start at buffer
+    boundaries, which holds while every epoch's micro-batch count is a multiple
+    of `steps_per_generation` (trl's repeat sampler gives that).
+
+    Legend: W ranks, GA accumulation steps, N the window's global token count.
+    """
+
+    loss_type: str
+    args: Any
+    model: Any
+    _step: int
+    _buffered_inputs: list[dict[str, Any]] | None
+    current_gradient_accumulation_steps: int
+    # The current buffer's per-window global token counts (None until the first buffer).
+    _window_tokens: list[float] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        """Refuse the layouts where a window's token count is not known before its backward."""
+        if self.loss_type not in _TOKEN_MEAN_GRPO:
+            return
+        spg = int(self.args.steps_per_generation)
+        ga = int(self.args.gradient_accumulation_steps)
+        if spg % ga:
+            raise WholebatchError(
+                f"WholeBatchGRPOTrainer: loss_type={self.loss_type!r} needs steps_per_generation "
+                f"({spg}) to be a multiple of gradient_accumulation_steps ({ga}): otherwise an "
+                "accumulation window spans two generation batches and its token count is not "
+                f"known before its first backward; set steps_per_generation={ga} (or "
+                f"{ga * max(1, round(spg / ga))}), or use a per-sequence loss_type"
+            )
+
+    def _window_index(self) -> int:
+        """The accumulation window of the buffer the current micro-batch belongs to."""
+        spg = int(self.args.steps_per_generation)
+        return (self._step % spg) // int(self.args.gradient_accumulation_steps)
+
+    def _count_windows(self, buffer: list[dict[str, Any]]) -> list[float]:
+        """Each window's completion tokens, summed over its micro-batches and over every rank."""
+        from wholebatch.comm import agree_rows
+
+        ga = int(self.args.gradient_accumulation_steps)
+        local = []
+        for j in range(len(buffer) // ga):
+            n = 0.0
+            for mb in buffer[j * ga : (j + 1) * ga]:
+                mask = mb["completion_mask"]
+                if mb.get("tool_mask") is not None:
+                    mask = mask * mb["tool_mask"]
+                n += float(mask.sum())
+            local.append(n)
+        rows = agree_rows({"tokens": local})  # float64 wire: counts exact up to 2**53
+        per_rank = rows.vectors("tokens")  # [W][windows]
+        return [float(sum(r[j] for r in per_rank)) for j in range(len(local))]
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """trl's `_prepare_inputs`; a new generation buffer gets its windows' global token counts."""
+        before = self._buffered_inputs
+        parent: Any = super()
+        inputs: dict[str, Any] = parent._prepare_inputs(generation_batch)
+        buffer = self._buffered_inputs
+        if (
+            self.model.training
+            and self.loss_type in _TOKEN_MEAN_GRPO
+            and buffer is not None
+            and buffer is not before
+        ):
+            self._window_tokens = self._count_windows(buffer)
+        return inputs
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
+        """trl's `_compute_loss`, token-mean types divided by the window's global token count."""
+        parent: Any = super()
+        if not (self.model.training and self.loss_type in _TOKEN_MEAN_GRPO):
+            return parent._compute_loss(model, inputs)  # type: ignore[no-any-return]
+        if self._window_tokens is None:
+            raise WholebatchError(
+                "WholeBatchGRPOTrainer: no window token count for this micro-batch; the "
+                "micro-batch did not come through _prepare_inputs' generation buffer"
+            )
+        n = self._window_tokens[self._window_index()]
+        # trl's dapo branch divides the masked token sum by
+        # num_items_in_batch / W * current_GA / steps_per_generation: make that N / W.
+        spg = float(self.args.steps_per_generation)
+        nib = n * spg / float(self.current_gradient_accumulation_steps)
+        mask = inputs["completion_mask"]
+        dtype = torch.float32 if mask.device.type == "mps" else torch.float64
+        fixed = {**inputs, "num_items_in_batch": torch.tensor(nib, dtype=dtype, device=mask.device)}
+        kept = self.loss_type
+        self.loss_type = "dapo" if kept == "bnpo" else kept
+        try:
+            return parent._compute_loss(model, fixed)  # type: ignore[no-any-return]
+        finally:
+            self.loss_type = kept
+
+
 if TYPE_CHECKING:
 
     class WholeBatchSFTTrainer(SFTMixin, SFTTrainer):  # type: ignore[misc]
@@ -134,12 +288,17 @@ if TYPE_CHECKING:
     class WholeBatchDPOTrainer(DPOMixin, DPOTrainer):  # type: ignore[misc]
         """trl's `DPOTrainer` whose step has the whole-batch gradient."""
 
+    class WholeBatchGRPOTrainer(GRPOMixin, GRPOTrainer):  # type: ignore[misc]
+        """trl's `GRPOTrainer` whose token-mean losses divide by the window's global tokens."""
+
 
 def _build(name: str) -> type:
     trl = require_peer("trl", "trl", name)
-    mixin, base = (
-        (SFTMixin, trl.SFTTrainer) if name == "WholeBatchSFTTrainer" else (DPOMixin, trl.DPOTrainer)
-    )
+    mixin, base = {
+        "WholeBatchSFTTrainer": (SFTMixin, trl.SFTTrainer),
+        "WholeBatchDPOTrainer": (DPOMixin, trl.DPOTrainer),
+        "WholeBatchGRPOTrainer": (GRPOMixin, trl.GRPOTrainer),
+    }[name]
     cls = type(
         name,
         (mixin, base),
@@ -155,7 +314,7 @@ def _build(name: str) -> type:
 
 def __getattr__(name: str) -> Any:
     # The trainer classes subclass trl's: built on first use, so importing this module needs no trl.
-    if name in ("WholeBatchSFTTrainer", "WholeBatchDPOTrainer"):
+    if name in ("WholeBatchSFTTrainer", "WholeBatchDPOTrainer", "WholeBatchGRPOTrainer"):
         cls = _build(name)
         globals()[name] = cls
         return cls
