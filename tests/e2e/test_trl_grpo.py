@@ -52,6 +52,13 @@ def test_fixed_trainer_is_the_window_token_mean(world: list[Any], loss_type: str
     assert max(errs) < EXACT, errs
 
 
+@pytest.mark.parametrize("loss_type", ["cispo", "vespo"])
+def test_other_token_types_are_the_window_token_mean(world: list[Any], loss_type: str) -> None:
+    # dapo's normaliser in trl: the same fix, with steps_per_generation = 2 x GA
+    assert max(errors(world, (loss_type, 2 * K, True))) < EXACT
+    assert max(errors(world, (loss_type, 2 * K, False))) > 1e-3  # the mutation
+
+
 @pytest.mark.parametrize(
     ("loss_type", "spg"), [("bnpo", K), ("bnpo", 2 * K), ("dapo", 2 * K)], ids=str
 )

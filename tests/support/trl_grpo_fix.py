@@ -31,7 +31,8 @@ CASES: list[Case] = [
     for lt in ("bnpo", "dapo")
     for spg in (cases.K, 2 * cases.K)
     for fixed in (True, False)
-] + [("grpo", cases.K, True), ("grpo", cases.K, False)]
+] + [(lt, 2 * cases.K, fixed) for lt in ("cispo", "vespo") for fixed in (True, False)]
+CASES += [("grpo", cases.K, True), ("grpo", cases.K, False)]  # last: left as trl does it
 KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 
 
