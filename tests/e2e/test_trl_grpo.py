@@ -101,3 +101,25 @@ def test_windows_spanning_two_generation_batches_are_refused() -> None:
         t._check_windows()
     t.loss_type = "grpo"  # per-sequence types are trl's: nothing to refuse
     t._check_windows()
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[tuple[str, bool], float]:
+    """A real `train()` (generation, reward, buffering), GA 3, spg 6: first-step error vs token mean."""
+    out = {}
+    for lt in ("bnpo", "dapo"):
+        for fixed in (True, False):
+            run = fix.train_first_step(lt, fixed=fixed)
+            counts = {int(mb["completion_mask"].sum()) for mb in run["seen"]}
+            assert len(counts) > 1, f"the sampled completions are not ragged: {counts}"
+            want = fix.train_reference(run["seen"])
+            out[(lt, fixed)] = float((run["grad"] - want).norm() / want.norm())
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_real_train_step_is_the_window_token_mean(
+    trained: dict[tuple[str, bool], float], loss_type: str
+) -> None:
+    assert trained[(loss_type, True)] < EXACT, trained
+    assert trained[(loss_type, False)] > 1e-2, trained  # the plain GRPOTrainer: the mutation

@@ -136,3 +136,85 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _train_model() -> Any:
+    """A float64 tiny Llama whose LM head is zero: uniform sampling, so EOS ends some completions early."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).double()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    return model
+
+
+def train_first_step(loss_type: str, *, fixed: bool) -> dict[str, Any]:
+    """One process, a real `trainer.train()` (generation, reward, buffering): GA 3, spg 6.
+
+    Returns the first optimizer step's gradient (before the step, no clipping) and
+    the micro-batches its 3 `_compute_loss` calls saw.
+    """
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.e2e.test_integrations_trl import tokenizer
+    from wholebatch.integrations.trl import WholeBatchGRPOTrainer
+
+    grads: list[Tensor] = []
+
+    class Grab(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not grads:
+                grads.append(
+                    torch.cat([p.grad.reshape(-1).clone() for p in kw["model"].parameters()])
+                )
+
+    prompts = [" ".join(f"t{4 + i + j}" for j in range(3)) for i in range(6)]
+    args = GRPOConfig(
+        output_dir="/tmp/unused", per_device_train_batch_size=2, num_generations=2,
+        gradient_accumulation_steps=cases.K, steps_per_generation=2 * cases.K,
+        max_completion_length=8, max_steps=1, max_grad_norm=0.0, use_cpu=True, bf16=False,
+        report_to=[], loss_type=loss_type, save_strategy="no", seed=3,
+    )  # fmt: skip
+    cls = WholeBatchGRPOTrainer if fixed else GRPOTrainer
+    trainer = cls(
+        model=_train_model(),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer(),
+        callbacks=[Grab()],
+    )
+    seen: list[dict[str, Tensor]] = []
+    compute = trainer._compute_loss
+
+    def spy(model: Any, inputs: dict[str, Any]) -> Tensor:
+        if len(seen) < cases.K:
+            seen.append({k: inputs[k].detach().clone() for k in KEYS})
+        out: Tensor = compute(model, inputs)
+        return out
+
+    trainer._compute_loss = spy
+    trainer.train()
+    return {"grad": grads[0], "seen": seen}
+
+
+def train_reference(mbs: list[dict[str, Tensor]]) -> Tensor:
+    """One process: the token mean over `mbs` on `_train_model()` (trl's fused head, as trained)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = _train_model()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    n_total = sum(float(mb["completion_mask"].sum()) for mb in mbs)
+    for mb in mbs:
+        m = mb["completion_mask"].to(torch.float64)
+        loss_BT = -mb["advantages"][:, None] * cases.per_token_logps(model, mb) * m
+        (loss_BT.sum() / n_total).backward()
+    return cases._grad(model)
