@@ -9,7 +9,11 @@ window) / (the window's completion tokens over both ranks), computed by one
 process. Mutation: the plain `GRPOTrainer` fails the same check for bnpo (a
 mean of per-micro-batch token means) and for dapo with steps_per_generation =
 2K (the generation batch's count rescaled); plain dapo with steps_per_generation
-= K is already exact, and is checked as such. grpo passes through unchanged.
+= K is already exact, and is checked as such. cispo and vespo (dapo's
+normaliser) with 2K likewise. grpo passes through unchanged. Last, one process
+through a real `trainer.train()` (generation, reward, buffering; sampled ragged
+completions): the first step's gradient against the token mean over its window,
+the plain trainer as the mutation.
 """
 
 from __future__ import annotations
