@@ -5,7 +5,7 @@
     wholebatch.integrations.lightly      NTXentLoss (lightly 1.6.0's), memory bank included
     wholebatch.integrations.huggingface  WholeBatchTrainer / WholeBatchTrainerMixin (transformers 5.23)
     wholebatch.integrations.lightning    WholeBatchAccumulation, a Lightning 2.6.6 callback
-    wholebatch.integrations.trl          WholeBatchSFTTrainer, WholeBatchDPOTrainer (trl 1.16)
+    wholebatch.integrations.trl          WholeBatchSFTTrainer, WholeBatchDPOTrainer, WholeBatchGRPOTrainer (trl 1.16)
     wholebatch.integrations.deepspeed    DeepSpeedAccumulator (a DeepSpeed 0.19.8 ZeRO-1/2 engine)
 
 Each module imports its peer only inside itself, and only where the code needs
