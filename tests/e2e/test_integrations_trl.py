@@ -37,25 +37,12 @@ from torch import Tensor
 
 from tests.support.harness import run_ranks
 from tests.support.peers import SKIP_REASON, accelerate_on_harness_group, peer_root
+from tests.support.word_tokenizer import VOCAB, tokenizer
 
 pytestmark = pytest.mark.skipif(peer_root("trl") is None, reason=SKIP_REASON.format("trl"))
 
-W, B, VOCAB = 2, 2, 40
+W, B = 2, 2
 TOL = 1e-6  # trl's float32 log-prob kernel: measured 1.3e-7 (module docstring)
-
-
-def tokenizer() -> Any:
-    """A word-level tokenizer over "t0".."t39" (t0 pad, t1 bos, t2 eos, t3 unk), built offline."""
-    import transformers
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"t\d+"), "isolated")]
-    )
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
-    )
 
 
 def build_model(name: str) -> Any:

@@ -164,7 +164,7 @@ def train_first_step(loss_type: str, *, fixed: bool) -> dict[str, Any]:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.e2e.test_integrations_trl import tokenizer
+    from tests.support.word_tokenizer import tokenizer
     from wholebatch.integrations.trl import WholeBatchGRPOTrainer
 
     grads: list[Tensor] = []
