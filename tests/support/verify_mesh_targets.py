@@ -78,16 +78,17 @@ def reference_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return loss_sum / n
 
 
-def _spec(step: object) -> VerifySpec:
+def _spec(step: object, mesh: str = MESH, parallelize_fn: object = None) -> VerifySpec:
+    """A target on `mesh` (dp the batch dim), its model parallelised by `parallelize_fn`."""
     return VerifySpec(
         build_model=_model,
         batch=_batch(),
         step=step,  # type: ignore[arg-type]
         reference_loss=reference_loss,
         count_items=lambda b: int((b[1] != -100).sum()),
-        mesh=MESH,
+        mesh=mesh,
         batch_dims=("dp",),
-        parallelize=parallelize,
+        parallelize=parallelize if parallelize_fn is None else parallelize_fn,  # type: ignore[arg-type]
     )
 
 
@@ -244,16 +245,7 @@ def cp_dp_only() -> VerifySpec:
 
 
 def _cp_spec(step: object) -> VerifySpec:
-    return VerifySpec(
-        build_model=_model,
-        batch=_batch(),
-        step=step,  # type: ignore[arg-type]
-        reference_loss=reference_loss,
-        count_items=lambda b: int((b[1] != -100).sum()),
-        mesh=CP_MESH,
-        batch_dims=("dp",),
-        parallelize=parallelize_cp,
-    )
+    return _spec(step, CP_MESH, parallelize_cp)
 
 
 def cp_exact() -> VerifySpec:
@@ -342,16 +334,7 @@ def _pp_stage0_unscaled_step(
 
 
 def _pp_spec(step: object) -> VerifySpec:
-    return VerifySpec(
-        build_model=_model,
-        batch=_batch(),
-        step=step,  # type: ignore[arg-type]
-        reference_loss=reference_loss,
-        count_items=lambda b: int((b[1] != -100).sum()),
-        mesh=PP_MESH,
-        batch_dims=("dp",),
-        parallelize=parallelize_pp,
-    )
+    return _spec(step, PP_MESH, parallelize_pp)
 
 
 def pp_exact() -> VerifySpec:
