@@ -15,7 +15,13 @@ from wholebatch._lazy import lazy_package
 
 if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these imports,
     # and `lazy_package` builds `_LAZY`, `__all__` and the PEP 562 hooks from them
-    from wholebatch.comm.agree import Field as Field, Rows as Rows, agree_rows as agree_rows
+    from wholebatch.comm.agree import (
+        Field as Field,
+        PendingRows as PendingRows,
+        Rows as Rows,
+        agree_rows as agree_rows,
+        start_rows as start_rows,
+    )
     from wholebatch.comm.collectives import (
         all_gather as all_gather,
         all_reduce as all_reduce,

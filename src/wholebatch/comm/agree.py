@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,12 +37,14 @@ from wholebatch.errors import WholebatchError
 
 __all__ = [
     "Field",
+    "PendingRows",
     "Rows",
     "agree_rows",
     "errors_text",
     "exchange_text",
     "gather_errors",
     "per_rank",
+    "start_rows",
 ]
 
 _MSG_BYTES = 480
@@ -156,6 +159,57 @@ def _part(value: Field, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.tensor(list(value), dtype=dtype, device=device).reshape(-1)
 
 
+class PendingRows:
+    """An agreement started by `start_rows`: `wait()` gives the `Rows` (call it once)."""
+
+    def __init__(
+        self,
+        table: Tensor,
+        layout: Mapping[str, tuple[int, int]],
+        group: ProcessGroup | None,
+        work: Any,
+    ) -> None:
+        self._table, self._layout, self._group, self._work = table, layout, group, work
+
+    def wait(self) -> Rows:
+        """Block until every rank's row arrived; the same `Rows` on every rank."""
+        if self._work is not None:
+            self._work.wait()
+        return Rows(self._table.cpu(), self._layout, self._group)
+
+
+def start_rows(
+    row: Mapping[str, Field],
+    *,
+    group: ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> PendingRows:
+    """`agree_rows` without waiting: the all-gather runs while the caller computes.
+
+    Every rank of `group` must call it, with the same field names and lengths, and
+    then `wait()` on the result before its next collective on `group`.
+    """
+    from wholebatch.comm._c10d import all_gather_single
+
+    distributed = is_distributed(group)
+    device = comm_device(group) if distributed else torch.device("cpu")
+    layout: dict[str, tuple[int, int]] = {}
+    parts: list[Tensor] = []
+    start = 0
+    for name, value in row.items():
+        part = _part(value, dtype, device)
+        layout[name] = (start, part.numel())
+        start += part.numel()
+        parts.append(part)
+    mine_F = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+    if not distributed:
+        return PendingRows(mine_F.unsqueeze(0), layout, group, None)
+    w = get_world_size(group)
+    table = torch.empty(w * mine_F.numel(), dtype=dtype, device=device)
+    work = all_gather_single(table, mine_F, group=group, async_op=True)
+    return PendingRows(table.view(w, -1), layout, group, work)
+
+
 def agree_rows(
     row: Mapping[str, Field],
     *,
@@ -173,25 +227,7 @@ def agree_rows(
         dtype: the wire dtype: float64 (default; holds integers exactly up to 2**53,
             and NaN) or int64 for integer-only rows.
     """
-    from wholebatch.comm._c10d import all_gather_single
-
-    distributed = is_distributed(group)
-    device = comm_device(group) if distributed else torch.device("cpu")
-    layout: dict[str, tuple[int, int]] = {}
-    parts: list[Tensor] = []
-    start = 0
-    for name, value in row.items():
-        part = _part(value, dtype, device)
-        layout[name] = (start, part.numel())
-        start += part.numel()
-        parts.append(part)
-    mine_F = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-    if not distributed:
-        return Rows(mine_F.cpu().unsqueeze(0), layout, group)
-    w = get_world_size(group)
-    table = torch.empty(w * mine_F.numel(), dtype=dtype, device=device)
-    all_gather_single(table, mine_F, group=group)
-    return Rows(table.view(w, -1).cpu(), layout, group)
+    return start_rows(row, group=group, dtype=dtype).wait()
 
 
 def exchange_text(

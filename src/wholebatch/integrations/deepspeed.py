@@ -49,13 +49,10 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import comm_device, get_world_size, is_distributed
+from wholebatch.comm import PendingRows, comm_device, get_world_size, is_distributed, start_rows
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = ["DeepSpeedAccumulator", "DeepSpeedStepStats"]
-
-# Columns of the row each rank contributes before the step, and after it.
-_ITEMS, _K = range(2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,7 +157,7 @@ class DeepSpeedAccumulator:
         counts = [_count(op, count_fn(mb), i) for i, mb in enumerate(mbs)]
         # The count's all-gather runs while micro-batch 0's forward does (its backward
         # needs N, its forward does not): the step's start is not a wait for the slowest rank.
-        pending = self._start([sum(counts), float(k)])
+        pending = start_rows({"items": sum(counts), "k": k}, group=self.group)
         engine = self.engine
         loss_sum = torch.zeros((), dtype=torch.float64)
         factor, n = math.nan, 0.0
@@ -180,10 +177,12 @@ class DeepSpeedAccumulator:
             loss_sum += loss.detach().to(torch.float64).cpu()
         if k == 0:  # every rank raises the same error, agreed
             self._agree(op, pending)
-        reported = self._start([float(loss_sum)], op="sum")  # overlaps engine.step()
+        reported, work = self._start_sum(loss_sum)  # overlaps engine.step()
         engine.step()  # the boundary: ZeRO's reduction (stage 1), clipping, the optimizer
         self.steps += 1
-        total = self._finish(reported)[0][0]
+        if work is not None:
+            work.wait()
+        total = float(reported)
         return DeepSpeedStepStats(
             loss=total / n if n > 0 else math.nan,
             items=n,
@@ -191,17 +190,18 @@ class DeepSpeedAccumulator:
             micro_batches=k,
         )
 
-    def _agree(self, op: str, pending: tuple[Tensor, Any]) -> tuple[tuple[float, ...], float]:
-        """Every rank's [items, K] from the count's all-gather; the same error on every rank."""
-        table = self._finish(pending)
-        ks = {r: int(row[_K]) for r, row in enumerate(table)}
-        if len(set(ks.values())) > 1 or ks[0] == 0:
+    def _agree(self, op: str, pending: PendingRows) -> tuple[tuple[float, ...], float]:
+        """Every rank's items and K from the count's agreement; the same error on every rank."""
+        rows = pending.wait()
+        ks = rows.per_rank("k")
+        if not rows.same("k") or ks[0] == 0:
             raise WholebatchError(
-                f"{op}: micro_batches per rank {ks}; every rank must run the same K >= 1 (ZeRO "
-                "reduces on the last one). Pad a short rank with micro-batches of zero items"
+                f"{op}: micro_batches per rank { {r: int(v) for r, v in ks.items()} }; every rank "
+                "must run the same K >= 1 (ZeRO reduces on the last one). Pad a short rank with "
+                "micro-batches of zero items"
             )
-        per_rank = tuple(row[_ITEMS] for row in table)
-        n = sum(per_rank)
+        per_rank = rows["items"]
+        n = rows.total("items")
         if n <= 0:
             raise WholebatchError(
                 f"{op}: the step holds {dict(enumerate(per_rank))} items per rank (none in all); "
@@ -209,23 +209,9 @@ class DeepSpeedAccumulator:
             )
         return per_rank, n
 
-    def _start(self, row: list[float], *, op: str = "gather") -> tuple[Tensor, Any]:
-        """Start the all-gather of every rank's `row` (or, with op="sum", its all-reduce)."""
-        mine = torch.tensor(row, dtype=torch.float64, device=comm_device(self.group))
+    def _start_sum(self, loss_sum: Tensor) -> tuple[Tensor, Any]:
+        """Start the all-reduce (sum) of every rank's loss sum: (the tensor, its work or None)."""
+        mine = loss_sum.to(device=comm_device(self.group), dtype=torch.float64).reshape(1)
         if self.world_size == 1:
-            return mine.view(1, -1), None
-        if op == "sum":
-            return mine.view(1, -1), torch.distributed.all_reduce(
-                mine, group=self.group, async_op=True
-            )
-        out = torch.empty(self.world_size * len(row), dtype=torch.float64, device=mine.device)
-        work = torch.distributed.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
-        return out.view(self.world_size, len(row)), work
-
-    @staticmethod
-    def _finish(pending: tuple[Tensor, Any]) -> list[list[float]]:
-        """Wait for a `_start`ed collective: its rows, in rank order."""
-        out, work = pending
-        if work is not None:
-            work.wait()
-        return [[float(x) for x in r] for r in out.cpu().tolist()]
+            return mine, None
+        return mine, torch.distributed.all_reduce(mine, group=self.group, async_op=True)
