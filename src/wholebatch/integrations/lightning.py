@@ -66,14 +66,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from wholebatch.comm import all_gather, comm_device, get_world_size, is_distributed
+from wholebatch.comm import agree_rows, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.integrations._common import require_peer
 
 __all__ = ["LightningStepStats", "WholeBatchAccumulation", "lightning_callback_class"]
-
-# Columns of the row each rank contributes per step.
-_LOSS, _ITEMS, _MICRO, _BAD = range(4)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,23 +202,18 @@ class _AccumulationLogic:
         w = self._world()
         loss = self._window_loss if self._window_loss is not None else torch.zeros(())
         items = self._window_items if self._window_items is not None else torch.zeros(())
-        row = torch.stack(
-            [
-                loss.to(torch.float64).cpu(),
-                items.to(torch.float64).cpu(),
-                torch.tensor(float(self._window_micro), dtype=torch.float64),
-                torch.tensor(float(self._window_bad), dtype=torch.float64),
-            ]
-        )  # [4]
-        if w > 1:
-            row = row.to(comm_device(self.group))
-            rows = all_gather(row, sizes=[4] * w, group=self.group, check=False)
-            rows_W4 = rows.view(w, 4).cpu()
-        else:
-            rows_W4 = row.view(1, 4)
+        rows = agree_rows(
+            {
+                "loss": loss.detach(),
+                "items": items.detach(),
+                "micro_batches": self._window_micro,
+                "bad": self._window_bad,
+            },
+            group=self.group,
+        )
         c = self._c
         self._window_loss = self._window_items = None
-        micro = {r: int(m) for r, m in enumerate(rows_W4[:, _MICRO].tolist())}
+        micro = {r: int(m) for r, m in rows.per_rank("micro_batches").items()}
         self._window_micro, self._window_bad = 0, False
         if len(set(micro.values())) > 1 or micro[0] == 0:
             raise WholebatchError(
@@ -230,10 +222,9 @@ class _AccumulationLogic:
                 "before each step. Give every rank the same number of batches "
                 "(Lightning's DistributedSampler does), and do not call training_step yourself"
             )
-        total = rows_W4.sum(0)
-        n = float(total[_ITEMS])
-        per_rank = tuple(float(x) for x in rows_W4[:, _ITEMS].tolist())
-        if n <= 0 and not bool(total[_BAD]):
+        n = rows.total("items")
+        per_rank = rows["items"]
+        if n <= 0 and not rows.ranks_where("bad"):
             raise WholebatchError(
                 f"{op}: the optimizer step's window held {per_rank} items per rank (none in "
                 "all); its whole-batch mean is undefined. Drop batches without items from "
@@ -251,7 +242,7 @@ class _AccumulationLogic:
                 for ts in by_kind.values():
                     torch._foreach_mul_(ts, factor)
         stats = LightningStepStats(
-            loss=float(total[_LOSS]) / n if n > 0 else math.nan,
+            loss=rows.total("loss") / n if n > 0 else math.nan,
             items=n,
             items_per_rank=per_rank,
             micro_batches=micro[0],
