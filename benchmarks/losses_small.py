@@ -4,16 +4,20 @@
     .venv/bin/python -m benchmarks.losses_small --profile    # + where wholebatch's forward goes
 
 open_clip 3.3.0's own `ClipLoss` / `SigLipLoss` (tests/support/peers.py loads its
-loss.py; `gather_with_grad=True`, `local_loss=False`, the configuration its
-training CLI runs with `--gather-with-grad`) beside `wholebatch.clip_loss` /
-`siglip_loss` on the same inputs, alternating, median over calls of forward
-and of forward + backward; wholebatch with the checks on (default) and with
-`sizes=` + `check=False` (no exchange).
+loss.py; `gather_with_grad=True, local_loss=True`, the reference: its training CLI
+with `--gather-with-grad --local-loss`; and `local_loss=False`, every rank the
+whole N x N logits) beside `wholebatch.clip_loss` / `siglip_loss` on the same
+inputs, alternating, median over calls of forward and of forward + backward;
+wholebatch with the checks on (default) and with `sizes=` + `check=False` (no
+exchange). `--profile` adds, per implementation, the collectives that reach
+gloo per call (torch.profiler's `gloo:*` events, forward and backward) and
+rank 0's busiest operators of wholebatch's CLIP and SigLIP calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
@@ -40,9 +44,11 @@ def _impls(b: int, w: int) -> dict[str, Any]:
         "siglip wholebatch sizes+check=False": lambda i, t, s: siglip_loss(i, t, s, -10.0, **known),
     }
     if oc is not None:
-        cl = oc.ClipLoss(gather_with_grad=True, rank=r, world_size=w)
+        cl = oc.ClipLoss(gather_with_grad=True, local_loss=True, rank=r, world_size=w)
+        cl_all = oc.ClipLoss(gather_with_grad=True, rank=r, world_size=w)
         sl = oc.SigLipLoss(rank=r, world_size=w)
         out["clip open_clip"] = lambda i, t, s: cl(i, t, s)
+        out["clip open_clip local_loss=False"] = lambda i, t, s: cl_all(i, t, s)
         out["siglip open_clip"] = lambda i, t, s: sl(i, t, s, torch.tensor(-10.0))
     return out
 
@@ -63,7 +69,7 @@ def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], q: Any) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=w,
         timeout=timedelta(seconds=600),
     )  # fmt: skip
-    rows: dict[tuple[int, str, str], float] = {}
+    rows: dict[tuple[int, str, str], Any] = {}
     for b in cfg["rows"]:
         g = torch.Generator().manual_seed(rank)
         i = F.normalize(torch.randn(b, cfg["d"], generator=g), dim=-1).requires_grad_()
@@ -76,22 +82,45 @@ def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], q: Any) -> None:
                     times[name].append(_time(fn, i, t, backward))
             for name, ts in times.items():
                 rows[(b, phase, name)] = statistics.median(ts[2:])
-        if cfg["profile"] and rank == 0:
-            _profile(impls["clip wholebatch"], i, t)
-        elif cfg["profile"]:
-            for _ in range(20):
-                impls["clip wholebatch"](i, t, torch.tensor(10.0))
+        if cfg["profile"]:
+            for name, fn in impls.items():
+                rows[(b, "gloo calls per call", name)] = _collectives(fn, i, t)
+            for name in ("clip wholebatch", "siglip wholebatch"):
+                _profile(impls[name], i, t, f"{name}, {b} rows per rank" if rank == 0 else None)
     q.put((rank, rows))
     dist.destroy_process_group()
 
 
-def _profile(fn: Any, i: torch.Tensor, t: torch.Tensor) -> None:
+def _collectives(fn: Any, i: torch.Tensor, t: torch.Tensor) -> str:
+    """"forward + backward" gloo collectives per call (profiler events named gloo:*), 5 calls."""
     from torch.profiler import ProfilerActivity, profile
 
+    def gloo(prof: Any) -> float:
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("gloo:")) / calls
+
+    calls = 5
+    s = torch.tensor(10.0, requires_grad=True)
+    losses = []
+    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+        for _ in range(calls):
+            losses.append(fn(i, t, s))
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        for loss in losses:
+            loss.backward()
+    return f"{gloo(fwd):g} + {gloo(bwd):g}"
+
+
+def _profile(fn: Any, i: torch.Tensor, t: torch.Tensor, title: str | None) -> None:
+    """20 forward + backward calls of `fn` under torch.profiler; the table printed when `title`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.tensor(10.0, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(20):
-            fn(i, t, torch.tensor(10.0))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+            fn(i, t, s).backward()
+    if title is not None:
+        print(f"## {title}: 20 forward + backward calls, rank 0", flush=True)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,16 +145,26 @@ def main(argv: list[str] | None = None) -> None:
     got = dict(q.get(timeout=1200) for _ in procs)
     for pr in procs:
         pr.join(timeout=30)
+    load = os.getloadavg()
     print(f"W = 2 CPU ranks, D = {a.d}, median of {a.calls - 2} calls (ms; the slower rank)")
+    print(f"load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print("| rows per rank | phase | implementation | ms | vs open_clip |")
     print("|---|---|---|---|---|")
     for key in got[0]:
         b, phase, name = key
+        if phase == "gloo calls per call":
+            continue
         ms = max(got[r][key] for r in got) * 1e3
         loss = name.split()[0]
         ref = (b, phase, f"{loss} open_clip")
         base = max(got[r][ref] for r in got) * 1e3 if ref in got[0] else float("nan")
         print(f"| {b} | {phase} | {name} | {ms:.2f} | {ms / base:.2f}x |")
+    counts = [k for k in got[0] if k[1] == "gloo calls per call"]
+    if counts:
+        print("\n| rows per rank | implementation | gloo collectives per forward + backward |")
+        print("|---|---|---|")
+        for b, phase, name in counts:
+            print(f"| {b} | {name} | {got[0][(b, phase, name)]} |")
 
 
 if __name__ == "__main__":

@@ -52,13 +52,23 @@ CASES = [
     Case(loss="clip", sizes=(16, 16), dtype="bf16", strategy="ring"),
     Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL, strategy="ring"),
     Case(loss="info_nce", sizes=(3, 17), dtype="bf16", k=2, strategy="ring", known_sizes=True),
+    # the tiled forms at small batches (the small path off: sizing.set_small_rows(0))
+    Case(loss="clip", sizes=(37, 0, 21), small=0),
+    Case(loss="clip", sizes=(37, 0, 21), known_sizes=True, small=0),
+    Case(loss="siglip", sizes=(5, 9, 0, 13), small=0),
+    Case(loss="nt_xent", sizes=(8, 8, 8, 8), known_sizes=True, small=0),
+    Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL, small=0),
+    # the small path's row limit: N = 58 > 40 runs the tiled form
+    Case(loss="clip", sizes=(37, 0, 21), small=40),
     # statistics past sizing.STATS_GATHER_BYTES: combined by two all-reduces, not one all-gather
     Case(loss="clip", sizes=(2500, 0, 2600), dim=8),
     Case(loss="nt_xent", sizes=(1500, 0, 1200), dim=8),
 ]
 # Large enough that payload dominates the socket bytes (the header check).
-SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256), Case(loss="siglip", sizes=(256,) * 3, dim=256),
-          Case(loss="clip", sizes=(300, 200, 0), dim=256, strategy="ring")]  # fmt: skip
+SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256, small=0),
+          Case(loss="siglip", sizes=(256,) * 3, dim=256),
+          Case(loss="clip", sizes=(300, 200, 0), dim=256, strategy="ring"),
+          Case(loss="clip", sizes=(60, 40, 20), dim=256)]  # fmt: skip
 
 
 def _count(case: Case) -> dict[str, Any]:
@@ -130,8 +140,9 @@ def test_socket_bytes_are_the_counted_bytes_plus_headers(
 
 
 def test_mutations_are_rejected(counted: dict[Case, list[dict[str, Any]]]) -> None:
-    """Known-wrong models must not match: a forgotten backward ring, the old exchange row, k ignored."""
-    siglip = CASES[3]
+    """Known-wrong models must not match: a forgotten backward ring, the old exchange row, k
+    ignored, the small path's backward counted."""
+    siglip = next(c for c in CASES if c.loss == "siglip" and c.small == 0)
     wrong = planned(siglip, 1)
     wrong["backward"] = ({"all_reduce": wrong["backward"][0]["all_reduce"]}, wrong["backward"][1])
     assert wrong["backward"] != counted[siglip][1]["backward"]
@@ -139,6 +150,9 @@ def test_mutations_are_rejected(counted: dict[Case, list[dict[str, Any]]]) -> No
     clip = CASES[0]
     old = planned(dataclasses.replace(clip, known_sizes=True), 0)
     assert old["forward"] != counted[clip][0]["forward"]
+    # the small path (N = 58) modelled as the tiled form: backward collectives that never run
+    assert counted[clip][0]["backward"] == ({}, {})
+    assert planned(dataclasses.replace(clip, small=0), 0)["backward"] != ({}, {})
     # InfoNCE's hard negatives forgotten (the gather of documents only)
     nce = CASES[7]
     assert planned(dataclasses.replace(nce, k=0), 1) != planned(nce, 1)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.sizing import using_small_rows
 
 __all__ = ["DTYPES", "Case", "call", "inputs", "planned"]
 
@@ -43,6 +44,8 @@ class Case:
     tile: int | None = None
     strategy: str = "gather"
     """clip, info_nce: "gather" or "ring"."""
+    small: int | None = None
+    """The small-batch row limit (`sizing.set_small_rows`; 0: never; None: the default, 512)."""
 
     @property
     def world(self) -> int:
@@ -53,6 +56,7 @@ class Case:
         if self.loss == "info_nce":
             parts += [f"k{self.k}", "+".join(d.replace("_to_", "2") for d in self.directions)]
         parts += ["ring"] if self.strategy == "ring" else []
+        parts += [] if self.small is None else [f"small<={self.small}"]
         return " ".join(parts + (["known-sizes"] if self.known_sizes else []))
 
 
@@ -72,7 +76,12 @@ def inputs(case: Case, rank: int, rows: int | None = None) -> tuple[torch.Tensor
 
 
 def call(case: Case, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The public loss of `case` on `args` (from `inputs`)."""
+    """The public loss of `case` on `args` (from `inputs`), under its small-batch row limit."""
+    with using_small_rows(case.small):
+        return _call(case, args)
+
+
+def _call(case: Case, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     kw: dict[str, Any] = {"tile_size": case.tile}
     if case.known_sizes:
         kw.update(sizes=list(case.sizes), check=False)
@@ -108,7 +117,7 @@ def planned(case: Case, rank: int) -> dict[str, tuple[dict[str, int], dict[str, 
     rows = loss_traffic(
         case.loss, list(case.sizes), rank, case.dim, elem, max(4, elem), negatives=case.k,
         directions=case.directions, exchange=not case.known_sizes,
-        strategy="ring" if case.loss == "siglip" else case.strategy,
+        strategy="ring" if case.loss == "siglip" else case.strategy, small=case.small,
     )  # fmt: skip
     out = {}
     for phase in ("forward", "backward"):

@@ -151,13 +151,13 @@ def test_info_nce_hard_negatives_and_directions_cost_bytes_and_memory() -> None:
 
 
 def test_the_exchange_row_is_fixed_and_known_sizes_skip_it() -> None:
-    """The losses' metadata exchange all-gathers 10 float64 per rank (clip: its strategy the one
+    """The losses' metadata exchange all-gathers 11 float64 per rank (clip: its strategy the one
     option) at any W: O(W) received."""
     for w in (8, 4096, 65_536):
         c = PlanConfig(loss="clip", batch=w * 16, world=w)
         row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
-        assert exchange_row_elements(1, 1) == 10
-        assert row.received == (w - 1) * 10 * 8
+        assert exchange_row_elements(1, 1) == 11
+        assert row.received == (w - 1) * 11 * 8
     skipped = plan(dataclasses.replace(c, known_sizes=True))
     assert not any(x.name.startswith("agree shapes") for x in skipped.collectives)
 

@@ -37,6 +37,7 @@ Legend: W ranks, B this rank's rows, N global rows, D embedding dim.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -50,7 +51,13 @@ from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.losses.sizing import auto_strategy, exchange_row_elements, sizes_fingerprint
+from wholebatch.losses.sizing import (
+    auto_strategy,
+    exchange_row_elements,
+    replicates,
+    sizes_fingerprint,
+    small_rows,
+)
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
 __all__ = ["Prepared", "Problem", "prepare", "resolve_strategy", "resolve_tile", "whole"]
@@ -74,6 +81,11 @@ class Prepared:
     """The scalar arguments, in order: 0-d tensors of the compute dtype, agreed across ranks."""
     grad_factor: Tensor | float
     """What `whole` multiplies the gradient by: 1 for "mean", 1/W for "sum"."""
+    replicated: bool = False
+    """The small path runs (`wholebatch.losses.replicated`): every rank computes the whole loss.
+    Then `scalars` are this rank's own values, not yet agreed (see `checked`)."""
+    checked: bool = True
+    """The exchange ran (the scalars and the reduction were found equal on every rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +259,7 @@ def prepare(
     options: Mapping[str, tuple[float, str]] | None = None,
     error: str | None = None,
     group: ProcessGroup | None = None,
+    small: bool = False,
 ) -> Prepared:
     """Validate on every rank, agree across ranks; see the module docstring.
 
@@ -264,6 +277,9 @@ def prepare(
         error: the caller's own finding about its other arguments (raised like
             the checks here, as a value error: the same on every rank).
         group: the process group.
+        small: the loss offers the small path for this call (`Prepared.replicated`
+            when the whole batch is small: `sizing.replicates` on the agreed N, the
+            embeddings' row width and the smallest row limit over ranks).
     """
     options = options or {}
     w, r = get_world_size(group), get_rank(group)
@@ -278,9 +294,11 @@ def prepare(
         vals = [_scalar_tensor(v, first) for v in scalars.values()]  # type: ignore[arg-type]
         return Prepared(sizes=[b], scalars=vals, grad_factor=1.0)
     checked = sizes is None or checks_enabled(check)
+    limit = small_rows()
     if checked:
         table = _exchange(op, embeddings, scalars, grad_reduction, sizes, options, err, group)
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
+        limit = min(table.ints("small rows"))
     elif err is not None:
         # Nothing is exchanged (sizes given, checks off): a local error is raised here,
         # as the collectives do with their checks off.
@@ -294,11 +312,30 @@ def prepare(
         )
     assert isinstance(first, Tensor)
     values: list[Tensor | float] = list(scalars.values())  # type: ignore[arg-type]
+    if small and replicates(sum(agreed), _row_elements(embeddings), first.element_size(), limit):
+        # every rank computes the whole loss: no agreement collective here (losses/replicated.py)
+        own = [_scalar_tensor(v, first) for v in values]
+        return Prepared(
+            sizes=agreed, scalars=own, grad_factor=_factor(first, str(grad_reduction), w),
+            replicated=True, checked=checked,
+        )  # fmt: skip
     if checked:  # the exchange found every scalar and the reduction equal on every rank
         vals, factor = _replicated(first, values, str(grad_reduction), w, group)
     else:
         vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
+
+
+def _row_elements(embeddings: Mapping[str, object]) -> int:
+    """Elements per sample over every embedding (a (B, k, D) tensor counts k·D)."""
+    return sum(math.prod(x.shape[1:]) for x in embeddings.values() if isinstance(x, Tensor))
+
+
+def _factor(like: Tensor, grad_reduction: str, w: int) -> Tensor:
+    acc = compute_dtype(like.dtype)
+    return torch.full(
+        (), 1.0 / w if grad_reduction == "sum" else 1.0, dtype=acc, device=like.device
+    )
 
 
 def _option(name: str) -> str:
@@ -329,6 +366,7 @@ def _row(
         "dtype": _DTYPES.index(first.dtype) if usable else -1,  # type: ignore[union-attr]
         "device": float(first.device.type != "cpu") if usable else -1,  # type: ignore[union-attr]
         "grad_reduction": _REDUCTIONS.index(str(grad_reduction)) if ok else -1,
+        "small rows": small_rows(),
     }
     for name, (number, _) in options.items():
         row[_option(name)] = float(number) if ok else 0.0
@@ -432,10 +470,7 @@ def _replicated(
 ) -> tuple[list[Tensor], Tensor]:
     """`_agree` once the exchange has checked the values equal: no forward collective; the
     backward sends every rank the mean of the scalars' gradients (one all-reduce)."""
-    acc = compute_dtype(like.dtype)
-    factor = torch.full(
-        (), 1.0 / w if grad_reduction == "sum" else 1.0, dtype=acc, device=like.device
-    )
+    factor = _factor(like, grad_reduction, w)
     if not values:
         return [], factor
     vec = torch.stack([_scalar_tensor(v, like) for v in values])

@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
+from wholebatch.losses import replicated
 from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
@@ -119,7 +120,10 @@ def clip_loss(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
         tile_size=tile_size, sizes=sizes, check=check, group=group,
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
+        small=spec.replicable(strategy),
     )  # fmt: skip
+    if prep.replicated:
+        return replicated.clip(image_BD, text_BD, prep, logit_bias is not None, group)
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
@@ -195,8 +199,10 @@ def siglip_loss(
     prep = prepare(
         op, {"image_BD": image_BD, "text_BD": text_BD},
         {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, small=True,
     )  # fmt: skip
+    if prep.replicated:
+        return replicated.siglip(image_BD, text_BD, prep, group)
     n, b_rows = sum(prep.sizes), prep.sizes[get_rank(group)]
     acc = compute_dtype(image_BD.dtype)
     s, b = prep.scalars
@@ -260,7 +266,10 @@ def nt_xent_loss(
     prep = prepare(
         op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
+        small=True,
     )  # fmt: skip
+    if prep.replicated:
+        return replicated.nt_xent(z1_BD, z2_BD, prep, group)
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     d = z1_BD.shape[1]

@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
+from wholebatch.losses import replicated
 from wholebatch.losses.common import Prepared, prepare, resolve_strategy, resolve_tile, whole
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
@@ -155,6 +156,10 @@ def info_nce_loss(
         strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
         group=group,
     )  # fmt: skip
+    if prep.replicated:
+        parts = replicated.info_nce(query_BD, document_BD, negatives_BKD, prep, set(directions), group)
+        per_row_N = _row_losses(parts, partition_mode, "doc_to_query" in directions)
+        return per_row_N.sum() / sum(prep.sizes)
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
     terms = _direction_terms
@@ -189,6 +194,7 @@ def _prepare(
         {"logit_scale": logit_scale},
         options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
         error=err or strategy_problem(SPEC, strategy),
+        small=SPEC.replicable(strategy),
         **common,
     )
 

@@ -10,16 +10,25 @@ Legend: W ranks, T the tile size (rows and columns of one logits tile).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
     "AUTO_RING_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
+    "SMALL_GATHER_BYTES",
+    "SMALL_ROWS",
     "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
     "auto_strategy",
+    "replicates",
+    "set_small_rows",
+    "small_rows",
+    "using_small_rows",
     "exchange_row_elements",
     "sizes_fingerprint",
     "stats_gathered",
@@ -57,8 +66,62 @@ def stats_gathered(rows: int, world: int, elem: int) -> bool:
 
 
 # The exchange row's fixed columns (losses/common.py): error flag, rows, dim,
-# dtype, device, reduction.
-EXCHANGE_HEADER = 6
+# dtype, device, reduction, the small-batch row limit.
+EXCHANGE_HEADER = 7
+
+# Small batches (losses/replicated.py): while the whole batch has at most this many
+# rows (and its gathered rows fit `SMALL_GATHER_BYTES`), every rank gathers every
+# rank's rows in one all-gather and computes the whole loss itself, with no other
+# collective forward or backward. At 8-64 rows per rank a call is latency: each
+# collective costs ~0.3-1 ms on 2 CPU ranks, the whole N x N logits far less
+# (benchmarks/RESULTS.md, "small batches"). 512 rows: the logits are one CPU tile.
+SMALL_ROWS = 512
+SMALL_GATHER_BYTES = 2**24  # 16 MiB of gathered rows per rank
+_SMALL_ENV = "WHOLEBATCH_SMALL_ROWS"
+_small_override: int | None = None
+
+
+def set_small_rows(rows: int | None) -> None:
+    """Set this process's small-batch row limit (0: never; None: back to the default).
+
+    The default is ``WHOLEBATCH_SMALL_ROWS`` from the environment, else `SMALL_ROWS`
+    (512). With the cross-rank checks on, the limit rides in the losses' exchange
+    and the smallest over ranks applies, so ranks always take the same path; with
+    `sizes=` and `check=False` set it the same on every rank.
+    """
+    global _small_override
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"set_small_rows: rows={rows!r} must be a non-negative int or None")
+    _small_override = rows
+
+
+@contextlib.contextmanager
+def using_small_rows(rows: int | None) -> Iterator[None]:
+    """`set_small_rows(rows)` inside the block, the previous setting after it."""
+    global _small_override
+    before = _small_override
+    set_small_rows(rows)
+    try:
+        yield
+    finally:
+        _small_override = before
+
+
+def small_rows() -> int:
+    """This process's small-batch row limit (`set_small_rows`, ``WHOLEBATCH_SMALL_ROWS``, 512)."""
+    if _small_override is not None:
+        return _small_override
+    raw = os.environ.get(_SMALL_ENV, "").strip()
+    return int(raw) if raw.isdigit() else SMALL_ROWS
+
+
+def replicates(n: int, row_elements: int, elem: int, limit: int) -> bool:
+    """Whether a call over `n` rows of `row_elements` elements (`elem` bytes each) takes the small path.
+
+    `limit` is the agreed row limit (`small_rows`, the smallest over ranks). Pure:
+    the losses and `wholebatch plan` decide with the same function.
+    """
+    return 0 < n <= limit and n * row_elements * elem <= SMALL_GATHER_BYTES
 
 
 def tile_size_for(

@@ -100,6 +100,11 @@ class LossSpec:
         """Columns its options take in the exchange row (losses/sizing.py)."""
         return len(self.options)
 
+    def replicable(self, strategy: object) -> bool:
+        """Whether the small path (losses/replicated.py) may replace `strategy` on a small batch:
+        any but an explicit "ring" where the loss gathers by default (that asks for O(B·D) memory)."""
+        return strategy != RING or self.default_strategy == RING
+
     def offers(self, strategy: str) -> bool:
         """Whether `strategy` ("gather", "ring", "auto") is one of its own."""
         return strategy in self.strategies or (strategy == "auto" and len(self.strategies) > 1)

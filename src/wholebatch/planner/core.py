@@ -457,11 +457,11 @@ def _assumptions(c: PlanConfig) -> list[str]:
             "the last micro-batch's graph kept through the loss"
         )
     if c.loss != "tokens" and not c.known_sizes and c.world > 1:
-        row = 8 * (c.world - 1) * 14
+        row = 8 * (c.world - 1) * 15
         if row > 2**20:
             out.append(
                 f"the losses' metadata exchange all-gathers ~{row / 2**20:.0f} MiB per rank per call "
-                "(a row of 10..13 float64 per rank): pass sizes= with check=False (--known-sizes) to skip it"
+                "(a row of 11..14 float64 per rank): pass sizes= with check=False (--known-sizes) to skip it"
             )
     if c.act_mib == 0:
         out.append(

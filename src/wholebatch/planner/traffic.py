@@ -19,6 +19,12 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
   all-reduce of twice that (the gradient and the tie count);
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
+A small batch (`wholebatch.losses.sizing.replicates`, losses/replicated.py) makes
+instead the exchange (when it runs) and ONE all-gather of every rank's rows of
+all its embeddings (B·R·e bytes per rank, R = (2 + k)·D, plus the agreement's
+float64 row of the scalars and the reduction code without the exchange), and
+nothing else, forward or backward.
+
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
 negatives per query; e the embeddings' element size, a the kernels' compute
 element size (float32 for 16-bit inputs), `sizes` every rank's B.
@@ -37,7 +43,7 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import exchange_row_elements, stats_gathered
+from wholebatch.losses.sizing import exchange_row_elements, replicates, small_rows, stats_gathered
 from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = [
@@ -166,6 +172,7 @@ def loss_traffic(
     directions: Sequence[str] = ("query_to_doc",),
     exchange: bool = True,
     strategy: str = "gather",
+    small: int | None = None,
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
@@ -180,6 +187,7 @@ def loss_traffic(
         directions: info_nce's directions (holding "query_to_doc").
         exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
         strategy: "gather" or "ring" (resolved: what the loss runs; siglip always rings).
+        small: the small-batch row limit (`sizing.small_rows`; None: this process's).
     """
     w = len(sizes)
     if w <= 1:
@@ -187,6 +195,10 @@ def loss_traffic(
     spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
     scalars = len(spec.scalars)
+    row_elements = spec.embeddings_per_row(negatives) * dim
+    limit = small_rows() if small is None else small
+    if spec.replicable(strategy) and replicates(sum(sizes), row_elements, elem, limit):
+        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange)
     stats: list[Collective]
     if strategy == "ring" and spec.kernel == "positive":
         moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
@@ -207,6 +219,23 @@ def loss_traffic(
         out.append(_all_reduce("scalars' gradients (mean)", bwd, scalars, acc, w, 1))
     else:  # the agreement's backward: the scalars' gradients and their tie counts, summed
         out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
+    return out
+
+
+def _replicated_traffic(
+    spec: LossSpec, sizes: Sequence[int], rank: int, row_bytes: int, exchange: bool
+) -> list[Collective]:
+    """The small path's collectives: the exchange (if it runs) and one all-gather of raw bytes."""
+    w = len(sizes)
+    out = []
+    head = 0
+    if exchange:
+        row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
+        out.append(_gather("agree shapes, dtypes, options (float64 row)", "forward", [row] * w, rank, 8))
+    else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
+        head = 8 * (len(spec.scalars) + 1)
+    payload = [b * row_bytes + head for b in sizes]
+    out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
     return out
 
 
