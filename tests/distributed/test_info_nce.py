@@ -28,6 +28,7 @@ from tests.support.harness import run_ranks, run_ranks_outcomes
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.errors import WholebatchError
 from wholebatch.losses import clip_loss, info_nce_loss
+from wholebatch.losses.sizing import using_small_rows
 
 # float64, sums of a few hundred terms of size <= ~10: round-off ~1e-13; 1e-10 leaves
 # room and rejects every mutation (off by factors >= 1.5, or by whole terms).
@@ -115,8 +116,10 @@ def _rank_step(
     h = hs[r].clone().requires_grad_()
     s = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
     negs = h if h.shape[1] else None
-    loss = IMPLS[impl](q, d, s, negatives_BKD=negs, **kw)
-    loss.backward()
+    kw = dict(kw)
+    with using_small_rows(kw.pop("small_rows", None)):
+        loss = IMPLS[impl](q, d, s, negatives_BKD=negs, **kw)
+        loss.backward()
     zero = torch.zeros_like
     return (
         loss.detach(),
@@ -127,11 +130,15 @@ def _rank_step(
     )
 
 
-def check(sizes: Sequence[int], k: int, setting: str, impl: str = "wholebatch") -> None:
+def check(
+    sizes: Sequence[int], k: int, setting: str, impl: str = "wholebatch", small: int | None = None
+) -> None:
+    """`small`: the small-batch row limit (0: the tiled forms; None: the default, the small path)."""
     directions, mode = SETTINGS[setting]
     w = len(sizes)
     qs, ds, hs = _inputs(sizes, k)
     kw: dict[str, Any] = dict(directions=directions, partition_mode=mode, tile_size=2)
+    kw["small_rows"] = small
     got = run_ranks(w, _rank_step, impl, qs, ds, hs, kw)
 
     q, d, h = (torch.cat(x).requires_grad_() for x in (qs, ds, hs))
@@ -154,10 +161,11 @@ def check(sizes: Sequence[int], k: int, setting: str, impl: str = "wholebatch") 
     torch.testing.assert_close(mean_gs, gs, **F64, msg=lambda m: f"scale grad {m}")
 
 
+@pytest.mark.parametrize("small", [0, None], ids=["tiled", "small"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_info_nce_matches_whole_batch_w3(k: int, setting: str) -> None:
-    check(SIZES[3], k, setting)
+def test_info_nce_matches_whole_batch_w3(k: int, setting: str, small: int | None) -> None:
+    check(SIZES[3], k, setting, small=small)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -167,10 +175,11 @@ def test_info_nce_matches_whole_batch(world: int, k: int, setting: str) -> None:
     check(SIZES[world], k, setting)
 
 
+@pytest.mark.parametrize("small", [0, None], ids=["tiled", "small"])
 @pytest.mark.parametrize("impl", ["dropped_w", "local_negatives"])
-def test_mutations_are_caught(impl: str) -> None:
+def test_mutations_are_caught(impl: str, small: int | None) -> None:
     with pytest.raises(AssertionError, match=r"grad|value"):
-        check([3, 2], 1, "q2d", impl)
+        check([3, 2], 1, "q2d", impl, small=small)
 
 
 def test_symmetric_form_is_clip_loss() -> None:

@@ -5,6 +5,10 @@ rows at W = 3) and back-propagates the loss it gets. The reference builds the
 whole batch (rows in rank order) in ONE process and differentiates the formula
 from the issue directly (N x N logits, `F.cross_entropy`, `F.logsigmoid`).
 
+Each check runs on both paths: the tiled forms ("tiled", the small path off)
+and the small-batch path every rank computing the whole loss ("small",
+losses/replicated.py, what these sizes take by default).
+
 What must hold (DESIGN.md, gradient conventions):
 - every rank's value equals the reference loss;
 - grad_reduction="mean": each rank's embedding gradient is W x the reference's
@@ -29,6 +33,7 @@ from tests.support.harness import run_ranks, run_ranks_outcomes
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.sizing import using_small_rows
 
 # float64, a few hundred terms of magnitude <= ~10 per value: round-off ~1e-13;
 # 1e-10 leaves room and still rejects every mutation (they are off by factors >= 1.5).
@@ -39,6 +44,8 @@ SIZES = {1: [5], 2: [4, 1], 3: [2, 0, 3]}
 D = 3
 TILE = 2  # several tiles per rank, a partial last one: the tiling is exercised
 SCALARS = {"clip": [2.5], "siglip": [1.7, -0.8], "nt_xent": [0.6]}
+# The small-batch row limit per path: the tiled forms (off) and the small path (the default).
+PATHS: dict[str, int | None] = {"tiled": 0, "small": None}
 
 
 # ---------------------------------------------------------------------------
@@ -85,11 +92,28 @@ def _clip_gather_without_grad(image_BD: Tensor, text_BD: Tensor, s: Tensor, **_:
     return ref_clip(all_i, all_t, s)
 
 
+def _clip_small_unscaled(image_BD: Tensor, text_BD: Tensor, s: Tensor, **kw: Any) -> Tensor:
+    """MUTATION: the small path without the gradient convention's scaling (own rows get dL/dx)."""
+    import wholebatch.losses.replicated as replicated
+
+    real = replicated._scaled
+
+    def unscaled(x: Tensor, value: Tensor, factor: Tensor) -> Tensor:
+        return real(x, value, torch.ones_like(factor))
+
+    replicated._scaled = unscaled  # the forward captures the factor; the backward runs later
+    try:
+        return clip_loss(image_BD, text_BD, s, **kw)
+    finally:
+        replicated._scaled = real
+
+
 LOSSES: dict[str, Callable[..., Tensor]] = {
     "clip": clip_loss,
     "siglip": siglip_loss,
     "nt_xent": nt_xent_loss,
     "clip_gather_without_grad": _clip_gather_without_grad,
+    "clip_small_unscaled": _clip_small_unscaled,
 }
 
 
@@ -121,8 +145,9 @@ def _rank_loss(
     kwargs = dict(kwargs)
     if "tile_per_rank" in kwargs:
         kwargs["tile_size"] = kwargs.pop("tile_per_rank")[r]
-    loss = LOSSES[name](x, y, *sc, **kwargs)
-    loss.backward()
+    with using_small_rows(kwargs.pop("small_rows", None)):
+        loss = LOSSES[name](x, y, *sc, **kwargs)
+        loss.backward()
     assert x.grad is not None and y.grad is not None
     return loss.detach(), x.grad, y.grad, [s.grad for s in sc]  # type: ignore[misc]
 
@@ -135,12 +160,15 @@ def check_loss(
     tile: int = TILE,
     assume: str | None = None,
     tile_per_rank: Sequence[int] | None = None,
+    path: str = "small",
+    known_sizes: bool = False,
     **extra: Any,
 ) -> None:
     """Run `name` on len(sizes) ranks; assert value and gradients match the reference `ref`.
 
     `assume` is the parameter-gradient reduction the assertions model (default:
-    `reduction`); `tile_per_rank` gives each rank its own tile size; `extra`
+    `reduction`); `tile_per_rank` gives each rank its own tile size; `path`
+    is a `PATHS` key; `known_sizes` passes `sizes=` with `check=False`; `extra`
     goes to the loss as keyword arguments.
     """
     assume = assume or reduction
@@ -148,6 +176,9 @@ def check_loss(
     xs, ys = _inputs(sizes)
     scalars = SCALARS[ref]
     kwargs: dict[str, Any] = dict(grad_reduction=reduction, tile_size=tile, **extra)
+    kwargs["small_rows"] = PATHS[path]
+    if known_sizes:
+        kwargs.update(sizes=list(sizes), check=False)
     if tile_per_rank is not None:
         kwargs["tile_per_rank"] = list(tile_per_rank)
     got = run_ranks(w, _rank_loss, name, xs, ys, scalars, kwargs)
@@ -178,10 +209,21 @@ def check_loss(
         )
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent"])
-def test_loss_matches_single_process(name: str, world: int) -> None:
-    check_loss(name, name, SIZES[world])
+def test_loss_matches_single_process(name: str, world: int, path: str) -> None:
+    check_loss(name, name, SIZES[world], path=path)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent"])
+def test_known_sizes_without_checks(name: str, reduction: str, path: str) -> None:
+    # sizes= with check=False: no exchange; the small path carries the agreement's
+    # row (the scalars, the reduction) in its one all-gather.
+    sizes = [2, 0, 3]
+    check_loss(name, name, sizes, reduction=reduction, path=path, known_sizes=True)
 
 
 def _rank_loss_in_subgroup(
@@ -221,9 +263,16 @@ def test_two_subgroups_at_once(name: str) -> None:
             torch.testing.assert_close(grad_y, 2 * gy[i], **F64, msg=f"rank {m}")
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent"])
-def test_grad_reduction_sum(name: str) -> None:
-    check_loss(name, name, [1, 3, 2], reduction="sum")
+def test_grad_reduction_sum(name: str, path: str) -> None:
+    check_loss(name, name, [1, 3, 2], reduction="sum", path=path)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_mutation_wrong_reduction_is_caught_on_both_paths(path: str) -> None:
+    with pytest.raises(AssertionError, match="grad"):
+        check_loss("clip", "clip", [2, 0, 3], reduction="sum", assume="mean", path=path)
 
 
 def test_mutation_gather_without_grad_is_caught() -> None:
@@ -306,7 +355,8 @@ def _siglip_saved(b: int) -> int:
     x = torch.randn(b, D, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randn(b, D, generator=gen, dtype=torch.float64, requires_grad=True)
     s = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
-    return _saved_bytes(lambda: siglip_loss(x, y, s, 0.5))
+    with using_small_rows(0):  # the ring (the small path holds the whole batch: by design)
+        return _saved_bytes(lambda: siglip_loss(x, y, s, 0.5))
 
 
 def test_siglip_saved_memory_independent_of_world() -> None:
@@ -394,7 +444,7 @@ def _nt_xent_products(sizes: Sequence[int], tile: int) -> tuple[int, int, int]:
     xs, ys = _inputs(sizes)
     r = get_rank()
     x, y = xs[r].clone().requires_grad_(), ys[r].clone().requires_grad_()
-    with _CountMM() as fwd:
+    with using_small_rows(0), _CountMM() as fwd:  # the tiled form's deal
         loss = nt_xent_loss(x, y, 0.6, tile_size=tile)
     with _CountMM() as bwd:
         loss.backward()
@@ -434,4 +484,4 @@ def test_tile_size_may_differ_across_ranks(name: str, tiles: list[int]) -> None:
     # tile sizes [4, 3] gave 3.7327 instead of 3.7076 with no error. The deal now
     # depends on N and W alone: any per-rank tile sizes give the reference.
     sizes = [7, 5] if len(tiles) == 2 else [4, 0, 5]
-    check_loss(name, name, sizes, tile_per_rank=tiles)
+    check_loss(name, name, sizes, tile_per_rank=tiles, path="tiled")

@@ -1,0 +1,146 @@
+"""The small-batch path (losses/replicated.py) on real gloo ranks: its collectives, its agreement, its limit.
+
+Its exactness against one process on the whole batch (every loss, every option,
+uneven rows, an empty rank, both gradient reductions, sizes= with the checks
+off) is checked with the tiled forms' own assertions in test_losses.py and
+test_info_nce.py (their "small" cases). Here:
+
+- the collectives per call: 2 forward (the exchange, the rows) and none
+  backward with the checks on; 1 with `sizes=` and `check=False`; the tiled
+  forms' counts are larger, so the count can fail;
+- with the checks off and ranks passing different scalars or reductions, the
+  small path computes what the tiled forms' agreement does (the maximum, its
+  gradient split among ties), value and every gradient;
+- ranks with different row limits (`sizing.set_small_rows`) take the same path
+  (the smallest limit rides in the exchange): no hang, the right loss;
+- a mutation (the convention's scaling dropped) is rejected by the same check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.distributed.test_losses import SCALARS, check_loss
+from tests.support.harness import run_ranks
+from tests.support.plan_counting import Counter, count_collectives
+from wholebatch.comm.groups import get_rank
+from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.sizing import using_small_rows
+
+# float64 round-off of sums of a few dozen terms; every mutation is off by >= 1.5x.
+F64: dict[str, float] = dict(rtol=1e-10, atol=1e-10)
+SIZES = [2, 0, 3]
+D = 3
+
+
+def _hard(q: Tensor, d: Tensor, s: Any, **kw: Any) -> Tensor:
+    """info_nce_loss with 2 hard negatives per query (derived from the documents) and every direction."""
+    negs = torch.stack([d.flip(1), d * 0.5], 1)
+    dirs = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+    return info_nce_loss(q, d, s, negatives_BKD=negs, directions=dirs, **kw)
+
+
+LOSSES: dict[str, tuple[Callable[..., Tensor], list[float]]] = {
+    "clip": (clip_loss, SCALARS["clip"]),
+    "clip+bias": (lambda i, t, s, **kw: clip_loss(i, t, s, logit_bias=-1.5, **kw), SCALARS["clip"]),
+    "siglip": (siglip_loss, SCALARS["siglip"]),
+    "nt_xent": (nt_xent_loss, SCALARS["nt_xent"]),
+    "info_nce": (_hard, [2.5]),
+}
+
+
+def _tensors(b: int, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7
+    return x.requires_grad_(), (torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7).requires_grad_()
+
+
+def _step(name: str, small: int | None, scalars: list[float], **kw: Any) -> dict[str, Any]:
+    """One forward + backward of `name` on this rank: value, gradients, c10d calls per phase."""
+    r = get_rank()
+    x, y = _tensors(SIZES[r], 10 + r)
+    sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
+    fn = LOSSES[name][0]
+    fwd, bwd = Counter(), Counter()
+    with using_small_rows(small):
+        with count_collectives(fwd):
+            loss = fn(x, y, *sc, tile_size=2, **kw)
+        with count_collectives(bwd):
+            loss.backward()
+    return {
+        "value": loss.detach(), "grads": [x.grad, y.grad, *[s.grad for s in sc]],
+        "calls": (fwd.calls, bwd.calls),
+    }  # fmt: skip
+
+
+def _counts(name: str, small: int | None, known: bool) -> tuple[int, int]:
+    kw: dict[str, Any] = dict(sizes=SIZES, check=False) if known else {}
+    return _step(name, small, LOSSES[name][1], **kw)["calls"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_collectives_per_call(name: str) -> None:
+    # W = 3, rows [2, 0, 3]: every rank, the empty one included, makes the same calls.
+    for known, want in ((False, (2, 0)), (True, (1, 0))):
+        got = run_ranks(3, _counts, name, None, known)
+        assert got == [want] * 3, (known, got)
+        tiled = run_ranks(3, _counts, name, 0, known)[0]
+        assert tiled[0] > want[0] and tiled[1] > 0, tiled  # the count can fail
+
+
+def _both_paths(name: str, per_rank: dict[str, Any]) -> list[dict[str, Any]]:
+    """The small path and the tiled forms on this rank's own arguments (checks off)."""
+    r = get_rank()
+    scalars = per_rank["scalars"][r]
+    kw = dict(sizes=SIZES, check=False, grad_reduction=per_rank["reduction"][r])
+    return [_step(name, small, scalars, **kw) for small in (None, 0)]
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip", "nt_xent", "info_nce"])
+@pytest.mark.parametrize("case", ["scalar differs", "tie of two", "reductions differ"])
+def test_agreement_without_checks_is_the_tiled_forms(name: str, case: str) -> None:
+    # The caller broke its promise (checks off): every rank still computes with the
+    # same values, and each rank's gradients are what the tiled forms' all-reduce
+    # (max) agreement gives, the maximum's gradient split among the ranks holding it.
+    base = LOSSES[name][1]
+    scalars = [list(base) for _ in SIZES]
+    reduction = ["mean"] * 3
+    if case == "scalar differs":
+        scalars[2][0] += 0.5
+    elif case == "tie of two":
+        scalars[0][0] += 0.5
+        scalars[2][0] += 0.5
+    else:
+        reduction[1] = "sum"
+    got = run_ranks(3, _both_paths, name, {"scalars": scalars, "reduction": reduction})
+    for r, (small, tiled) in enumerate(got):
+        torch.testing.assert_close(small["value"], tiled["value"], **F64, msg=f"rank {r} value")
+        for i, (a, b) in enumerate(zip(small["grads"], tiled["grads"], strict=True)):
+            torch.testing.assert_close(a, b, **F64, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}")
+        assert small["calls"] == (1, 0) and tiled["calls"][1] > 0, (small["calls"], tiled["calls"])
+
+
+def _mixed_limits(name: str) -> dict[str, Any]:
+    # rank 1 turns the small path off; the others keep the default: the smallest wins
+    return _step(name, 0 if get_rank() == 1 else None, LOSSES[name][1])
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_row_limits_differing_across_ranks_take_one_path(name: str) -> None:
+    got = run_ranks(3, _mixed_limits, name, timeout=60)
+    tiled = run_ranks(3, _counts, name, 0, False)
+    assert [g["calls"] for g in got] == tiled  # every rank took the tiled form
+    assert len({float(g["value"]) for g in got}) == 1
+
+
+def test_mutation_unscaled_small_path_is_caught() -> None:
+    # The small path with the convention's scaling dropped (each rank the gradient of
+    # L through its own rows only: W times too small under DDP's mean) is rejected.
+    check_loss("clip", "clip", SIZES)  # the real small path passes the same check
+    with pytest.raises(AssertionError, match="grad"):
+        check_loss("clip_small_unscaled", "clip", SIZES)
