@@ -5,8 +5,10 @@
 exchange, the planner and the docs ask of it), `common` the validation agreed
 across ranks and the gradient convention of DESIGN.md, `tiles` the tiled
 autograd kernels that keep memory linear in the batch, `ring` the ring forms
-of the softmax losses (memory independent of N), `sizing` their pure
-bookkeeping (tile size, the exchange's row, what "auto" picks). Losses use
+of the softmax losses (memory independent of N), `replicated` the small-batch
+path (one all-gather, the whole loss on every rank, no backward collective),
+`sizing` their pure bookkeeping (tile size, the exchange's row, what "auto"
+picks, the small-batch row limit). Losses use
 `wholebatch.comm` and nothing above it.
 """
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
         SigLipLoss as SigLipLoss,
     )
     from wholebatch.losses.sizing import (
+        set_small_rows as set_small_rows,
         tile_size_for as tile_size_for,
     )
     from wholebatch.losses.specs import (
