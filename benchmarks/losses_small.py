@@ -92,7 +92,7 @@ def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], q: Any) -> None:
 
 
 def _collectives(fn: Any, i: torch.Tensor, t: torch.Tensor) -> str:
-    """"forward + backward" gloo collectives per call (profiler events named gloo:*), 5 calls."""
+    """ "forward + backward" gloo collectives per call (profiler events named gloo:*), 5 calls."""
     from torch.profiler import ProfilerActivity, profile
 
     def gloo(prof: Any) -> float:

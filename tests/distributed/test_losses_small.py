@@ -57,7 +57,9 @@ LOSSES: dict[str, tuple[Callable[..., Tensor], list[float]]] = {
 def _tensors(b: int, seed: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7
-    return x.requires_grad_(), (torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7).requires_grad_()
+    return x.requires_grad_(), (
+        torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7
+    ).requires_grad_()
 
 
 def _step(name: str, small: int | None, scalars: list[float], **kw: Any) -> dict[str, Any]:
@@ -121,7 +123,9 @@ def test_agreement_without_checks_is_the_tiled_forms(name: str, case: str) -> No
     for r, (small, tiled) in enumerate(got):
         torch.testing.assert_close(small["value"], tiled["value"], **F64, msg=f"rank {r} value")
         for i, (a, b) in enumerate(zip(small["grads"], tiled["grads"], strict=True)):
-            torch.testing.assert_close(a, b, **F64, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}")
+            torch.testing.assert_close(
+                a, b, **F64, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}"
+            )
         assert small["calls"] == (1, 0) and tiled["calls"][1] > 0, (small["calls"], tiled["calls"])
 
 

@@ -157,7 +157,9 @@ def info_nce_loss(
         group=group,
     )  # fmt: skip
     if prep.replicated:
-        parts = replicated.info_nce(query_BD, document_BD, negatives_BKD, prep, set(directions), group)
+        parts = replicated.info_nce(
+            query_BD, document_BD, negatives_BKD, prep, set(directions), group
+        )
         per_row_N = _row_losses(parts, partition_mode, "doc_to_query" in directions)
         return per_row_N.sum() / sum(prep.sizes)
     s = prep.scalars[0]

@@ -92,9 +92,7 @@ def _scaled(x: Tensor, value: Tensor, factor: Tensor) -> Tensor:
     return out
 
 
-def gather_whole(
-    tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | None
-) -> Whole:
+def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | None) -> Whole:
     """Every rank's rows of every tensor in `tensors` (each (B, ...), one dtype) by one all-gather.
 
     Every rank of `group` must call it, after `common.prepare` chose the small
@@ -108,7 +106,9 @@ def gather_whole(
     dtype, acc, elem = first.dtype, compute_dtype(first.dtype), first.element_size()
     widths = [math.prod(t.shape[1:]) for t in tensors]
     width = sum(widths)
-    mine_BR = torch.cat([t.detach().reshape(b, w_) for t, w_ in zip(tensors, widths, strict=True)], 1)
+    mine_BR = torch.cat(
+        [t.detach().reshape(b, w_) for t, w_ in zip(tensors, widths, strict=True)], 1
+    )
     payload = mine_BR.reshape(-1).view(torch.uint8)
     head = 0
     if not prep.checked:  # the agreement's row rides along: S scalars and the reduction code
@@ -135,7 +135,7 @@ def gather_whole(
     offset = sum(sizes[:r])
     row_factor = factor * w
     out = []
-    for t, part in zip(tensors, all_NR.split(widths, 1), strict=True):
+    for t, part in zip(tensors, torch.split(all_NR, widths, 1), strict=True):
         all_N = part.reshape(n, *t.shape[1:])
         own = _scaled(t, t, row_factor)
         out.append(torch.cat([all_N[:offset], own, all_N[offset + b :]]).to(acc))
@@ -155,9 +155,7 @@ def _agreed(
     one = torch.ones((), dtype=torch.float64, device=table_WS.device)
     factor = torch.where(max_S[-1] > 0.5, one / w, one)  # "sum" anywhere: every rank sums
     share_S = factor * w * mine_S / ties_S
-    scalars = [
-        _scaled(s, max_S[k].to(acc), share_S[k].to(acc)) for k, s in enumerate(prep.scalars)
-    ]
+    scalars = [_scaled(s, max_S[k].to(acc), share_S[k].to(acc)) for k, s in enumerate(prep.scalars)]
     return scalars, factor.to(acc)
 
 

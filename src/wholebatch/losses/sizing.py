@@ -25,14 +25,14 @@ __all__ = [
     "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
     "auto_strategy",
+    "exchange_row_elements",
     "replicates",
     "set_small_rows",
-    "small_rows",
-    "using_small_rows",
-    "exchange_row_elements",
     "sizes_fingerprint",
+    "small_rows",
     "stats_gathered",
     "tile_size_for",
+    "using_small_rows",
 ]
 
 CPU_TILE = 512

@@ -231,7 +231,9 @@ def _replicated_traffic(
     head = 0
     if exchange:
         row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
-        out.append(_gather("agree shapes, dtypes, options (float64 row)", "forward", [row] * w, rank, 8))
+        out.append(
+            _gather("agree shapes, dtypes, options (float64 row)", "forward", [row] * w, rank, 8)
+        )
     else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
         head = 8 * (len(spec.scalars) + 1)
     payload = [b * row_bytes + head for b in sizes]
