@@ -515,9 +515,10 @@ def whole(local: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
     Backward: all-reduce (sum) of every rank's upstream gradient, so with each
     rank back-propagating L every share gets W: after DDP's mean, exactly dL.
     With ``grad_reduction="sum"`` the gradient is divided by W instead, so a sum
-    over ranks gives exactly dL.
+    over ranks gives exactly dL. On the small path (`prep.replicated`) every rank's
+    `local` is already L, its gradients scaled by `wholebatch.losses.replicated`: returned as is.
     """
-    if get_world_size(group) == 1:
+    if get_world_size(group) == 1 or prep.replicated:  # the small path: `local` is L already
         return local
     total = all_reduce(local, "sum", group=group, check=False)
     if isinstance(prep.grad_factor, Tensor):

@@ -156,18 +156,12 @@ def info_nce_loss(
         strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
         group=group,
     )  # fmt: skip
-    if prep.replicated:
-        parts = replicated.info_nce(
-            query_BD, document_BD, negatives_BKD, prep, set(directions), group
-        )
-        per_row_N = _row_losses(parts, partition_mode, "doc_to_query" in directions)
-        return per_row_N.sum() / sum(prep.sizes)
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
-    terms = _direction_terms
     gathered = sum(prep.sizes) * (1 + k) * query_BD.shape[1] * query_BD.element_size()
-    if resolve_strategy(strategy, gathered) == "ring":
-        terms = _ring_terms
+    terms = _ring_terms if resolve_strategy(strategy, gathered) == "ring" else _direction_terms
+    if prep.replicated:  # every rank all N rows (losses/replicated.py); `whole` adds nothing
+        terms = replicated.info_nce_terms
     parts = terms(
         query_BD, document_BD, negatives_BKD, s, pos_B, set(directions), prep, tile_size, group
     )

@@ -57,7 +57,7 @@ from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.losses.common import Prepared
 from wholebatch.losses.tiles import compute_dtype, softplus
 
-__all__ = ["Whole", "clip", "gather_whole", "info_nce", "nt_xent", "siglip"]
+__all__ = ["Whole", "clip", "gather_whole", "info_nce_terms", "nt_xent", "siglip"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,20 +215,26 @@ def nt_xent(z1_BD: Tensor, z2_BD: Tensor, prep: Prepared, group: ProcessGroup | 
     return softplus(torch.logsumexp(neg_MM, 1) - torch.cat([pos_N, pos_N])).sum() / (2 * n)
 
 
-def info_nce(
+def info_nce_terms(
     query_BD: Tensor,
     document_BD: Tensor,
     negatives_BKD: Tensor | None,
-    prep: Prepared,
+    s: Tensor,
+    pos_B: Tensor,
     wanted: set[str],
+    prep: Prepared,
+    tile_size: int | None,
     group: ProcessGroup | None,
 ) -> list[Tensor]:
-    """`info_nce_loss`'s per-direction a_i = lse over its negatives − sᵢ·qᵢ·dᵢ for all N rows
-    (query_to_doc, doc_to_query, query_to_query, doc_to_doc: those in `wanted`, in that order)."""
+    """`info_nce_loss`'s per-direction a_i = lse over its negatives − s·qᵢ·dᵢ for ALL N rows
+    (query_to_doc, doc_to_query, query_to_query, doc_to_doc: those in `wanted`, in that order).
+
+    The signature of the tiled forms' terms (info_nce.py); `s`, `pos_B` and
+    `tile_size` are theirs and unused: the scalar is the agreed one, here."""
     parts_in = [query_BD, document_BD] + ([] if negatives_BKD is None else [negatives_BKD])
     whole = gather_whole(parts_in, prep, group)
     q_ND, d_ND = whole.rows[:2]
-    s, n = whole.scalars[0], whole.n
+    s, n = whole.scalars[0], whole.n  # the agreed scale (the argument `s` is this rank's own)
     # candidates [all documents; all first negatives; ...]: the negatives of row g at t·N + g
     cand_CD = d_ND if negatives_BKD is None else torch.cat([d_ND, *whole.rows[2].unbind(1)])
     c = cand_CD.shape[0]
