@@ -7,7 +7,8 @@ open_clip 3.3.0's own `ClipLoss` / `SigLipLoss` (tests/support/peers.py loads it
 loss.py; `gather_with_grad=True, local_loss=True`, the reference: its training CLI
 with `--gather-with-grad --local-loss`; and `local_loss=False`, every rank the
 whole N x N logits) beside `wholebatch.clip_loss` / `siglip_loss` on the same
-inputs, alternating, median over calls of forward and of forward + backward;
+inputs, alternating (the order rotated each round), median over calls of forward
+and of forward + backward;
 wholebatch with the checks on (default) and with `sizes=` + `check=False` (no
 exchange). `--profile` adds, per implementation, the collectives that reach
 gloo per call (torch.profiler's `gloo:*` events, forward and backward) and
@@ -77,9 +78,12 @@ def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], q: Any) -> None:
         impls = _impls(b, w)
         for phase, backward in (("forward", False), ("forward + backward", True)):
             times: dict[str, list[float]] = {name: [] for name in impls}
-            for _ in range(cfg["calls"]):
-                for name, fn in impls.items():
-                    times[name].append(_time(fn, i, t, backward))
+            names = list(impls)
+            for c in range(cfg["calls"]):
+                # rotated each round: no implementation always follows the same one
+                # (the first call after open_clip's SigLIP forward absorbed its ranks' skew)
+                for name in names[c % len(names) :] + names[: c % len(names)]:
+                    times[name].append(_time(impls[name], i, t, backward))
             for name, ts in times.items():
                 rows[(b, phase, name)] = statistics.median(ts[2:])
         if cfg["profile"]:
