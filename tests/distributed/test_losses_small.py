@@ -30,7 +30,7 @@ from tests.support.harness import run_ranks
 from tests.support.plan_counting import Counter, count_collectives
 from wholebatch.comm.groups import get_rank
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
-from wholebatch.losses.sizing import using_small_rows
+from wholebatch.losses.sizing import carry_bytes, using_small_rows
 
 # float64 round-off of sums of a few dozen terms; every mutation is off by >= 1.5x.
 F64: dict[str, float] = dict(rtol=1e-10, atol=1e-10)
@@ -54,18 +54,19 @@ LOSSES: dict[str, tuple[Callable[..., Tensor], list[float]]] = {
 }
 
 
-def _tensors(b: int, seed: int) -> tuple[Tensor, Tensor]:
+def _tensors(b: int, seed: int, dim: int = D) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7
-    return x.requires_grad_(), (
-        torch.randn(b, D, generator=gen, dtype=torch.float64) * 0.7
-    ).requires_grad_()
+    x = torch.randn(b, dim, generator=gen, dtype=torch.float64) * 0.7
+    y = torch.randn(b, dim, generator=gen, dtype=torch.float64) * 0.7
+    return x.requires_grad_(), y.requires_grad_()
 
 
-def _step(name: str, small: int | None, scalars: list[float], **kw: Any) -> dict[str, Any]:
+def _step(
+    name: str, small: int | None, scalars: list[float], dim: int = D, **kw: Any
+) -> dict[str, Any]:
     """One forward + backward of `name` on this rank: value, gradients, c10d calls per phase."""
     r = get_rank()
-    x, y = _tensors(SIZES[r], 10 + r)
+    x, y = _tensors(SIZES[r], 10 + r, dim)
     sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
     fn = LOSSES[name][0]
     fwd, bwd = Counter(), Counter()
@@ -80,19 +81,35 @@ def _step(name: str, small: int | None, scalars: list[float], **kw: Any) -> dict
     }  # fmt: skip
 
 
-def _counts(name: str, small: int | None, known: bool) -> tuple[int, int]:
+def _counts(name: str, small: int | None, known: bool, dim: int = D) -> tuple[int, int]:
     kw: dict[str, Any] = dict(sizes=SIZES, check=False) if known else {}
-    return _step(name, small, LOSSES[name][1], **kw)["calls"]  # type: ignore[no-any-return]
+    return _step(name, small, LOSSES[name][1], dim, **kw)["calls"]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_collectives_per_call(name: str) -> None:
-    # W = 3, rows [2, 0, 3]: every rank, the empty one included, makes the same calls.
-    for known, want in ((False, (2, 0)), (True, (1, 0))):
+    # W = 3, rows [2, 0, 3]: every rank, the empty one included, makes the same calls:
+    # one (the exchange carries the rows; or, without it, the rows carry the agreement).
+    for known in (False, True):
         got = run_ranks(3, _counts, name, None, known)
-        assert got == [want] * 3, (known, got)
+        assert got == [(1, 0)] * 3, (known, got)
         tiled = run_ranks(3, _counts, name, 0, known)[0]
-        assert tiled[0] > want[0] and tiled[1] > 0, tiled  # the count can fail
+        assert tiled[0] > 1 and tiled[1] > 0, tiled  # the count can fail
+
+
+def _both_paths_dim(name: str, dim: int) -> list[dict[str, Any]]:
+    return [_step(name, small, LOSSES[name][1], dim) for small in (None, 0)]
+
+
+def test_rows_past_the_exchange_room_take_one_more_all_gather() -> None:
+    # 3 rows x 2 x 6,000 float64 = 288,000 bytes > sizing.carry_bytes(3) (131,072):
+    # the exchange's room is not enough and one all-gather moves the rows.
+    assert carry_bytes(3) < 3 * 2 * 6000 * 8
+    assert run_ranks(3, _counts, "clip", None, False, 6000) == [(2, 0)] * 3
+    for small, tiled in run_ranks(3, _both_paths_dim, "clip", 6000):
+        torch.testing.assert_close(small["value"], tiled["value"], **F64)
+        for a, b in zip(small["grads"], tiled["grads"], strict=True):
+            torch.testing.assert_close(a, b, **F64)
 
 
 def _both_paths(name: str, per_rank: dict[str, Any]) -> list[dict[str, Any]]:

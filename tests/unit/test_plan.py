@@ -18,7 +18,7 @@ import wholebatch
 from wholebatch.cli.main import main
 from wholebatch.comm.sizes import ring_block, ring_sizes, shift_splits
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.sizing import exchange_row_elements, tile_size_for
+from wholebatch.losses.sizing import carry_bytes, exchange_row_elements, tile_size_for
 from wholebatch.planner import PlanConfig, plan, split_rows
 from wholebatch.planner.measure import measure_model
 from wholebatch.planner.traffic import loss_traffic, representative_ranks
@@ -152,12 +152,12 @@ def test_info_nce_hard_negatives_and_directions_cost_bytes_and_memory() -> None:
 
 def test_the_exchange_row_is_fixed_and_known_sizes_skip_it() -> None:
     """The losses' metadata exchange all-gathers 11 float64 per rank (clip: its strategy the one
-    option) at any W: O(W) received."""
+    option) at any W, and the room for the rows (at most 256 KiB received): O(W) received."""
     for w in (8, 4096, 65_536):
         c = PlanConfig(loss="clip", batch=w * 16, world=w)
         row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
         assert exchange_row_elements(1, 1) == 11
-        assert row.received == (w - 1) * 11 * 8
+        assert row.received == (w - 1) * (11 * 8 + carry_bytes(w))  # + the rows' room
     skipped = plan(dataclasses.replace(c, known_sizes=True))
     assert not any(x.name.startswith("agree shapes") for x in skipped.collectives)
 

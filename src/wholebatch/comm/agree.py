@@ -71,6 +71,8 @@ class Rows:
         self._values: list[list[float]] = table_WF.tolist()
         self.group = group
         self.world_size = table_WF.shape[0]
+        self.carried_WC: Tensor | None = None
+        """Every rank's carried bytes (`start_rows(carry=...)`), (W, carry_bytes) uint8, or None."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -168,14 +170,23 @@ class PendingRows:
         layout: Mapping[str, tuple[int, int]],
         group: ProcessGroup | None,
         work: Any,
+        carried: int = 0,
     ) -> None:
         self._table, self._layout, self._group, self._work = table, layout, group, work
+        self._carried = carried
 
     def wait(self) -> Rows:
         """Block until every rank's row arrived; the same `Rows` on every rank."""
         if self._work is not None:
             self._work.wait()
-        return Rows(self._table.cpu(), self._layout, self._group)
+        if not self._carried:
+            return Rows(self._table.cpu(), self._layout, self._group)
+        w = self._table.shape[0]
+        row_bytes = self._table.shape[1] - self._carried
+        table_WF = self._table[:, :row_bytes].contiguous().view(torch.float64).view(w, -1)
+        rows = Rows(table_WF.cpu(), self._layout, self._group)
+        rows.carried_WC = self._table[:, row_bytes:]
+        return rows
 
 
 def start_rows(
@@ -183,11 +194,18 @@ def start_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
+    carry: Tensor | None = None,
+    carry_bytes: int = 0,
 ) -> PendingRows:
     """`agree_rows` without waiting: the all-gather runs while the caller computes.
 
     Every rank of `group` must call it, with the same field names and lengths, and
     then `wait()` on the result before its next collective on `group`.
+
+    With `carry_bytes` > 0 (the same on every rank; float64 rows only) the same
+    all-gather also carries up to that many bytes of each rank's `carry` (a 1-D
+    uint8 tensor on the row's device, zero-padded; None: nothing), read back as
+    `Rows.carried_WC`: data that would otherwise need a second collective.
     """
     from wholebatch.comm._c10d import all_gather_single
 
@@ -202,12 +220,17 @@ def start_rows(
         start += part.numel()
         parts.append(part)
     mine_F = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+    if carry_bytes:
+        pad = torch.zeros(carry_bytes, dtype=torch.uint8, device=device)
+        if carry is not None:
+            pad[: carry.numel()] = carry
+        mine_F = torch.cat([mine_F.view(torch.uint8), pad])
     if not distributed:
-        return PendingRows(mine_F.unsqueeze(0), layout, group, None)
+        return PendingRows(mine_F.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
-    table = torch.empty(w * mine_F.numel(), dtype=dtype, device=device)
+    table = torch.empty(w * mine_F.numel(), dtype=mine_F.dtype, device=device)
     work = all_gather_single(table, mine_F, group=group, async_op=True)
-    return PendingRows(table.view(w, -1), layout, group, work)
+    return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
 
 
 def agree_rows(
@@ -215,6 +238,8 @@ def agree_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
+    carry: Tensor | None = None,
+    carry_bytes: int = 0,
 ) -> Rows:
     """All-gather one named row per rank; every rank gets the same `Rows` table.
 
@@ -226,8 +251,10 @@ def agree_rows(
         group: the process group; None: the default group (or one process).
         dtype: the wire dtype: float64 (default; holds integers exactly up to 2**53,
             and NaN) or int64 for integer-only rows.
+        carry: bytes to carry in the same all-gather (`start_rows`).
+        carry_bytes: the room for them on every rank (0: none).
     """
-    return start_rows(row, group=group, dtype=dtype).wait()
+    return start_rows(row, group=group, dtype=dtype, carry=carry, carry_bytes=carry_bytes).wait()
 
 
 def exchange_text(

@@ -53,6 +53,7 @@ from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.losses.sizing import (
     auto_strategy,
+    carry_bytes,
     exchange_row_elements,
     replicates,
     sizes_fingerprint,
@@ -60,7 +61,15 @@ from wholebatch.losses.sizing import (
 )
 from wholebatch.losses.tiles import compute_dtype, tile_size_for
 
-__all__ = ["Prepared", "Problem", "prepare", "resolve_strategy", "resolve_tile", "whole"]
+__all__ = [
+    "Prepared",
+    "Problem",
+    "prepare",
+    "resolve_strategy",
+    "resolve_tile",
+    "rows_as_bytes",
+    "whole",
+]
 
 _REDUCTIONS: tuple[str, ...] = GRAD_REDUCTIONS
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -86,6 +95,9 @@ class Prepared:
     Then `scalars` are this rank's own values, not yet agreed (see `checked`)."""
     checked: bool = True
     """The exchange ran (the scalars and the reduction were found equal on every rank)."""
+    carried_WC: Tensor | None = None
+    """Every rank's rows as bytes, carried by the exchange (`sizing.carry_bytes` each, zero
+    padded), or None; a rank's are there when they fit (every rank knows: agreed sizes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +272,7 @@ def prepare(
     error: str | None = None,
     group: ProcessGroup | None = None,
     small: bool = False,
+    carry: bool = False,
 ) -> Prepared:
     """Validate on every rank, agree across ranks; see the module docstring.
 
@@ -280,6 +293,9 @@ def prepare(
         small: the loss offers the small path for this call (`Prepared.replicated`
             when the whole batch is small: `sizing.replicates` on the agreed N, the
             embeddings' row width and the smallest row limit over ranks).
+        carry: the exchange carries this rank's rows of every embedding
+            (`sizing.carry_bytes`, `Prepared.carried_WC`); the same on every rank
+            (a loss passes it always, whatever its other arguments).
     """
     options = options or {}
     w, r = get_world_size(group), get_rank(group)
@@ -296,7 +312,12 @@ def prepare(
     checked = sizes is None or checks_enabled(check)
     limit = small_rows()
     if checked:
-        table = _exchange(op, embeddings, scalars, grad_reduction, sizes, options, err, group)
+        rows_bytes = carry_bytes(w) if carry else 0
+        data = rows_as_bytes(embeddings) if err is None and rows_bytes else None
+        table = _exchange(
+            op, embeddings, scalars, grad_reduction, sizes, options, err, group,
+            data if data is not None and data.numel() <= rows_bytes else None, rows_bytes,
+        )  # fmt: skip
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
         limit = min(table.ints("small rows"))
     elif err is not None:
@@ -317,13 +338,21 @@ def prepare(
         own = [_scalar_tensor(v, first) for v in values]
         return Prepared(
             sizes=agreed, scalars=own, grad_factor=_factor(first, str(grad_reduction), w),
-            replicated=True, checked=checked,
+            replicated=True, checked=checked, carried_WC=table.carried_WC if checked else None,
         )  # fmt: skip
     if checked:  # the exchange found every scalar and the reduction equal on every rank
         vals, factor = _replicated(first, values, str(grad_reduction), w, group)
     else:
         vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
+
+
+def rows_as_bytes(embeddings: Mapping[str, object]) -> Tensor:
+    """This rank's rows of every embedding, side by side ((B, R) in their one dtype), as bytes."""
+    parts = [x for x in embeddings.values() if isinstance(x, Tensor)]
+    b = parts[0].shape[0]
+    both_BR = torch.cat([x.detach().reshape(b, math.prod(x.shape[1:])) for x in parts], 1)
+    return both_BR.reshape(-1).view(torch.uint8)
 
 
 def _row_elements(embeddings: Mapping[str, object]) -> int:
@@ -390,9 +419,13 @@ def _exchange(
     options: Mapping[str, tuple[float, str]],
     err: Problem | None,
     group: ProcessGroup | None,
+    carry: Tensor | None = None,
+    room: int = 0,
 ) -> Rows:
-    """One all-gather of every rank's named row; a local problem anywhere is raised on every rank."""
-    rows = agree_rows(_row(embeddings, scalars, grad_reduction, sizes, options, err), group=group)
+    """One all-gather of every rank's named row (and `room` bytes of `carry`); a local problem
+    anywhere is raised on every rank."""
+    row = _row(embeddings, scalars, grad_reduction, sizes, options, err)
+    rows = agree_rows(row, group=group, carry=carry, carry_bytes=room)
     assert rows.table_WF.shape[1] == exchange_row_elements(len(options), len(scalars)), "row"
     flagged = rows.ranks_where("error")
     if flagged:

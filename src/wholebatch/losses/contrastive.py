@@ -120,7 +120,7 @@ def clip_loss(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
         tile_size=tile_size, sizes=sizes, check=check, group=group,
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
-        small=spec.replicable(strategy),
+        small=spec.replicable(strategy), carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.clip(image_BD, text_BD, prep, logit_bias is not None, group)
@@ -199,7 +199,7 @@ def siglip_loss(
     prep = prepare(
         op, {"image_BD": image_BD, "text_BD": text_BD},
         {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group, small=True,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, small=True, carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.siglip(image_BD, text_BD, prep, group)
@@ -266,7 +266,7 @@ def nt_xent_loss(
     prep = prepare(
         op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
-        small=True,
+        small=True, carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.nt_xent(z1_BD, z2_BD, prep, group)

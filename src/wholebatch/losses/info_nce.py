@@ -191,6 +191,7 @@ def _prepare(
         options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
         error=err or strategy_problem(SPEC, strategy),
         small=SPEC.replicable(strategy),
+        carry=True,
         **common,
     )
 

@@ -9,11 +9,13 @@ default, and the gathered rows within 16 MiB) each loss instead:
 
 1. runs the exchange as always (`common.prepare`: every check, the same error on
    every rank), unless `sizes=` is given with the checks off;
-2. all-gathers every rank's rows of ALL its embeddings in ONE collective (raw
-   bytes, uneven rows and empty ranks included); without the exchange, each
-   rank's scalars and reduction code ride in the same all-gather (one float64
-   row after its rows) and every rank agrees on their maximum, as
-   `common.prepare`'s agreement would;
+2. gathers every rank's rows of ALL its embeddings: with the exchange, they
+   ride in its all-gather while every rank's fit `sizing.carry_bytes(W)`
+   (256 KiB at W = 2: 64 rows of two 512-dim float32 towers), else ONE more
+   all-gather (raw bytes, uneven rows and empty ranks included); without the
+   exchange, each rank's scalars and reduction code ride in that all-gather
+   (one float64 row after its rows) and every rank agrees on their maximum,
+   as `common.prepare`'s agreement would;
 3. computes the whole loss L with plain tensor ops on the N rows: every rank the
    same value, with no whole-batch sum.
 
@@ -33,8 +35,9 @@ which the tiled forms do not need (their whole-batch sum's backward adds every
 rank's upstream gradient); `wholebatch.losses.sizing.set_small_rows(0)` (or
 ``WHOLEBATCH_SMALL_ROWS=0``) turns the small path off.
 
-Collectives per call: 2 (the exchange, the rows) with the checks on, 1 with
-`sizes=` and `check=False`; none in the backward. open_clip's
+Collectives per call: 1 with the checks on (the exchange carrying the rows;
+2 when a rank's rows pass the room), 1 with `sizes=` and `check=False`; none in
+the backward. open_clip's
 ``ClipLoss(gather_with_grad=True, local_loss=True)`` makes 2 forward and 2 backward.
 
 Legend: W ranks, B this rank's rows, N global rows, D dim, R elements of one
@@ -118,7 +121,12 @@ def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup 
         payload = torch.cat([payload, row_S1.view(torch.uint8)])
         head = row_S1.numel() * 8
     byte_sizes = [q * width * elem + head for q in sizes]
-    got = all_gather(payload, sizes=byte_sizes, group=group, check=False)
+    carried = prep.carried_WC
+    if carried is not None and max(byte_sizes) <= carried.shape[1]:
+        # every rank's rows came with the exchange: no second collective
+        got = torch.cat([carried[q, :nb] for q, nb in enumerate(byte_sizes)]).to(first.device)
+    else:
+        got = all_gather(payload, sizes=byte_sizes, group=group, check=False)
     n = sum(sizes)
     if head:
         starts = [sum(byte_sizes[:q]) for q in range(w)]

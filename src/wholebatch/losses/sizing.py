@@ -18,6 +18,7 @@ from collections.abc import Iterator
 __all__ = [
     "ACCEL_TILE_BUDGET",
     "AUTO_RING_BYTES",
+    "CARRY_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
     "SMALL_GATHER_BYTES",
@@ -25,6 +26,7 @@ __all__ = [
     "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
     "auto_strategy",
+    "carry_bytes",
     "exchange_row_elements",
     "replicates",
     "set_small_rows",
@@ -79,6 +81,18 @@ SMALL_ROWS = 512
 SMALL_GATHER_BYTES = 2**24  # 16 MiB of gathered rows per rank
 _SMALL_ENV = "WHOLEBATCH_SMALL_ROWS"
 _small_override: int | None = None
+
+
+# With the checks on, the exchange's all-gather also carries each rank's rows of
+# every embedding, up to `carry_bytes(W)` bytes per rank (zero-padded): when every
+# rank's fit, the small path needs no second collective. Every call pays the room,
+# fitted or not: (W - 1)·carry_bytes(W) <= CARRY_BYTES received per rank.
+CARRY_BYTES = 2**18  # 256 KiB: 64 rows of two 512-dim float32 towers at W = 2
+
+
+def carry_bytes(world: int) -> int:
+    """Bytes of rows each rank carries in the losses' exchange at W = `world` (a multiple of 8)."""
+    return CARRY_BYTES // max(world - 1, 1) // 8 * 8
 
 
 def set_small_rows(rows: int | None) -> None:

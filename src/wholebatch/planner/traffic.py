@@ -13,6 +13,8 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
   all-gather of one float64 row per rank, `exchange_row_elements` long
   (header, options, the sizes= fingerprint, scalars): the same length at any W;
+  and `sizing.carry_bytes(W)` bytes of the rank's rows (zero-padded; the small
+  path uses them): (W - 1)·carry_bytes(W) <= 256 KiB more received per rank;
 - the agreement: after the exchange none in the forward (it checked the
   scalars equal), backward one all-reduce of the scalars' gradients; without
   it an all-reduce (max) of the scalars and the reduction code, backward one
@@ -20,9 +22,10 @@ Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
 A small batch (`wholebatch.losses.sizing.replicates`, losses/replicated.py) makes
-instead the exchange (when it runs) and ONE all-gather of every rank's rows of
-all its embeddings (B·R·e bytes per rank, R = (2 + k)·D, plus the agreement's
-float64 row of the scalars and the reduction code without the exchange), and
+instead the exchange alone when it carried every rank's rows (B·R·e <= carry_bytes(W),
+R = (2 + k)·D); otherwise (and without the exchange) ONE all-gather of every
+rank's rows of all its embeddings (B·R·e bytes per rank, plus the agreement's
+float64 row of the scalars and the reduction code without the exchange); and
 nothing else, forward or backward.
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
@@ -43,7 +46,13 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import exchange_row_elements, replicates, small_rows, stats_gathered
+from wholebatch.losses.sizing import (
+    carry_bytes,
+    exchange_row_elements,
+    replicates,
+    small_rows,
+    stats_gathered,
+)
 from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = [
@@ -207,8 +216,7 @@ def loss_traffic(
         moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
     if exchange:  # the exchange checks the scalars equal: no forward agreement
-        row = exchange_row_elements(spec.exchange_options(), scalars)
-        out.append(_gather("agree shapes, dtypes, options (float64 row)", fwd, [row] * w, rank, 8))
+        out.append(_exchange(spec, w, rank))
     else:
         out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
@@ -222,18 +230,25 @@ def loss_traffic(
     return out
 
 
+def _exchange(spec: LossSpec, w: int, rank: int) -> Collective:
+    """The exchange: every rank's float64 row and `carry_bytes(W)` of its rows (zero-padded)."""
+    row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
+    name = "agree shapes, dtypes, options (float64 row) + rows carried"
+    return _gather(name, "forward", [1] * w, rank, 8 * row + carry_bytes(w))
+
+
 def _replicated_traffic(
     spec: LossSpec, sizes: Sequence[int], rank: int, row_bytes: int, exchange: bool
 ) -> list[Collective]:
-    """The small path's collectives: the exchange (if it runs) and one all-gather of raw bytes."""
+    """The small path's collectives: the exchange (if it runs), and one all-gather of raw bytes
+    unless the exchange carried every rank's rows."""
     w = len(sizes)
     out = []
     head = 0
     if exchange:
-        row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
-        out.append(
-            _gather("agree shapes, dtypes, options (float64 row)", "forward", [row] * w, rank, 8)
-        )
+        out.append(_exchange(spec, w, rank))
+        if max(sizes) * row_bytes <= carry_bytes(w):
+            return out
     else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
         head = 8 * (len(spec.scalars) + 1)
     payload = [b * row_bytes + head for b in sizes]
