@@ -213,18 +213,31 @@ def start_rows(
     device = comm_device(group) if distributed else torch.device("cpu")
     layout: dict[str, tuple[int, int]] = {}
     parts: list[Tensor] = []
+    numbers: list[float] = []  # a run of plain numbers becomes one tensor (one copy to the device)
     start = 0
     for name, value in row.items():
+        if isinstance(value, (bool, int, float)):
+            layout[name] = (start, 1)
+            start += 1
+            numbers.append(value)
+            continue
+        if numbers:
+            parts.append(torch.tensor(numbers, dtype=dtype, device=device))
+            numbers = []
         part = _part(value, dtype, device)
         layout[name] = (start, part.numel())
         start += part.numel()
         parts.append(part)
+    if numbers:
+        parts.append(torch.tensor(numbers, dtype=dtype, device=device))
     mine_F = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
     if carry_bytes:
-        pad = torch.zeros(carry_bytes, dtype=torch.uint8, device=device)
+        row_bytes = mine_F.numel() * mine_F.element_size()
+        both = torch.zeros(row_bytes + carry_bytes, dtype=torch.uint8, device=device)
+        both[:row_bytes] = mine_F.view(torch.uint8)
         if carry is not None:
-            pad[: carry.numel()] = carry
-        mine_F = torch.cat([mine_F.view(torch.uint8), pad])
+            both[row_bytes : row_bytes + carry.numel()] = carry
+        mine_F = both
     if not distributed:
         return PendingRows(mine_F.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
