@@ -36,7 +36,8 @@ $(VENV)/.peers: $(VENV)/.installed
 # open_clip_train's real CLI needs torchvision, which cannot load beside the CPU torch of
 # .venv: it runs in its own venv (tests/e2e/test_open_clip_train_cli.py drives it through
 # subprocesses), torch 2.14.1 + torchvision 0.29.1, a CUDA build that runs on CPU, ~5.6 GB.
-# pip on Python 3.11 takes both from this machine's disk: measured 53 s to build, 5.6 GB.
+# pip on Python 3.11 takes both from this machine's disk: measured 53 s to build on an idle
+# machine, 3 min 15 s at load 18 on the 2 shared cores; 5.6 GB.
 # wholebatch is not installed in it: the test puts the checkout's src/ on PYTHONPATH.
 OCT_PYTHON ?= python3.11
 OCT_VENV := .venv-oct
