@@ -3,11 +3,12 @@
 `open_clip_train.main` imports torchvision, which cannot load beside the CPU
 torch of `.venv`; the CLI runs in its own venv, `.venv-oct` (torch 2.14.1,
 torchvision 0.29.1, open_clip_torch 3.3.0 and its training extra, pinned in
-tests/support/open_clip_train.txt; `make .venv-oct`, a prerequisite of `make test`).
+tests/support/open_clip_train.txt; `make venv-oct`, a prerequisite of `make test`).
 This file runs in `.venv` and drives that venv through subprocesses.
 
-One optimizer step of a tiny ViT CLIP (tests/support/open_clip_train_cli.py), CSV
-data of N = 12 random images with their own captions, float32 (`--precision fp32`),
+One optimizer step of a tiny ViT CLIP, with and without `--siglip`
+(tests/support/open_clip_train_cli.py), on CSV data of N = 12 random images with
+their own captions, float32 (`--precision fp32`),
 SGD without momentum or weight decay (`--opt timm/momentum --momentum 0 --wd 0`,
 so a step is `p - lr * g` and the gradient is read back from the checkpoint):
 
