@@ -43,6 +43,9 @@ HELPER = ROOT / "tests" / "support" / "open_clip_train_cli.py"
 N, W, K, LR = 12, 2, 2, 0.2
 B = N // (W * K)
 TIMEOUT = 300  # seconds per CLI run: ~5 s alone, ~20 s for 2 ranks on the shared 2 cores
+# The first test of each kind runs its fixture's 4 processes (~100 s at load 36): room for
+# each to reach its own TIMEOUT, whose error shows the run's log.
+pytestmark = pytest.mark.timeout(4 * TIMEOUT + 60)
 # float32 weights read back as (p0 - p1) / lr: the floor is ulp(p) / lr (6e-7 for a weight
 # near 1). Measured 3.9e-6 (CLIP) and 4.9e-7 (SigLIP) of each tensor's largest entry;
 # asserted 5e-5 (the mutation is off by 0.5x and 2.0x).
@@ -53,7 +56,7 @@ def _side_venv() -> Path:
     if not SIDE.is_file():
         pytest.fail(
             f"{SIDE} is missing: open_clip_train's CLI runs in its own venv; build it with "
-            "`make .venv-oct` (`make test` builds it first)"
+            "`make venv-oct` (`make test` builds it first)"
         )
     return SIDE
 

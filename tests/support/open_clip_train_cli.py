@@ -1,4 +1,4 @@
-"""Run inside the open_clip_train venv (`make .venv-oct`), by tests/e2e/test_open_clip_train_cli.py.
+"""Run inside the open_clip_train venv (`make venv-oct`), by tests/e2e/test_open_clip_train_cli.py.
 
     python tests/support/open_clip_train_cli.py init DIR     # data, model config, initial weights
     python tests/support/open_clip_train_cli.py unfixed ARGS # open_clip_train's CLI, its own loop
