@@ -62,6 +62,17 @@ def test_every_mode_on_the_mesh_equals_one_process(mesh: str) -> None:
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_a_table_past_the_inline_rows_takes_its_own_all_gather(mesh: str) -> None:
+    # 2 inline rows: every rank holds more, so the rows travel in one more all-gather.
+    case = MESHES[mesh]
+    modes = ("sequence", "group")
+    results = run_ranks(W, run_modes, case, modes, None, 2, timeout=TIMEOUT)
+    for r, got in enumerate(results):
+        for mode in modes:
+            assert _close(got[mode], reference(case, mode)) == [], f"rank {r} {mode}"
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_a_table_agreed_over_the_wrong_dims_is_caught(mesh: str) -> None:
     # "sequence": the table's mode that a partial table cannot turn into an error ("group"
     # raises on the rank whose own rows leave a group empty; "token" and "constant" have

@@ -100,10 +100,27 @@ def _my_items(case: MeshCase, mesh: Any, s: int, shift_ids: bool) -> list[dict[s
 
 
 def run_modes(
-    case: MeshCase, modes: tuple[str, ...], table_dims: tuple[str, ...] | None = None
+    case: MeshCase,
+    modes: tuple[str, ...],
+    table_dims: tuple[str, ...] | None = None,
+    inline_rows: int | None = None,
 ) -> dict[str, NormResult]:
     """Each mode's run on this rank (`table_dims`: the mutation; `case.replica_differs`:
-    rank 1 reads other sequence ids)."""
+    rank 1 reads other sequence ids; `inline_rows`: fewer table rows ride on `begin`'s
+    all-gather, so the table takes its own)."""
+    from wholebatch.train import normalize
+
+    default = normalize.INLINE_ROWS
+    normalize.INLINE_ROWS = default if inline_rows is None else inline_rows
+    try:
+        return _run_modes(case, modes, table_dims)
+    finally:
+        normalize.INLINE_ROWS = default
+
+
+def _run_modes(
+    case: MeshCase, modes: tuple[str, ...], table_dims: tuple[str, ...] | None
+) -> dict[str, NormResult]:
     from wholebatch import Accumulator, Normalize
 
     class Mutated(Accumulator):

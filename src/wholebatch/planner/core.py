@@ -7,6 +7,11 @@ loss memory from the kernels' measured buffer counts (`wholebatch.planner.memory
 times from bandwidths and FLOP rates the caller gives. Everything is per rank
 and per optimizer step; a rank is one GPU. See docs/plan.md.
 
+On a device mesh (`PlanConfig.mesh`, `wholebatch.planner.mesh`) the items are split
+over the batch group (dp_replicate x dp x cp ranks), the loss's collectives run
+over it, state is divided over tp x pp and FSDP2's dp x cp, and each collective
+names the dims it runs over.
+
 Legend: W ranks, N global rows, B a rank's rows (the largest, with an uneven
 split), D dim, K micro-batches per rank, T tile.
 """
