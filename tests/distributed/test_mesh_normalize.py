@@ -97,3 +97,19 @@ def test_cp_left_out_of_the_batch_dims_is_an_error_on_every_rank() -> None:
     wrong = dataclasses.replace(CP, batch_dims=("dp",))
     outcomes = run_ranks_outcomes(W, run_modes, wrong, ("group",), timeout=TIMEOUT)
     same_error_everywhere(outcomes, "ranks [0, 1] replicate the same rows", "('cp',)")
+
+
+def _shards_agree() -> bool:
+    from tests.support.mesh_cases import get_mesh
+    from wholebatch.comm.mesh import MeshSplit
+    from wholebatch.train.normalize import _batch_indices
+
+    ok = True
+    for shape, dims in [(TP.shape, ("dp",)), (CP.shape, ("dp", "cp")), (CP.shape, ("cp", "dp"))]:
+        split = MeshSplit(mesh=get_mesh(shape), batch_dims=dims)
+        ok &= _batch_indices(split) == {r: split.batch_index(r) for r in range(W)}
+    return ok
+
+
+def test_every_ranks_data_shard_read_in_one_pass_is_meshsplits() -> None:
+    assert run_ranks(W, _shards_agree, timeout=TIMEOUT) == [True] * W
