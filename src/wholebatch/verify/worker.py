@@ -342,6 +342,14 @@ def _rows_note(recorder: RowRecorder, expected: int) -> str:
     matched = sum(len(c) for c in recorder.calls)
     if matched >= expected:
         return ""
+    if recorder.forwards and not recorder.missed:
+        return (
+            f"the model's {recorder.forwards} forward call(s) on this rank held {matched} "
+            f"rows of the batch, every one recognised, where this rank's share is {expected}: "
+            "the trainer's sampler dealt the rows over more ranks than the data shards (on a "
+            "mesh: by the global rank, not the batch index), so the rows each micro-batch "
+            "should hold are not known"
+        )
     return (
         f"verify recognised {matched} of this rank's {expected} rows in the model's "
         f"{recorder.forwards} forward call(s): it looks for the batch's {recorder.key_name} "
