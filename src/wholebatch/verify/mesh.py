@@ -15,6 +15,12 @@ only: each parameter's gradient comes from the first rank whose stage computed o
 (one all-gather), and each rank reports which parameters its stage owns. Each rank also records a fingerprint of what the model's
 forward received: ranks that replicate a data shard must have seen the same.
 
+A `TrainerSpec` on a mesh runs the same way, its trainer handed a `TrainerRun`
+with the mesh, the batch dims and this rank's row shard (`run.shard`, the same
+on its replicas); the optimizer verify gives it (`ModelGradRecorder`) follows
+the parameters the trainer registers, as a trainer that shards the model in
+its own setup (Lightning's `configure_model`) replaces them.
+
 Legend: W processes (the mesh's size), B row shards (the product of the batch
 dims' sizes), R = W / B ranks per row shard (the replicas), K micro-batches.
 """
