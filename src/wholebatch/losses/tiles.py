@@ -606,6 +606,62 @@ def _ring_next(sizes: tuple[int, ...], rank: int, step: int) -> int:
     return ring_block(sizes, rank, step + 1)
 
 
+def _fused_or_none(kernel: Callable[..., Any], *args: Any) -> Any:
+    """`kernel(*args)`, or None (and the PyTorch tiles from now on) if it fails to build or run here;
+    raised when ``WHOLEBATCH_TILES=triton`` forces the kernels."""
+    try:
+        return kernel(*args)
+    except Exception as failure:
+        if fused.forced():
+            raise
+        fused.disable(failure)
+        return None
+
+
+def _sigmoid_block_fused(
+    img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, g: Tensor, own: bool, acc: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """One block's (d img, d blk, d scale, d bias) from the fused kernels, or None (see `_fused_or_none`)."""
+    got = _fused_or_none(fused.sigmoid_grads, img_BD, blk_MD, s, b, 0, (0,) if own else ())
+    if got is None:
+        return None
+    uq_BD, uk_MD, p_B = (x.to(acc) for x in got)
+    # z = s·q·k + b: dz/dq = s·k, dz/ds = q·k, dz/db = 1; d softplus(z)/dz = σ(z)
+    ds = g * (img_BD.to(acc) * uq_BD).sum()
+    return uq_BD.mul_(g * s), uk_MD.mul_(g * s), ds, g * p_B.sum()
+
+
+def _sigmoid_block_torch(
+    img: Tensor,
+    blk_MD: Tensor,
+    s: Tensor,
+    b: Tensor,
+    g: Tensor,
+    tile: int,
+    acc: torch.dtype,
+    own: bool,
+    di_BD: Tensor,
+    dblk_MD: Tensor,
+    ds: Tensor,
+    db: Tensor,
+) -> None:
+    """One block's gradients, tile by tile, added in place to (di_BD, dblk_MD, ds, db)."""
+    for i0 in range(0, img.shape[0], tile):
+        q_TD = img[i0 : i0 + tile]
+        for j0 in range(0, blk_MD.shape[0], tile):
+            k_TD = blk_MD[j0 : j0 + tile]
+            z_TT = _mm_acc(q_TD, k_TD.T, acc).mul_(s).add_(b)
+            if own:
+                z_TT.diagonal(i0 - j0).fill_(float("-inf"))
+            # d softplus(z)/dz = sigmoid(z)
+            g_TT = z_TT.sigmoid_().mul_(g)
+            gk_TD = _mm_acc(g_TT.to(k_TD.dtype), k_TD, acc)
+            ds += (q_TD.to(acc) * gk_TD).sum()
+            db += g_TT.sum()
+            di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
+            dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
+
+
 def _softplus_sum(
     img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, tile: int, acc: torch.dtype, own: bool
 ) -> Tensor:
@@ -614,6 +670,10 @@ def _softplus_sum(
     `own`: the block is this rank's own texts, whose pairs (i, i) are the
     positives, left out (their terms softplus(−z_ii) are computed apart).
     """
+    if fused.use_fused(img_BD):
+        got = _fused_or_none(fused.sigmoid_sum, img_BD, blk_MD, s, b, 0, (0,) if own else ())
+        if got is not None:
+            return got.sum().to(acc)
     total = torch.zeros((), dtype=acc, device=img_BD.device)
     for i0 in range(0, img_BD.shape[0], tile):
         q_TD = img_BD[i0 : i0 + tile]
@@ -688,23 +748,20 @@ class SigmoidRing(torch.autograd.Function):
         wire_MD = txt_BD.detach()
         dblk_MD = torch.zeros(wire_MD.shape, dtype=acc, device=wire_MD.device)
         rank, peers = get_rank(group), ring_peers(group) if w > 1 else (0, 0)
+        fast = fused.use_fused(img_BD)
         for step in range(w):
-            blk_MD = wire_MD.to(img.dtype)
-            for i0 in range(0, img_BD.shape[0], tile):
-                q_TD = img[i0 : i0 + tile]
-                for j0 in range(0, blk_MD.shape[0], tile):
-                    k_TD = blk_MD[j0 : j0 + tile]
-                    z_TT = _mm_acc(q_TD, k_TD.T, acc).mul_(s).add_(b)
-                    if step == 0:
-                        z_TT.diagonal(i0 - j0).fill_(float("-inf"))
-                    # d softplus(z)/dz = sigmoid(z)
-                    g_TT = z_TT.sigmoid_().mul_(g)
-                    gk_TD = _mm_acc(g_TT.to(k_TD.dtype), k_TD, acc)
-                    ds += (q_TD.to(acc) * gk_TD).sum()
-                    db += g_TT.sum()
-                    di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
-                    dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
-            del blk_MD
+            # the fused kernels for this block, or (failed, or not chosen) the PyTorch tiles
+            got = _sigmoid_block_fused(img_BD, wire_MD, s, b, g, step == 0, acc) if fast else None
+            fast = got is not None
+            if got is not None:
+                di_BD += got[0]
+                dblk_MD += got[1]
+                ds += got[2]
+                db += got[3]
+            else:
+                _sigmoid_block_torch(
+                    img, wire_MD.to(img.dtype), s, b, g, tile, acc, step == 0, di_BD, dblk_MD, ds, db
+                )  # fmt: skip
             rows = _ring_next(sizes, rank, step) if w > 1 else 0
             if step < w - 1:
                 wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group, peers=peers)
