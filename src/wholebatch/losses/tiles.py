@@ -509,6 +509,53 @@ def _mask_sym(s_TT: Tensor, i0: int, j0: int, half: int) -> None:
     s_TT.diagonal(half + i0 - j0).fill_(float("-inf"))
 
 
+def _sym_masks(m: int) -> tuple[int, ...]:
+    """The entries (i, i + t) of an M x M self-similarity matrix that are not negatives:
+    the diagonal and the positives i ± M/2 (out-of-range ones match no column)."""
+    return (0, m // 2, -(m // 2))
+
+
+def _sym_stats_fused(z_MD: Tensor, scale: Tensor, group: Any, m_M: Tensor, l_M: Tensor) -> bool:
+    """This rank's panel pairs' (max, sum) from the fused kernels, merged into (m_M, l_M) in place.
+
+    A diagonal pair is its whole square by rows (each entry once for its row, as
+    the tiles on and above the diagonal give it); an off-diagonal pair serves its
+    rows and, through the column statistics, the mirrored pair's rows.
+    """
+    masks = _sym_masks(z_MD.shape[0])
+    parts = []  # every kernel first, then the merges: a failure leaves (m_M, l_M) untouched
+    for a0, a1, b0, b1 in _dealt_pairs(z_MD.shape[0], get_world_size(group), get_rank(group)):
+        za, zb, off = z_MD[a0:a1], z_MD[b0:b1], a0 - b0
+        parts.append((a0, a1, fused.row_stats(za, zb, scale, off, masks)))
+        if a0 != b0:
+            parts.append((b0, b1, fused.col_stats(za, zb, scale, off, masks, b1 - b0)))
+    for i0, i1, (m2, l2) in parts:
+        m_M[i0:i1], l_M[i0:i1] = fused.merge(m_M[i0:i1], l_M[i0:i1], m2, l2)
+    return True
+
+
+def _sym_grads_fused(
+    z_MD: Tensor, scale: Tensor, group: Any, shift: Tensor, coef: Tensor, u_MD: Tensor
+) -> bool:
+    """This rank's panel pairs' U = Σ G·z (unscaled) from the fused kernels, added to `u_MD`.
+
+    A diagonal pair, its whole square by rows: G = R (row i's softmax gradient)
+    and U gains R·z + Rᵀ·z, the same as the tiles' R + Rᵀ on and above the diagonal.
+    """
+    masks = _sym_masks(z_MD.shape[0])
+    none = shift[:0]
+    parts = []
+    for a0, a1, b0, b1 in _dealt_pairs(z_MD.shape[0], get_world_size(group), get_rank(group)):
+        za, zb, off = z_MD[a0:a1], z_MD[b0:b1], a0 - b0
+        cols = (none, none) if a0 == b0 else (shift[b0:b1], coef[b0:b1])
+        uq, uk = fused.grads(za, zb, scale, off, masks, (shift[a0:a1], coef[a0:a1]), cols)
+        parts.append((a0, a1, b0, b1, uq, uk))
+    for a0, a1, b0, b1, uq, uk in parts:
+        u_MD[a0:a1] += uq.to(u_MD.dtype)
+        u_MD[b0:b1] += uk.to(u_MD.dtype)
+    return True
+
+
 class SymmetricLSE(torch.autograd.Function):
     """NT-Xent's row terms over the symmetric `scale * z_MD @ z_MDᵀ`, tile by tile.
 
@@ -547,7 +594,10 @@ class SymmetricLSE(torch.autograd.Function):
         z = z_MD if post is not None else z_MD.to(acc)
         m_M = torch.full((m,), float("-inf"), dtype=acc, device=z_MD.device)
         l_M = torch.zeros(m, dtype=acc, device=z_MD.device)
-        for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
+        fast = fused.use_fused(z_MD)
+        if fast:  # no collective inside: a rank whose kernel fails takes the PyTorch tiles alone
+            fast = _fused_or_none(_sym_stats_fused, z_MD, scale, group, m_M, l_M) is not None
+        for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
             m_M[i0:i1], l_M[i0:i1] = _running(m_M[i0:i1], l_M[i0:i1], s_TT, 1)
@@ -574,7 +624,10 @@ class SymmetricLSE(torch.autograd.Function):
         zs_MD, post = _scaled_rows(z_MD, scale, acc)
         z = z_MD if post is not None else z_MD.to(acc)
         u_MD = torch.zeros(z_MD.shape, dtype=acc, device=z_MD.device)
-        for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
+        fast = fused.use_fused(z_MD)
+        if fast:
+            fast = _fused_or_none(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
+        for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
             # d a_i / d s_ij = softmax over row i's negatives; the column part is
