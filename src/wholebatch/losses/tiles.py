@@ -626,7 +626,9 @@ class SymmetricLSE(torch.autograd.Function):
         u_MD = torch.zeros(z_MD.shape, dtype=acc, device=z_MD.device)
         fast = fused.use_fused(z_MD)
         if fast:
-            fast = _fused_or_none(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
+            fast = (
+                _fused_or_none(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
+            )
         for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
@@ -724,7 +726,9 @@ def _softplus_sum(
     positives, left out (their terms softplus(−z_ii) are computed apart).
     """
     if fused.use_fused(img_BD):
-        got = _fused_or_none(fused.sigmoid_sum, img_BD, blk_MD, s, b, 0, (0,) if own else ())
+        got: Tensor | None = _fused_or_none(
+            fused.sigmoid_sum, img_BD, blk_MD, s, b, 0, (0,) if own else ()
+        )
         if got is not None:
             return got.sum().to(acc)
     total = torch.zeros((), dtype=acc, device=img_BD.device)
