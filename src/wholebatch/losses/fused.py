@@ -22,6 +22,9 @@ logit:
   and Σ_ij σ(z_ij), unscaled (times g·s they are the rows' gradients; the
   scale's is g·Σ q·uq, the bias's g·Σ σ).
 
+NT-Xent's panel pairs (`tiles.SymmetricLSE`) use `row_stats`, `col_stats`
+and `grads` with the masks (0, M/2, −M/2): the diagonal and both positives.
+
 Chosen automatically on CUDA when triton is installed (the `triton` extra)
 and D <= `MAX_AUTO_DIM`, the PyTorch tiles otherwise (and for the rest of the
 process if a kernel fails to build or run: a warning says so); ``WHOLEBATCH_TILES=torch`` forces the PyTorch

@@ -21,6 +21,11 @@ pair is nearly saturated (loss → 0) in float32. SigLIP likewise masks the
 positive pairs, whose terms softplus(−z_ii) are computed on their own.
 16-bit inputs are computed in float32, tile by tile.
 
+On CUDA (D <= 256, triton installed) every kernel here hands its tiles to the
+fused Triton kernels of `wholebatch.losses.fused` instead, logits never in
+memory; ``WHOLEBATCH_TILES=torch|triton`` forces either, and a kernel that
+fails to build falls back to the tiles below with a warning.
+
 On CPU the tiles' elementwise passes (exp, subtract, multiply) cost as much as
 their matrix products, so the kernels scale the queries once (B x D) instead
 of every tile, and fuse what they can (`addcmul_`).
@@ -581,6 +586,8 @@ class SymmetricLSE(torch.autograd.Function):
     With G the tile's gradient (row part + transposed column part, which holds
     both (i, j) and (j, i)) and U = sum over tiles of G·z (unscaled):
     d z = scale·U and d scale = (z · U).sum() / 2, since z·U counts every pair twice.
+    Where `fused.use_fused` says, each dealt pair runs through the fused kernels
+    instead (`_sym_stats_fused`, `_sym_grads_fused`): the same statistics and U.
     """
 
     @staticmethod
@@ -754,7 +761,9 @@ class SigmoidRing(torch.autograd.Function):
     gradient along with it, W - 1 shifts of the block (its own dtype) and its
     gradient (the compute dtype), and one last shift that returns each
     gradient to its owner. Peak memory O(B·D + T²),
-    independent of W.
+    independent of W. Each block's softplus sum and gradients come from the
+    fused kernels (`fused.sigmoid_sum`, `fused.sigmoid_grads`) where
+    `fused.use_fused` says, else the PyTorch tiles.
 
     Backward: exact adjoint of the distributed sum; each rank's text gradient
     collects every rank's image rows' contributions, so the sum over ranks of
