@@ -40,7 +40,7 @@ from wholebatch.losses import _triton_tiles  # noqa: E402  (after the skip: need
 # same bound holds against the widened formula. The mutations miss it by > 0.1.
 TOL = dict(rtol=2e-5, atol=2e-5)
 DTYPES = [torch.float32, torch.bfloat16]
-SHAPES = [(37, 53, 20), (5, 70, 33), (32, 32, 16)]
+SHAPES = [(37, 53, 20), (5, 70, 33), (32, 32, 16), (9, 40, 100)]  # D = 100: two chunks of 64
 S, BIAS = 0.6, -1.5
 
 
