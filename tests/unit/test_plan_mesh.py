@@ -137,6 +137,7 @@ def test_bytes_by_dims_add_up_and_reach_json_and_the_table() -> None:
         ({"mesh": "dp=2,ep=2"}, "dims ['ep'] are not planned"),
         ({"mesh": "dp=2;tp=2"}, "is not NAME=SIZE"),
         ({"mesh": "dp=2,tp=2", "world": 16}, "world=16 differs from the 4 ranks"),
+        ({"mesh": "dp=2,tp=2", "world": 8}, "world=8 differs from the 4 ranks"),
         ({"mesh": "dp=2,tp=2", "plots": "out"}, "plot without mesh"),
         ({"mesh": "dp=2,tp=2", "batch": 1}, "smaller than the 2 item shards"),
         ({"mesh": "dp=2", "param_bytes": 0}, "param_bytes=0 must be a positive int"),

@@ -62,9 +62,9 @@ class PlanConfig:
     """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64
     (the tiled kernels compute in float32 for 16-bit inputs)."""
 
-    world: int = _DEFAULT_WORLD
+    world: int = 0
     """W, ranks (one per GPU) in the data-parallel group (a flat world of DDP replicas);
-    with mesh, the mesh's size (leave it at 8 or give the same number)."""
+    0 (the default): 8 in a flat world, the mesh's size with mesh (a different W is an error)."""
 
     mesh: str = ""
     """A device mesh instead of a flat world, dims and sizes as for wholebatch verify --mesh,
@@ -141,6 +141,7 @@ class PlanConfig:
             raise bad("loss", self.loss, f"is not one of {', '.join(LOSSES)}")
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
+        self._check_mesh(bad)
         names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes")
         for name in names:
             value = getattr(self, name)
@@ -169,7 +170,6 @@ class PlanConfig:
         if self.strategy and (spec is None or not spec.offers(self.strategy)):
             offered = spec.strategies if spec else ()
             raise bad("strategy", self.strategy, f"is not one of {offered} for loss={self.loss!r}")
-        self._check_mesh(bad)
         if self.world > 65536:
             raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
         if self.batch < self.shards and self.loss != "tokens":
@@ -190,13 +190,15 @@ class PlanConfig:
             )
 
     def _check_mesh(self, bad: Callable[[str, object, str], WholebatchError]) -> None:
-        """With `mesh`: parse it, and set `world` to its size (a different world is an error)."""
+        """Resolve `world` 0: 8 flat, the mesh's size with `mesh` (a different world: an error)."""
         if not isinstance(self.mesh, str):
             raise bad("mesh", self.mesh, "must be a string of dims and sizes, e.g. 'dp=2,tp=2'")
         if not self.mesh:
+            if self.world == 0:
+                object.__setattr__(self, "world", _DEFAULT_WORLD)
             return
         shape = PlanMesh.parse(self.mesh)
-        if self.world not in (_DEFAULT_WORLD, shape.world):
+        if self.world not in (0, shape.world):
             raise bad(
                 "world", self.world, f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
                 "leave world out (it is the mesh's size) or give the same number",
