@@ -30,9 +30,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
-from wholebatch.comm.groups import get_rank
+from wholebatch.comm.groups import checks_enabled, get_rank
+from wholebatch.comm.meshgroup import replicas_agree, resolve_group
 from wholebatch.conventions import GradReduction
 from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
 from wholebatch.losses.ring import PositiveRing
@@ -54,6 +56,8 @@ def clip_loss(
     *,
     logit_bias: Tensor | float | None = None,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -88,6 +92,16 @@ def clip_loss(
     after a sum over ranks. Text gradients reach their owners through the
     all-gather's reduce-scatter.
 
+    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
+    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
+    once per mesh): W is the product of their sizes. Ranks that replicate the
+    batch (the same coordinate on every batch dim: tensor parallel) must pass
+    the same rows (a fingerprint agreed over the mesh, with the exchange; none
+    without a replica dim): else the same error on every rank. A replica's
+    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
+    split or summed over the replica dims: tensor parallelism's own backward
+    combines the replicas' equal gradients into its shards.
+
     Memory: gather O(N·D + T²) peak (the gathered texts, their gradient, one
     tile); ring O(B·D + T²), whatever N and W; never O(N²) or O(B·N).
 
@@ -98,6 +112,8 @@ def clip_loss(
             the same value on every rank.
         logit_bias: an optional logit bias (no effect on the loss; gradient 0).
         group: the process group (default: the world).
+        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -115,11 +131,14 @@ def clip_loss(
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
     ((name, fix),) = spec.options
-    prep = prepare(
-        op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
-        options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
-    )  # fmt: skip
+    group, split = resolve_group(group, mesh, batch_dims, op)
+    rows = {"image_BD": image_BD, "text_BD": text_BD}
+    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
+        prep = prepare(
+            op, rows, scalars, grad_reduction=grad_reduction,
+            tile_size=tile_size, sizes=sizes, check=check, group=group,
+            options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
+        )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
@@ -150,6 +169,8 @@ def siglip_loss(
     logit_bias: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -172,6 +193,16 @@ def siglip_loss(
     `logit_scale` and `logit_bias` equal one process's on the concatenated
     batch; with ``"sum"``, after a sum over ranks.
 
+    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
+    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
+    once per mesh): W is the product of their sizes. Ranks that replicate the
+    batch (the same coordinate on every batch dim: tensor parallel) must pass
+    the same rows (a fingerprint agreed over the mesh, with the exchange; none
+    without a replica dim): else the same error on every rank. A replica's
+    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
+    split or summed over the replica dims: tensor parallelism's own backward
+    combines the replicas' equal gradients into its shards.
+
     Memory: O(B·D + T²) peak, independent of W and of N beyond this rank's rows
     and the one block in flight.
 
@@ -181,6 +212,8 @@ def siglip_loss(
         logit_scale: the logit multiplier (a 1-element tensor or a number), the same on every rank.
         logit_bias: the logit bias (a 1-element tensor or a number), the same on every rank.
         group: the process group (default: the world).
+        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -192,11 +225,14 @@ def siglip_loss(
             the process setting, on).
     """
     op = SPECS["siglip"].function
-    prep = prepare(
-        op, {"image_BD": image_BD, "text_BD": text_BD},
-        {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
-    )  # fmt: skip
+    group, split = resolve_group(group, mesh, batch_dims, op)
+    rows = {"image_BD": image_BD, "text_BD": text_BD}
+    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
+        prep = prepare(
+            op, rows,
+            {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
+            tile_size=tile_size, sizes=sizes, check=check, group=group,
+        )  # fmt: skip
     n, b_rows = sum(prep.sizes), prep.sizes[get_rank(group)]
     acc = compute_dtype(image_BD.dtype)
     s, b = prep.scalars
@@ -212,6 +248,8 @@ def nt_xent_loss(
     temperature: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -239,6 +277,16 @@ def nt_xent_loss(
     ``"sum"``, after a sum over ranks. Gathered rows' gradients return to their
     owners through the all-gather's reduce-scatter.
 
+    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
+    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
+    once per mesh): W is the product of their sizes. Ranks that replicate the
+    batch (the same coordinate on every batch dim: tensor parallel) must pass
+    the same rows (a fingerprint agreed over the mesh, with the exchange; none
+    without a replica dim): else the same error on every rank. A replica's
+    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
+    split or summed over the replica dims: tensor parallelism's own backward
+    combines the replicas' equal gradients into its shards.
+
     Memory: O(N·D + T²) peak; never O(N²) or O(B·N).
 
     Args:
@@ -246,6 +294,8 @@ def nt_xent_loss(
         z2_BD: this rank's second-view embeddings (B x D); row i is the same sample.
         temperature: τ (a 1-element tensor or a number), the same on every rank.
         group: the process group (default: the world).
+        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -257,10 +307,14 @@ def nt_xent_loss(
             the process setting, on).
     """
     op = SPECS["nt_xent"].function
-    prep = prepare(
-        op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
-        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
-    )  # fmt: skip
+    group, split = resolve_group(group, mesh, batch_dims, op)
+    rows = {"z1_BD": z1_BD, "z2_BD": z2_BD}
+    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
+        prep = prepare(
+            op, rows, {"temperature": temperature},
+            grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
+            group=group,
+        )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     d = z1_BD.shape[1]

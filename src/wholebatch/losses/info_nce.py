@@ -26,9 +26,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
-from wholebatch.comm.groups import get_rank
+from wholebatch.comm.groups import checks_enabled, get_rank
+from wholebatch.comm.meshgroup import replicas_agree, resolve_group
 from wholebatch.conventions import GradReduction
 from wholebatch.losses.common import Prepared, prepare, resolve_strategy, resolve_tile, whole
 from wholebatch.losses.ring import PositiveRing
@@ -75,6 +77,8 @@ def info_nce_loss(
     directions: Sequence[Direction] = ("query_to_doc",),
     partition_mode: PartitionMode = "joint",
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -120,6 +124,12 @@ def info_nce_loss(
     those of one process computing L on the concatenated batch; with ``"sum"``,
     after a sum over ranks.
 
+    On a device mesh (``mesh=`` and ``batch_dims=``; docs/mesh.md) it gathers over
+    the batch dims' ranks, W the product of their sizes; replicas (the same
+    coordinate on every batch dim) must pass the same queries, documents and
+    negatives (checked, the same error on every rank) and each gets its
+    batch-group peers' gradient, as for `clip_loss`.
+
     Memory: O(C·D + T²) peak (the gathered candidates, their gradient, a few
     tiles); never the B x C logits.
 
@@ -134,6 +144,8 @@ def info_nce_loss(
         directions: which directions to include (a tuple holding "query_to_doc").
         partition_mode: "joint" or "per_direction" (see above).
         group: the process group (default: the world).
+        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile; None: chosen for the device
@@ -150,11 +162,14 @@ def info_nce_loss(
         if isinstance(negatives_BKD, Tensor) and negatives_BKD.dim() == 3
         else 0
     )
-    prep = _prepare(
-        query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
-        strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        group=group,
-    )  # fmt: skip
+    group, split = resolve_group(group, mesh, batch_dims, SPEC.function)
+    rows = {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD}
+    with replicas_agree(SPEC.function, split, rows, enabled=sizes is None or checks_enabled(check)):
+        prep = _prepare(
+            query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
+            strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes,
+            check=check, group=group,
+        )  # fmt: skip
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
     terms = _direction_terms
