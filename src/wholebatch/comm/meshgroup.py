@@ -143,7 +143,8 @@ def _stats(x: object, offset: int = 0) -> tuple[Tensor | float, ...]:
         return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     rows = x.shape[0]
     with torch.no_grad():
-        x_BX = x.detach().reshape(rows, -1).to(torch.float64)
+        flat = x.detach().flatten(1) if x.dim() > 1 else x.detach().reshape(rows, 1)
+        x_BX = flat.to(torch.float64)  # [B, X]; B may be 0
         w_B = torch.arange(rows, device=x.device, dtype=torch.float64) % _POS_WEIGHTS + 1 + offset
         pos = (x_BX.sum(1) * w_B).sum()
         return (
@@ -217,7 +218,9 @@ def check_replicas(
             for name in names:
                 stat = _differs(rows, prefix, name, members[0], other)
                 if stat is not None:
-                    raise WholebatchError(_replica_text(op, split, rows, prefix, name, stat, members))
+                    raise WholebatchError(
+                        _replica_text(op, split, rows, prefix, name, stat, members)
+                    )
 
 
 def _replica_text(

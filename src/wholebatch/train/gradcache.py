@@ -268,6 +268,7 @@ class GradCache:
 
     _replay_rng: bool = True  # tests turn these off to show what each is for
     _reuse_last: bool = True
+    _mesh_rescale: bool = True
 
     def __init__(
         self,
@@ -634,7 +635,7 @@ class GradCache:
         """On a mesh, multiply the model's (reduced) gradients by factor / W_b: what is left
         of `MeshReduction`'s rule once the loss carried W_b (the batch dims' size for
         "mean", 1 for "sum"). Exactly 1, and nothing done, for a mean over the batch dims."""
-        if self.split is None:
+        if self.split is None or not self._mesh_rescale:
             return
         carried = float(self.split.batch_size) if self.grad_reduction == "mean" else 1.0
         rescale = self._mesh_reduction(p.model, p.op).factor / carried
