@@ -27,8 +27,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.distributed.test_cache import _batches
-from tests.distributed.test_cache import _reference as cache_reference
+from tests.distributed.test_cache import _batches, _reference as cache_reference
 from tests.distributed.test_info_nce import ref_info_nce
 from tests.distributed.test_losses import ref_clip, ref_nt_xent, ref_siglip
 from tests.support.harness import run_ranks
