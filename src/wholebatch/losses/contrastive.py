@@ -14,6 +14,11 @@ rank back-propagates its L: each rank's gradients are W·dl_r, and DDP's 1/W
 turns their sum into exactly dL. Gradient to remote rows flows back through the
 collectives' adjoints (all-gather -> reduce-scatter, ring_shift(1) -> ring_shift(-1)).
 
+On a device mesh (``mesh=``, ``batch_dims=``, docs/mesh.md) W is the batch dims'
+size: the loss gathers over their ranks, tensor-parallel replicas are checked to
+hold the same rows, and a replica's gradient is its batch-group peers' (never
+split over tp): `wholebatch.losses.meshgroup`.
+
 Logits are never materialised: see `wholebatch.losses.tiles` (tiles of T x T,
 recomputed in backward from the inputs and the per-row log-sum-exp).
 
@@ -33,10 +38,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
-from wholebatch.comm.groups import checks_enabled, get_rank
-from wholebatch.comm.meshgroup import replicas_agree, resolve_group
+from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.common import resolve_strategy, resolve_tile, whole
+from wholebatch.losses.meshgroup import prepare_on
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
@@ -92,16 +97,6 @@ def clip_loss(
     after a sum over ranks. Text gradients reach their owners through the
     all-gather's reduce-scatter.
 
-    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
-    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
-    once per mesh): W is the product of their sizes. Ranks that replicate the
-    batch (the same coordinate on every batch dim: tensor parallel) must pass
-    the same rows (a fingerprint agreed over the mesh, with the exchange; none
-    without a replica dim): else the same error on every rank. A replica's
-    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
-    split or summed over the replica dims: tensor parallelism's own backward
-    combines the replicas' equal gradients into its shards.
-
     Memory: gather O(N·D + T²) peak (the gathered texts, their gradient, one
     tile); ring O(B·D + T²), whatever N and W; never O(N²) or O(B·N).
 
@@ -111,9 +106,8 @@ def clip_loss(
         logit_scale: the logit multiplier, a 1-element tensor (may require grad) or a number;
             the same value on every rank.
         logit_bias: an optional logit bias (no effect on the loss; gradient 0).
-        group: the process group (default: the world).
-        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
-        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
+            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -131,14 +125,12 @@ def clip_loss(
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
     ((name, fix),) = spec.options
-    group, split = resolve_group(group, mesh, batch_dims, op)
-    rows = {"image_BD": image_BD, "text_BD": text_BD}
-    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
-        prep = prepare(
-            op, rows, scalars, grad_reduction=grad_reduction,
-            tile_size=tile_size, sizes=sizes, check=check, group=group,
-            options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
-        )  # fmt: skip
+    prep, group = prepare_on(
+        op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims,
+        options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
+    )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
@@ -193,16 +185,6 @@ def siglip_loss(
     `logit_scale` and `logit_bias` equal one process's on the concatenated
     batch; with ``"sum"``, after a sum over ranks.
 
-    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
-    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
-    once per mesh): W is the product of their sizes. Ranks that replicate the
-    batch (the same coordinate on every batch dim: tensor parallel) must pass
-    the same rows (a fingerprint agreed over the mesh, with the exchange; none
-    without a replica dim): else the same error on every rank. A replica's
-    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
-    split or summed over the replica dims: tensor parallelism's own backward
-    combines the replicas' equal gradients into its shards.
-
     Memory: O(B·D + T²) peak, independent of W and of N beyond this rank's rows
     and the one block in flight.
 
@@ -211,9 +193,8 @@ def siglip_loss(
         text_BD: this rank's text embeddings (B x D); row i pairs with image row i.
         logit_scale: the logit multiplier (a 1-element tensor or a number), the same on every rank.
         logit_bias: the logit bias (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
-        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
-        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
+            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -225,14 +206,12 @@ def siglip_loss(
             the process setting, on).
     """
     op = SPECS["siglip"].function
-    group, split = resolve_group(group, mesh, batch_dims, op)
-    rows = {"image_BD": image_BD, "text_BD": text_BD}
-    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
-        prep = prepare(
-            op, rows,
-            {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-            tile_size=tile_size, sizes=sizes, check=check, group=group,
-        )  # fmt: skip
+    prep, group = prepare_on(
+        op, {"image_BD": image_BD, "text_BD": text_BD},
+        {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims,
+    )  # fmt: skip
     n, b_rows = sum(prep.sizes), prep.sizes[get_rank(group)]
     acc = compute_dtype(image_BD.dtype)
     s, b = prep.scalars
@@ -277,25 +256,14 @@ def nt_xent_loss(
     ``"sum"``, after a sum over ranks. Gathered rows' gradients return to their
     owners through the all-gather's reduce-scatter.
 
-    On a device mesh (``mesh=`` and ``batch_dims=``, not ``group=``; docs/mesh.md)
-    the loss gathers over the batch dims' ranks (`MeshSplit.batch_group`, built
-    once per mesh): W is the product of their sizes. Ranks that replicate the
-    batch (the same coordinate on every batch dim: tensor parallel) must pass
-    the same rows (a fingerprint agreed over the mesh, with the exchange; none
-    without a replica dim): else the same error on every rank. A replica's
-    gradient is its batch-group peers' (W·dL/dx of its rows with "mean"), never
-    split or summed over the replica dims: tensor parallelism's own backward
-    combines the replicas' equal gradients into its shards.
-
     Memory: O(N·D + T²) peak; never O(N²) or O(B·N).
 
     Args:
         z1_BD: this rank's first-view embeddings (B x D), normalised by the caller.
         z2_BD: this rank's second-view embeddings (B x D); row i is the same sample.
         temperature: τ (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
-        mesh: a `DeviceMesh` instead of `group` (see "On a device mesh" above).
-        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
+            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -307,14 +275,11 @@ def nt_xent_loss(
             the process setting, on).
     """
     op = SPECS["nt_xent"].function
-    group, split = resolve_group(group, mesh, batch_dims, op)
-    rows = {"z1_BD": z1_BD, "z2_BD": z2_BD}
-    with replicas_agree(op, split, rows, enabled=sizes is None or checks_enabled(check)):
-        prep = prepare(
-            op, rows, {"temperature": temperature},
-            grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-            group=group,
-        )  # fmt: skip
+    prep, group = prepare_on(
+        op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
+        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
+        mesh=mesh, batch_dims=batch_dims,
+    )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     d = z1_BD.shape[1]
