@@ -106,8 +106,7 @@ def clip_loss(
         logit_scale: the logit multiplier, a 1-element tensor (may require grad) or a number;
             the same value on every rank.
         logit_bias: an optional logit bias (no effect on the loss; gradient 0).
-        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
-            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -193,8 +192,7 @@ def siglip_loss(
         text_BD: this rank's text embeddings (B x D); row i pairs with image row i.
         logit_scale: the logit multiplier (a 1-element tensor or a number), the same on every rank.
         logit_bias: the logit bias (a 1-element tensor or a number), the same on every rank.
-        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
-            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -262,8 +260,7 @@ def nt_xent_loss(
         z1_BD: this rank's first-view embeddings (B x D), normalised by the caller.
         z2_BD: this rank's second-view embeddings (B x D); row i is the same sample.
         temperature: τ (a 1-element tensor or a number), the same on every rank.
-        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
-            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
