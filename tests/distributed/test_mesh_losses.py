@@ -156,6 +156,8 @@ def test_bad_mesh_arguments_are_clear_errors(results: list[dict[str, Any]]) -> N
     assert errors["unknown"].startswith("clip_loss: batch_dims ['data'] are not dims")
     assert "its dims are ('dp', 'tp')" in errors["unknown"]
     assert errors["module_unknown"].startswith("ClipLoss: batch_dims ['cp']")
+    assert errors["cache_both"].startswith("GradCache: pass group= (a flat world) or mesh=")
+    assert "GradCache: batch_dims='dp' is a string" in errors["cache_string"]
 
 
 def test_group_cached_and_no_agreement_without_replicas(results: list[dict[str, Any]]) -> None:

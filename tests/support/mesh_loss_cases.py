@@ -138,8 +138,11 @@ def run_loss(case: LossCase) -> dict[str, Any]:
 
 def argument_errors() -> dict[str, str]:
     """The errors of bad mesh arguments (raised before any collective)."""
+    from torch import nn
+
     from wholebatch.errors import WholebatchError
     from wholebatch.losses import ClipLoss, clip_loss
+    from wholebatch.train.gradcache import GradCache
 
     mesh = get_mesh(DP_TP)
     x = torch.zeros(2, D, dtype=torch.float64)
@@ -149,6 +152,10 @@ def argument_errors() -> dict[str, str]:
         "no_dims": lambda: clip_loss(x, x, 1.0, mesh=mesh),
         "unknown": lambda: clip_loss(x, x, 1.0, mesh=mesh, batch_dims=("data",)),
         "module_unknown": lambda: ClipLoss(normalize=False, mesh=mesh, batch_dims=("cp",)),
+        "cache_both": lambda: GradCache(
+            nn.Linear(2, 2), group=dist.group.WORLD, mesh=mesh, batch_dims=("dp",)
+        ),
+        "cache_string": lambda: GradCache(nn.Linear(2, 2), mesh=mesh, batch_dims="dp"),
     }
     out = {}
     for name, fn in bad.items():
