@@ -49,6 +49,7 @@ Legend: W data-parallel ranks, K micro-batches per step, N items in the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -89,9 +90,14 @@ class SFTMixin(WholeBatchTrainerMixin):
     # trl's loss divides by the count it is handed; the model's own loss is not used.
     _model_loss_takes_count: bool | None = True
 
-    @property
-    def loss_shifts_labels(self) -> bool:  # type: ignore[override]
-        """SFT trains causal LMs: trl's fused head scores labels[:, 1:] (or `shift_labels`)."""
+    @functools.cached_property
+    def loss_shifts_labels(self) -> bool:
+        """SFT trains causal LMs: trl's fused head scores labels[:, 1:] (or `shift_labels`).
+
+        Cached, as the mixin's: `accelerator.unwrap_model` asks importlib.metadata whether
+        DeepSpeed is installed on every call (3 ms; 8% of the benchmark's step when asked
+        once per micro-batch), and the model's kind does not change.
+        """
         model = self.accelerator.unwrap_model(self.model)
         return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
 
