@@ -18,12 +18,16 @@ What trl 1.16 does, and where it goes wrong:
   by the `num_items_in_batch` transformers counted, times the number of
   processes. transformers counts unshifted labels for GPT-2 (`loss_type=None`,
   see wholebatch.integrations.huggingface): N too large, every step too small
-  (0.8168x on the batch of issue 24: 131 counted, 107 used). Llama is counted
-  shifted and is exact.
+  (0.8168x on the batch of issue 24: 131 counted, 107 used; wrapped packing
+  0.875x). Llama is counted shifted and is exact; so is GPT-2 wherever each
+  row's first label is already -100 (padding-free, bfd packing, completion-only
+  loss: tests/e2e/test_integrations_trl.py).
 - `DPOTrainer` returns each micro-batch's MEAN over its preference pairs and
   sets `loss_is_scaled_for_ga = False`, so the Trainer divides by the
   accumulation steps: a mean of per-micro-batch means, exact only when every
-  micro-batch of the step holds the same number of pairs.
+  micro-batch of the step holds the same number of pairs (one process, a window
+  of 2, 2 and 1 pairs: 0.32 off; on W ranks accelerate's even batches fill
+  the short micro-batch with pairs from the epoch's start).
 
 What these classes change (the training loop is the Trainer's):
 
