@@ -21,8 +21,8 @@ for the references anyway). The REFERENCE is one process on all of them:
 
 Mutations, the plain trainer where trl is wrong: `SFTTrainer` on GPT-2 in plain
 LM mode and with wrapped packing (it divides by the unshifted label count: its
-scale is used / counted), `DPOTrainer` on the short window (a mean of
-per-micro-batch means). Everywhere else plain trl is already exact, and the
+scale is used / counted), `DPOTrainer` on the short window (its gradient
+is that of the mean of per-micro-batch means, checked against that wrong form too). Everywhere else plain trl is already exact, and the
 test says so: both trainers are asserted equal to the reference.
 
 Exactness floor: trl's fused LM head keeps its log-sum-exp running sums and
@@ -278,7 +278,11 @@ def _completion_logps(model: Any, b: dict[str, Tensor]) -> Tensor:
     return (logp * b["completion_mask"][:, 1:]).sum(1)  # [2P]: chosen rows, then rejected
 
 
-def dpo_reference(name: str, batches: list[dict[str, Tensor]], beta: float) -> dict[str, Tensor]:
+def dpo_reference(
+    name: str, batches: list[dict[str, Tensor]], beta: float, *, mean_of_means: bool = False
+) -> dict[str, Tensor]:
+    """The sigmoid DPO loss's mean over every pair (or, the known-wrong form, the mean of
+    each micro-batch's mean: what the plain DPOTrainer computes in one process)."""
     policy, ref = build_model(name), build_model(name)
     terms = []
     for b in batches:
@@ -286,7 +290,10 @@ def dpo_reference(name: str, batches: list[dict[str, Tensor]], beta: float) -> d
         with torch.no_grad():
             rc, rr = _completion_logps(ref, b).chunk(2)
         terms.append(-F.logsigmoid(beta * ((pc - rc) - (pr - rr))))
-    torch.cat(terms).mean().backward()
+    loss = (
+        torch.stack([t.mean() for t in terms]).mean() if mean_of_means else torch.cat(terms).mean()
+    )
+    loss.backward()
     return {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
 
 
@@ -368,6 +375,11 @@ def test_mutation_plain_trainer_fails_the_same_assertion(world: list[Any], case:
         used = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         counted = sum(int((b["labels"] != -100).sum()) for b in batches)
         assert scale(got, ref) == pytest.approx(used / counted, rel=1e-6)
-    else:  # DPO: a micro-batch of one pair among micro-batches of B
+    else:  # DPO: a micro-batch of one pair among micro-batches of B, and a mean of means
         pairs = sorted(int(b["input_ids"].shape[0]) // 2 for b in batches)
         assert pairs[0] < pairs[-1], pairs
+        import trl
+
+        beta = trl.DPOConfig.__dataclass_fields__["beta"].default
+        wrong = dpo_reference(case[1], batches, beta, mean_of_means=True)
+        assert rel_error(got, wrong) <= TOL, "the plain DPOTrainer is not the mean of means"
