@@ -9,16 +9,25 @@ doc_to_query) travel WITH the block, each rank folding in its own rows, and
 return to the block's owner with one last shift. Nothing N-sized is kept for
 the backward: it re-sends the blocks with their column coefficients and
 accumulates each block's gradient in flight (the recipe of Inf-CL,
-arXiv:2410.17243, and of `tiles.SigmoidRing`). The shift of the next key block
-is posted before the current block's tiles are computed, so the transfer
-overlaps the compute; the small statistics and the accumulated gradient
-follow each block after its tiles.
+arXiv:2410.17243, and of `tiles.SigmoidRing`).
 
-Per rank: memory O(B·J·D + T²) whatever N and W (own rows, the block held and
-the one arriving, one tile); bytes: the key blocks once around the ring in the
-forward ((W - 1)·B·J·D·e, the least a rank can receive and still see every
-key), in the backward the blocks again with their gradients (compute dtype)
-and one shift that brings each gradient home.
+Blocks travel in chunks of about one tile of candidates (`_chunk_rows`): a
+chunk goes on to rank + 1, with its statistics or its coefficients and
+gradient, as soon as its tiles are done, while the next chunk is computed, and
+the next block's chunks arrive alike (`_pipeline`). So the transfer overlaps
+the compute, and a rank holds about ONE block of each travelling tensor (the
+chunks not yet sent and the ones arrived) where a whole-block double buffer
+holds two.
+
+Per rank, float32, in B·D units (J = 1): the backward holds the queries'
+gradient (accumulated in the buffer that is returned), the travelling block
+and its travelling gradient, a chunk or two of each in flight and the tiles;
+at the end the gradient's chunks and their join. The positives s·q_i·k_i0
+(`pos_B=None`) have their gradient added in place, and d scale is summed by
+chunks: about 3 B·D + O(T·D + T²) whatever N and W. Bytes: the key blocks
+once around the ring in the forward ((W - 1)·B·J·D·e, the least a rank can
+receive and still see every key), in the backward the blocks again with their
+gradients (compute dtype) and one shift that brings each gradient home.
 
 Legend: W ranks, B this rank's query rows, Bq the rows of rank q's block, J key
 rows per query row in a block (1 + k for InfoNCE's [document | negatives], 1
@@ -177,10 +186,11 @@ class PositiveRing(torch.autograd.Function):
     Inputs: this rank's queries `q_BD`, its key block `keys_BX` (B x J·D: row i
     holds the J keys of sample i, the first its positive), `scale`, the
     positive logits `pos_B` (computed by the caller with autograd), or None:
-    then they are s·q_i·k_i0 (row i's first key), computed here with their
-    gradient added in place; `j`, `masks` (the key indices 0..J-1 left out of
-    row i against its OWN sample's keys: (0,) for a positive, range(J) for
-    InfoNCE's doc_to_doc), `columns` (also return the column terms of every
+    then they are s·q_i·k_i0 (row i's first key), computed here and their
+    gradient added in place into the inputs' (no B x D buffers of their own);
+    `j`, `masks` (the key indices 0..J-1 left out of row i against its OWN
+    sample's keys: (0,) for a positive, range(J) for InfoNCE's doc_to_doc),
+    `columns` (also return the column terms of every
     block's first keys), the agreed `sizes`, the `tile` (the same on every
     rank: blocks travel in chunks of `_chunk_rows` rows) and `group`.
     Outputs, as `PositiveLSE`:
@@ -193,7 +203,8 @@ class PositiveRing(torch.autograd.Function):
     Each rank re-sends its block around the ring with its column coefficients;
     each rank adds its rows' part of the block's gradient to the accumulator
     that travels with it, which returns to the block's owner with one last
-    shift. `pos_B` gets −(its rows' and columns' gradients). Memory O(B·J·D + T²).
+    shift. A given `pos_B` gets −(its rows' and columns' gradients). Memory
+    O(B·J·D + T·J·D + T²).
     """
 
     @staticmethod

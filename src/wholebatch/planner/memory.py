@@ -45,7 +45,8 @@ other N, W (3), k and dtypes (docs/plan.md).
   16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
   travel in their own dtype, their gradients in float32).
 - clip and info_nce with `strategy="ring"` (`PositiveRing`): only B·D and
-  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 2.8 T²·a
+  B·J·D buffers (J = 1 + k) and chunks of about a tile's candidates (the
+  blocks travel in chunks), independent of N: see `_positive_ring`; 2.8 T²·a
   of tiles.
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
