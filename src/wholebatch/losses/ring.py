@@ -36,7 +36,9 @@ for CLIP's texts), D embedding dim, T the tile size. The running pair is (m, l).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -101,7 +103,9 @@ def _bounds(rows: int, r: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + r, rows)) for r0 in range(0, rows, r)]
 
 
-def _row_ranges(b: int, r0: int, r1: int, own: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...]]]:
+def _row_ranges(
+    b: int, r0: int, r1: int, own: tuple[int, ...]
+) -> list[tuple[int, int, tuple[int, ...]]]:
     """The query rows against chunk [r0, r1) of this rank's OWN block, with the masks they need.
 
     Rows r0..r1 - 1 leave out their own samples' keys (entry (i - r0) + t·(r1 - r0) of the
@@ -118,10 +122,11 @@ def _pipeline(
     n_held: int,
     compute: Any,
     arrive_bounds: list[tuple[int, int]],
-    likes: list[tuple[tuple[int, ...], torch.dtype]],
+    likes: Sequence[tuple[Sequence[int], torch.dtype]],
     device: torch.device,
     group: Any,
     peers: tuple[int, int],
+    alone: bool,
 ) -> list[list[Tensor]]:
     """One ring step, chunk by chunk: `compute(c)` works on held chunk c and returns what goes on.
 
@@ -129,8 +134,15 @@ def _pipeline(
     of the block that arrives (rows `arrive_bounds`, each tensor shaped and typed as in
     `likes`) come from rank - 1 alike. The sent chunk is released one chunk later, so a
     rank holds about one block (held + arriving) of each travelling tensor, not two.
+    `alone` (W = 1): rank + 1 is this rank, so what goes on is what arrives.
     """
     arrived: list[list[Tensor]] = []
+    if alone:
+        for c in range(n_held):
+            sent = compute(c)
+            if c < len(arrive_bounds):
+                arrived.append(sent)
+        return arrived
     pending: _Exchange | None = None
     for c in range(max(n_held, len(arrive_bounds))):
         sends = compute(c) if c < n_held else []
@@ -229,8 +241,8 @@ class PositiveRing(torch.autograd.Function):
         if w > 1:
             arrive("ring_pass", keys_BX, group)
         qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        fast = [fused.use_fused(q_BD)]
-        kdt = keys_BX.dtype if post is not None or fast[0] else acc
+        fast = fused.use_fused(q_BD)
+        kdt = keys_BX.dtype if post is not None or fast else acc
         m_row = torch.full((b,), float("-inf"), dtype=acc, device=q_BD.device)
         l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
         r, keys = _chunk_rows(tile, j), keys_BX.detach()
@@ -239,37 +251,23 @@ class PositiveRing(torch.autograd.Function):
             [keys[r0:r1], _fresh_stats(r1 - r0, 2 if columns else 0, acc, q_BD.device)]
             for r0, r1 in _bounds(b, r)
         ]
-        home: list[Tensor] = []
         buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
+        st = SimpleNamespace(q=q_BD, qs=qs_BD, post=post, acc=acc, tile=tile, j=j, d=d, b=b,
+                             kdt=kdt, scale=scale, m_row=m_row, l_row=l_row, fast=fast, buf=buf)  # fmt: skip
+        run = (q_BD.device, group, peers, w == 1)
         for step in range(w):
             last, own = step == w - 1, masks if step == 0 else ()
             bounds = _bounds(ring_block(sizes, rank, step), r)
-
-            def compute(c: int) -> list[Tensor]:
-                (blk, stats), held[c] = held[c], None  # noqa: B023
-                r0, r1 = bounds[c]  # noqa: B023
-                cand = _candidates(blk, j, d, kdt)
-                for a0, a1, mk in _row_ranges(b, r0, r1, own):  # noqa: B023
-                    rows = (m_row[a0:a1], l_row[a0:a1], stats)
-                    if fast[0]:
-                        fast[0] = _try(_fold_fused, q_BD[a0:a1], cand, scale, r1 - r0, mk, *rows)
-                    if not fast[0]:
-                        _fold(qs_BD[a0:a1], cand, post, acc, tile, r1 - r0, mk, *rows, buf)
-                if not last:  # noqa: B023
-                    return [blk, stats]
-                if w == 1:
-                    home.append(stats)
-                return [stats] if w > 1 else []
-
+            compute = functools.partial(_fold_chunk, st, held, bounds, own, last)
             if not last:
-                nxt = ring_block(sizes, rank, step + 1)
+                nxt = _bounds(ring_block(sizes, rank, step + 1), r)
                 likes = [(tuple(keys.shape[1:]), keys.dtype), ((2 if columns else 0,), acc)]
-                held = _pipeline(len(bounds), compute, _bounds(nxt, r), likes, q_BD.device, group, peers)
+                held = _pipeline(len(bounds), compute, nxt, likes, *run)
             else:  # the held block's columns are complete: home to their owner
-                arrive_b = _bounds(b, r) if columns and w > 1 else []
-                back = _pipeline(len(bounds), compute, arrive_b, [((2,), acc)], q_BD.device, group, peers)
-                home += [x for (x,) in back]
-        stats_B2 = torch.cat(home) if columns and home else _fresh_stats(0, 2, acc, q_BD.device)
+                home = _pipeline(len(bounds), compute, _bounds(b, r) if columns else [],
+                                 [((2,), acc)], *run)  # fmt: skip
+        stats = [x for (x,) in home]
+        stats_B2 = torch.cat(stats) if columns and stats else _fresh_stats(0, 2, acc, q_BD.device)
         inside = pos_B is None
         sc = scale.detach().to(acc)
         pos = sc * _rowdot(q_BD, keys[:, :d], acc, r) if pos_B is None else pos_B.detach().to(acc)
@@ -337,53 +335,90 @@ def _ring_grads(
     peers = ring_peers(group) if w > 1 else (0, 0)
     if w > 1:
         arrive("ring_pass", keys_BX, group)
-    fast = [fused.use_fused(q_BD)]
+    fast = fused.use_fused(q_BD)
     low = _accelerated(q_BD) and q_BD.dtype != acc
-    q = q_BD if low or fast[0] else q_BD.to(acc)
+    q = q_BD if low or fast else q_BD.to(acc)
     # The scale is applied to each tile, not to a scaled copy of the queries.
     post = scale.detach().to(acc)
-    kdt = keys_BX.dtype if low or fast[0] else acc
+    kdt = keys_BX.dtype if low or fast else acc
     keys, width = keys_BX.detach(), keys_BX.shape[1]
     held: list[Any] = [[keys[r0:r1], coef_B2[r0:r1], None] for r0, r1 in _bounds(b, r)]
-    home: list[Tensor] = []
     buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
+    st = SimpleNamespace(q=q, post=post, acc=acc, tile=tile, j=j, d=d, b=b, kdt=kdt, scale=scale,
+                         coefs=coefs, uq=uq_BD, fast=fast, buf=buf, width=width)  # fmt: skip
+    run = (q_BD.device, group, peers, w == 1)
     for step in range(w):
         last, own = step == w - 1, ctx.masks if step == 0 else ()
         bounds = _bounds(ring_block(ctx.sizes, rank, step), r)
-
-        def compute(c: int) -> list[Tensor]:
-            (blk, cf, g), held[c] = held[c], None  # noqa: B023
-            r0, r1 = bounds[c]  # noqa: B023
-            if g is None:  # this rank's own block: its gradient starts here
-                g = torch.zeros((r1 - r0, width), dtype=acc, device=q_BD.device)
-            cand = _candidates(blk, j, d, kdt)
-            # one key per row: the candidates are the wire layout, accumulate in place
-            dcand = g if j == 1 else torch.zeros(cand.shape, dtype=acc, device=cand.device)
-            for a0, a1, mk in _row_ranges(b, r0, r1, own):  # noqa: B023
-                rc = (coefs[0][a0:a1], coefs[1][a0:a1])
-                if fast[0]:
-                    args = (q[a0:a1], cand, scale, mk, rc, cf, uq_BD[a0:a1], dcand)
-                    fast[0] = _try(_grad_block_fused, *args)
-                if not fast[0]:
-                    _grad_block(q[a0:a1], q[a0:a1], cand, post, acc, tile, mk, rc, cf,
-                                uq_BD[a0:a1], dcand, buf)  # fmt: skip
-            if j > 1:
-                _add_wire(g, dcand, j, d)
-            if not last:  # noqa: B023
-                return [blk, cf, g]
-            if w == 1:
-                home.append(g)
-            return [g] if w > 1 else []
-
+        compute = functools.partial(_grad_chunk, st, held, bounds, own, last)
         if not last:
             nxt = _bounds(ring_block(ctx.sizes, rank, step + 1), r)
             likes = [((width,), keys.dtype), ((coef_B2.shape[1],), acc), ((width,), acc)]
-            held = _pipeline(len(bounds), compute, nxt, likes, q_BD.device, group, peers)
+            held = _pipeline(len(bounds), compute, nxt, likes, *run)
         else:  # the held block's gradient is complete: home to its owner
-            back = _bounds(b, r) if w > 1 else []
-            got = _pipeline(len(bounds), compute, back, [((width,), acc)], q_BD.device, group, peers)
-            home += [x for (x,) in got]
+            home = [
+                x
+                for (x,) in _pipeline(len(bounds), compute, _bounds(b, r), [((width,), acc)], *run)
+            ]
     return torch.cat(home) if home else torch.zeros((0, width), dtype=acc, device=q_BD.device)
+
+
+def _fold_chunk(
+    st: Any,
+    held: list[Any],
+    bounds: list[tuple[int, int]],
+    own: tuple[int, ...],
+    last: bool,
+    c: int,
+) -> list[Tensor]:
+    """The forward's work on held chunk `c`: fold it into the rows' (m, l) and its columns'.
+
+    Returns what goes on: the chunk and its statistics, or at the last step only the
+    statistics (home). The held reference is dropped, so the chunk lives only while sent.
+    """
+    (blk, stats), held[c] = held[c], None
+    r0, r1 = bounds[c]
+    cand = _candidates(blk, st.j, st.d, st.kdt)
+    for a0, a1, mk in _row_ranges(st.b, r0, r1, own):
+        rows = (st.m_row[a0:a1], st.l_row[a0:a1], stats)
+        if st.fast:
+            st.fast = _try(_fold_fused, st.q[a0:a1], cand, st.scale, r1 - r0, mk, *rows)
+        if not st.fast:
+            _fold(st.qs[a0:a1], cand, st.post, st.acc, st.tile, r1 - r0, mk, *rows, st.buf)
+    return [stats] if last else [blk, stats]
+
+
+def _grad_chunk(
+    st: Any,
+    held: list[Any],
+    bounds: list[tuple[int, int]],
+    own: tuple[int, ...],
+    last: bool,
+    c: int,
+) -> list[Tensor]:
+    """The backward's work on held chunk `c`: its tiles recomputed, the rows' gradient added to
+    `st.uq`, the chunk's to the gradient that travels with it (created here for the own block).
+
+    Returns what goes on: the chunk, its coefficients and gradient, or at the last step the
+    gradient alone (home).
+    """
+    (blk, cf, g), held[c] = held[c], None
+    r0, r1 = bounds[c]
+    if g is None:  # this rank's own block: its gradient starts here
+        g = torch.zeros((r1 - r0, st.width), dtype=st.acc, device=blk.device)
+    cand = _candidates(blk, st.j, st.d, st.kdt)
+    # one key per row: the candidates are the wire layout, accumulate in place
+    dcand = g if st.j == 1 else torch.zeros(cand.shape, dtype=st.acc, device=cand.device)
+    for a0, a1, mk in _row_ranges(st.b, r0, r1, own):
+        rc = (st.coefs[0][a0:a1], st.coefs[1][a0:a1])
+        q, uq = st.q[a0:a1], st.uq[a0:a1]
+        if st.fast:
+            st.fast = _try(_grad_block_fused, q, cand, st.scale, mk, rc, cf, uq, dcand)
+        if not st.fast:
+            _grad_block(q, q, cand, st.post, st.acc, st.tile, mk, rc, cf, uq, dcand, st.buf)
+    if st.j > 1:
+        _add_wire(g, dcand, st.j, st.d)
+    return [g] if last else [blk, cf, g]
 
 
 def _fresh_stats(rows: int, cols: int, acc: torch.dtype, device: torch.device) -> Tensor:
