@@ -97,9 +97,12 @@ def _positive_ring(
     negatives (the caller's [document | negatives] rows and their gradients' copies);
     16-bit inputs 2a per B·D (the queries' gradient and their float32 copy) + 1.38a
     per B·J·D, (0.83 + k)a with k hard negatives (fitted at k = 1 and 2: the
-    caller's rows and copies grow faster than the ring's own buffers; not broken down); chunks in flight 1.4a per chunk element at W = 2, 3.5a from W = 3
-    (the sent chunk alive until the next is computed, the arriving one, the tile's
-    two T x D products); each extra direction's ring (query_to_query, doc_to_doc)
+    caller's rows and copies grow faster than the ring's own buffers; not broken
+    down); chunks in flight 1.4a per chunk element at W = 2, 2a from W = 3 (the
+    sent chunk alive until the next is computed, the arriving one, the tile's two
+    T x D products; measured 0.2a-3.5a from W = 3: a receive buffer is resident
+    only once its chunk has arrived, so the peak depends on how far the arriving
+    chunks lag behind the computed ones, and 2a is the middle); each extra direction's ring (query_to_query, doc_to_doc)
     1.05a per B·J·D more. W = 1 (nothing in flight, not measured): as W = 2.
     """
     bd, bjd = b * dim, b * (1 + k) * dim
@@ -108,7 +111,7 @@ def _positive_ring(
         out = 2.0 * acc * bd + (0.83 + k if k else 1.38) * acc * bjd
     else:
         out = acc * (bd + 2.0 * bjd) + (1.23 * acc * bjd if k else 0.0)
-    out += (1.4 if w <= 2 else 3.5) * acc * chunk
+    out += (1.4 if w <= 2 else 2.0) * acc * chunk
     extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
     return out + 1.05 * acc * bjd * extra
 
