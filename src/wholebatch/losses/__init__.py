@@ -6,8 +6,9 @@ exchange, the planner and the docs ask of it), `common` the validation agreed
 across ranks and the gradient convention of DESIGN.md, `tiles` the tiled
 autograd kernels that keep memory linear in the batch, `ring` the ring forms
 of the softmax losses (memory independent of N), `sizing` their pure
-bookkeeping (tile size, the exchange's row, what "auto" picks). Losses use
-`wholebatch.comm` and nothing above it.
+bookkeeping (tile size, the exchange's row, what "auto" picks), `meshgroup`
+the `mesh=`/`batch_dims=` arguments (the batch dims' group, replicas checked).
+Losses use `wholebatch.comm` and nothing above it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ rank back-propagates its L: each rank's gradients are W·dl_r, and DDP's 1/W
 turns their sum into exactly dL. Gradient to remote rows flows back through the
 collectives' adjoints (all-gather -> reduce-scatter, ring_shift(1) -> ring_shift(-1)).
 
+On a device mesh (``mesh=``, ``batch_dims=``, docs/mesh.md) W is the batch dims'
+size: the loss gathers over their ranks, tensor-parallel replicas are checked to
+hold the same rows, and a replica's gradient is its batch-group peers' (never
+split over tp): `wholebatch.losses.meshgroup`.
+
 Logits are never materialised: see `wholebatch.losses.tiles` (tiles of T x T,
 recomputed in backward from the inputs and the per-row log-sum-exp).
 
@@ -30,11 +35,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.common import resolve_strategy, resolve_tile, whole
+from wholebatch.losses.meshgroup import prepare_on
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
@@ -54,6 +61,8 @@ def clip_loss(
     *,
     logit_bias: Tensor | float | None = None,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -97,7 +106,7 @@ def clip_loss(
         logit_scale: the logit multiplier, a 1-element tensor (may require grad) or a number;
             the same value on every rank.
         logit_bias: an optional logit bias (no effect on the loss; gradient 0).
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -115,9 +124,10 @@ def clip_loss(
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
     ((name, fix),) = spec.options
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims,
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
     )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
@@ -151,6 +161,8 @@ def siglip_loss(
     logit_bias: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -181,7 +193,7 @@ def siglip_loss(
         text_BD: this rank's text embeddings (B x D); row i pairs with image row i.
         logit_scale: the logit multiplier (a 1-element tensor or a number), the same on every rank.
         logit_bias: the logit bias (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -193,10 +205,11 @@ def siglip_loss(
             the process setting, on).
     """
     op = SPECS["siglip"].function
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"image_BD": image_BD, "text_BD": text_BD},
         {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims,
     )  # fmt: skip
     n, b_rows = sum(prep.sizes), prep.sizes[get_rank(group)]
     acc = compute_dtype(image_BD.dtype)
@@ -213,6 +226,8 @@ def nt_xent_loss(
     temperature: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -246,7 +261,7 @@ def nt_xent_loss(
         z1_BD: this rank's first-view embeddings (B x D), normalised by the caller.
         z2_BD: this rank's second-view embeddings (B x D); row i is the same sample.
         temperature: τ (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -258,9 +273,10 @@ def nt_xent_loss(
             the process setting, on).
     """
     op = SPECS["nt_xent"].function
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
+        mesh=mesh, batch_dims=batch_dims,
     )  # fmt: skip
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]

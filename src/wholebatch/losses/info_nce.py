@@ -26,11 +26,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.common import Prepared, prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.common import Prepared, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.meshgroup import prepare_on
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
@@ -75,6 +77,8 @@ def info_nce_loss(
     directions: Sequence[Direction] = ("query_to_doc",),
     partition_mode: PartitionMode = "joint",
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -133,7 +137,8 @@ def info_nce_loss(
             every rank); row i holds query i's. None: no hard negatives.
         directions: which directions to include (a tuple holding "query_to_doc").
         partition_mode: "joint" or "per_direction" (see above).
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
+            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile; None: chosen for the device
@@ -145,15 +150,12 @@ def info_nce_loss(
         strategy: "gather" (the all-gathers above), "ring" (blocks around the ring, memory
             O(B·(1 + k)·D + T²): `losses.ring`) or "auto"; as for `clip_loss`.
     """
-    k = (
-        negatives_BKD.shape[1]
-        if isinstance(negatives_BKD, Tensor) and negatives_BKD.dim() == 3
-        else 0
-    )
-    prep = _prepare(
+    negs = negatives_BKD
+    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
+    prep, group = _prepare(
         query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
         strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        group=group,
+        group=group, mesh=mesh, batch_dims=batch_dims,
     )  # fmt: skip
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
@@ -178,12 +180,13 @@ def _prepare(
     partition_mode: object,
     strategy: object,
     **common: Any,
-) -> Prepared:
-    """`prepare` with InfoNCE's options (k, directions, partition mode, strategy) agreed."""
+) -> tuple[Prepared, ProcessGroup | None]:
+    """`prepare_on` (the group, on a mesh the batch dims') with InfoNCE's options (k,
+    directions, partition mode, strategy) agreed."""
     mask, err = _check_options(directions, partition_mode)
     partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
     values = (k, mask, partition, strategy_code(strategy))
-    return prepare(
+    return prepare_on(
         SPEC.function,
         {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
         {"logit_scale": logit_scale},
