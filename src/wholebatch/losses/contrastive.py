@@ -134,14 +134,15 @@ def clip_loss(
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
     s = prep.scalars[0]
-    pos_B = s * (image_BD.to(acc) * text_BD.to(acc)).sum(1)  # s·Iᵢ·Tᵢ
     sizes_t = tuple(prep.sizes)
     if resolve_strategy(strategy, n * text_BD.shape[1] * text_BD.element_size()) == "ring":
         tile = resolve_tile(tile_size, image_BD.device, b, max(sizes_t))
+        # the positives s·Iᵢ·Tᵢ are the ring's own (pos_B=None): their gradient added in place
         row_B, col_B = PositiveRing.apply(  # type: ignore[no-untyped-call]
-            image_BD, text_BD, s, pos_B, 1, (0,), True, sizes_t, tile, group
+            image_BD, text_BD, s, None, 1, (0,), True, sizes_t, tile, group
         )
     else:
+        pos_B = s * (image_BD.to(acc) * text_BD.to(acc)).sum(1)  # s·Iᵢ·Tᵢ
         tile = resolve_tile(tile_size, image_BD.device, b, n)
         all_text_ND = all_gather(text_BD, sizes=prep.sizes, group=group, check=False)
         row_B, col_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]

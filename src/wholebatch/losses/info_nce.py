@@ -285,7 +285,8 @@ def _ring_terms(
     tile = resolve_tile(tile_size, query_BD.device, b, max(sizes_t) * (1 + k))
     cols = "doc_to_query" in wanted
     ring = PositiveRing.apply
-    q2d_B, d2q_B = ring(query_BD, keys_BX, s, pos_B, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+    # its positives s·qᵢ·dᵢ are the ring's own (None): their gradient added in place
+    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
     parts = [q2d_B, d2q_B] if cols else [q2d_B]
     if "query_to_query" in wanted:
         q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes_t, tile, group)  # type: ignore[no-untyped-call]

@@ -266,7 +266,8 @@ def positive_ring_traffic(
     elements per row), and one more that takes them home. Backward: W - 1
     shifts of each block with its column coefficients, each followed by one of
     its accumulated gradient (the compute dtype), and one more that returns each
-    gradient to its owner.
+    gradient to its owner. The ring sends each block in chunks, each with its
+    statistics, coefficients or gradient: the same bytes per shift.
     """
     w = len(sizes)
     steps, home = range(w - 1), range(w - 1, w)
