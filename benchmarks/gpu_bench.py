@@ -12,6 +12,15 @@ products) timed as plain `torch.matmul` calls in the input dtype on
 tile-shaped operands, scaled to the same FLOPs. Targets (issue 10): at
 N = 262,144, D = 512, peak under 4 GB and time within 2x of the floor.
 
+Then SigLIP's tiles (issue 23): `siglip_loss` forward + backward with the fused
+Triton kernels (``WHOLEBATCH_TILES=triton``) and with the PyTorch tiles
+(``WHOLEBATCH_TILES=torch``), side by side in the same run, each against the
+same matmul floor (the forward product, its recomputation and the two
+gradient products: 4 of N x N x D), at D = 256 (`--siglip-dim`, within
+`fused.MAX_AUTO_DIM`, where the kernels are chosen by default). Without CUDA, or
+without triton, the fused column says "not measured"; a kernel that fails to
+build says "failed" with the error, and the rest of the table still runs.
+
 The table is printed and written into the results file between the markers
 `<!-- gpu-bench:begin -->` and `<!-- gpu-bench:end -->` (replaced on a rerun,
 appended the first time). On CPU (`--device cpu`, small sizes) the same code
@@ -35,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wholebatch.losses import clip_loss, tile_size_for
+from wholebatch.losses import clip_loss, fused, siglip_loss, tile_size_for
 
 __all__ = ["main"]
 
@@ -105,6 +114,80 @@ def _clip_run(
     }
 
 
+def _siglip_seconds(
+    n: int, d: int, dtype: torch.dtype, device: torch.device, repeats: int, tiles: str
+) -> float:
+    """Median seconds of `siglip_loss` forward + backward with ``WHOLEBATCH_TILES=tiles``."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    img = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=1).to(dtype)
+    txt = F.normalize(torch.randn(n, d, device=device, generator=gen), dim=1).to(dtype)
+    img.requires_grad_()
+    txt.requires_grad_()
+    scale = torch.tensor(10.0, device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
+
+    def step() -> None:
+        siglip_loss(img, txt, scale, bias).backward()
+        img.grad = txt.grad = scale.grad = bias.grad = None
+
+    before = os.environ.get("WHOLEBATCH_TILES")
+    os.environ["WHOLEBATCH_TILES"] = tiles
+    try:
+        return _timed(step, device, repeats)
+    finally:
+        if before is None:
+            os.environ.pop("WHOLEBATCH_TILES", None)
+        else:
+            os.environ["WHOLEBATCH_TILES"] = before
+
+
+def _fused_unmeasurable(device: torch.device) -> str | None:
+    """Why the fused tiles cannot be timed here (None: they can)."""
+    if device.type != "cuda":
+        return "not measured (no GPU)"
+    if not fused.available():
+        return "not measured (triton not installed)"
+    return None
+
+
+def run_siglip(
+    sizes: list[int], dim: int, dtypes: list[str], device: torch.device, repeats: int
+) -> list[str]:
+    """SigLIP: fused Triton tiles vs the PyTorch tiles vs the matmul floor (markdown lines)."""
+    lines = [
+        "",
+        f"SigLIP tiles, W = 1, D = {dim}: `siglip_loss` forward + backward, fused Triton "
+        "kernels (`WHOLEBATCH_TILES=triton`) vs the PyTorch tiles (`WHOLEBATCH_TILES=torch`), "
+        "each against the matmul floor (4 products of N x N x D).",
+        "",
+        "| loss | N | D | dtype | PyTorch tiles s | fused s | matmul floor s | PyTorch / floor | fused / floor | fused vs PyTorch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    why_not = _fused_unmeasurable(device)
+    for n in sizes:
+        for key in dtypes:
+            dtype = DTYPES[key]
+            floor = _matmul_floor(n, dim, dtype, device, tile_size_for(device.type, n, n))
+            torch_s = _siglip_seconds(n, dim, dtype, device, repeats, "torch")
+            fused_cells = [why_not or "", "-", "-"]
+            if why_not is None:
+                try:
+                    fused_s = _siglip_seconds(n, dim, dtype, device, repeats, "triton")
+                    fused_cells = [f"{fused_s:.3f}", f"{fused_s / floor:.2f}",
+                                   f"{torch_s / fused_s:.2f}x faster"]  # fmt: skip
+                except Exception as failure:  # a kernel that does not build: say so, go on
+                    fused_cells = [f"failed: {type(failure).__name__}: {failure}"[:120], "-", "-"]
+            line = (
+                f"| siglip | {n:,} | {dim} | {key} | {torch_s:.3f} | {fused_cells[0]} | "
+                f"{floor:.3f} | {torch_s / floor:.2f} | {fused_cells[1]} | {fused_cells[2]} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return lines
+
+
 def run(
     sizes: list[int], dim: int, dtypes: list[str], device: torch.device, repeats: int
 ) -> list[str]:
@@ -167,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--siglip-sizes", type=int, nargs="*", default=[65_536],
+        help="N for the SigLIP fused-vs-PyTorch-tiles table (none: skip it)",
+    )  # fmt: skip
+    parser.add_argument("--siglip-dim", type=int, default=256)
     parser.add_argument("--results", type=Path, default=Path("benchmarks/RESULTS.md"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -178,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     t0 = time.perf_counter()
     lines = run(args.sizes, args.dim, args.dtypes, device, args.repeats)
+    if args.siglip_sizes:
+        lines += run_siglip(args.siglip_sizes, args.siglip_dim, args.dtypes, device, args.repeats)
     lines.append("")
     lines.append(f"Total {time.perf_counter() - t0:.0f} s.")
     write_results(args.results, lines)

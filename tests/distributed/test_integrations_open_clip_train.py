@@ -239,9 +239,10 @@ def test_mutation_open_clip_train_loop_is_rejected(world: list[dict[str, Any]]) 
 
 
 def test_cli_launcher_runs_open_clip_train_main_with_the_exact_loop() -> None:
-    # open_clip_train.main imports torchvision (not loadable beside the CPU torch here), so
-    # the launcher is checked against a module standing in for it: it must install the
-    # loop where main() looks it up and pass the arguments through unchanged.
+    # open_clip_train.main imports torchvision (not loadable beside the CPU torch of .venv),
+    # so here the launcher is checked against a module standing in for it: it must install
+    # the loop where main() looks it up and pass the arguments through unchanged (a leading
+    # `--` dropped). The real CLI runs in tests/e2e/test_open_clip_train_cli.py.
     import subprocess
     import sys
 
@@ -251,7 +252,7 @@ def test_cli_launcher_runs_open_clip_train_main_with_the_exact_loop() -> None:
         "fake.train_one_epoch = None\n"
         "fake.main = lambda argv: print(fake.train_one_epoch.__module__, argv)\n"
         "sys.modules['open_clip_train.main'] = fake\n"
-        "sys.argv = ['x', '--accum-freq', '2', '--model', 'RN50']\n"
+        "sys.argv = ['x', '--', '--accum-freq', '2', '--model', 'RN50']\n"
         "import runpy\n"
         "runpy.run_module('wholebatch.integrations.open_clip', run_name='__main__')\n"
     )

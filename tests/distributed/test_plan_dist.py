@@ -219,3 +219,8 @@ def test_planned_loss_memory_within_15_percent_of_peak_rss() -> None:
     n, b, d, t = sum(clip.sizes), clip.sizes[0], clip.dim, clip.tile or 512
     for wrong in (3 * 4 * b * d + 3.5 * t * t * 4, 2 * 4 * n * d + 5 * 4 * b * d + 2 * t * t * 4):
         assert all(abs(wrong - m[0]) > 0.15 * m[0] for m in measured), (wrong, measured)
+    # The ring CLIP modelled as the whole-block ring it replaced (the block, the next one and
+    # both their gradients, 4.8 float32 B x D buffers from W = 3): its chunks are measured.
+    ring = MEMORY.index("clip/ring:4608:256:256:fp32")
+    whole_block = 4.8 * 4 * b * d + 2.8 * t * t * 4
+    assert all(abs(whole_block - m[ring]) > 0.15 * m[ring] for m in measured), measured

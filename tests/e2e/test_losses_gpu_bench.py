@@ -34,6 +34,7 @@ def test_gpu_bench_driver_runs_on_cpu(tmp_path: Path) -> None:
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n\n## comm\n\nkept as it is\n")
     args = ["--device", "cpu", "--sizes", "256", "700", "--dim", "16", "--repeats", "1"]
+    args += ["--siglip-sizes", "300", "--siglip-dim", "16"]
     for _ in range(2):  # the second run replaces the first run's section
         main([*args, "--results", str(results)])
     text = results.read_text()
@@ -43,3 +44,6 @@ def test_gpu_bench_driver_runs_on_cpu(tmp_path: Path) -> None:
     assert len(rows) == 4, text  # 2 sizes x (bf16, fp32)
     # tile 512 on CPU: 256 rows is one tile, 700 rows 2 x 2
     assert "| 256 | 16 | bf16 | 512 | 1 |" in text and "| 700 | 16 | fp32 | 512 | 4 |" in text
+    # SigLIP: the PyTorch tiles timed, the fused ones not on a machine without a GPU
+    siglip = [line for line in text.splitlines() if line.startswith("| siglip | 300 | 16 |")]
+    assert len(siglip) == 2 and all("not measured (no GPU)" in line for line in siglip), text

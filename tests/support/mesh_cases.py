@@ -555,10 +555,10 @@ def run_cached(
     model, scale = _build("inside")
     wrapped = DDP(model, process_group=mesh["dp"].get_group())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    group = None if world_loss else split.batch_group()
+    where: dict[str, Any] = {"group": None} if world_loss else {"mesh": mesh, "batch_dims": ("dp",)}
 
     def loss_fn(i: Tensor, t: Tensor) -> Tensor:
-        return clip_loss(i, t, scale, tile_size=2, group=group)
+        return clip_loss(i, t, scale, tile_size=2, **where)
 
     step = CachedStep(wrapped, opt, embed, loss_fn, mesh=mesh, batch_dims=batch_dims)
     mine = _batches(2, k)[dp]

@@ -75,14 +75,17 @@ def inputs(case: Case, rank: int, rows: int | None = None) -> tuple[torch.Tensor
     return (*out, *(torch.tensor(v, requires_grad=True) for v in SCALARS[case.loss]))
 
 
-def call(case: Case, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The public loss of `case` on `args` (from `inputs`), under its small-batch row limit."""
+def call(case: Case, args: tuple[torch.Tensor, ...], group: Any = None) -> torch.Tensor:
+    """The public loss of `case` on `args` (from `inputs`), over `group` (None: the world),
+    under its small-batch row limit."""
     with using_small_rows(case.small):
-        return _call(case, args)
+        return _call(case, args, group)
 
 
-def _call(case: Case, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _call(case: Case, args: tuple[torch.Tensor, ...], group: Any = None) -> torch.Tensor:
     kw: dict[str, Any] = {"tile_size": case.tile}
+    if group is not None:
+        kw.update(group=group)
     if case.known_sizes:
         kw.update(sizes=list(case.sizes), check=False)
     if case.strategy != "gather":

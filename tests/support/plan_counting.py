@@ -62,9 +62,13 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def count_collectives(counter: Counter) -> Iterator[Counter]:
-    """Within the block, every c10d call of wholebatch's collectives and kernels adds to `counter`."""
-    rank, w = dist.get_rank(), dist.get_world_size()
+def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
+    """Within the block, every c10d call of wholebatch's collectives and kernels adds to `counter`.
+
+    `group`: the process group the counted calls run on (a mesh's batch group), for
+    this rank's index and the group's size; None: the world.
+    """
+    rank, w = dist.get_rank(group), dist.get_world_size(group)
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
     real_ar, real_ag = dist.all_reduce, getattr(collectives, "all_gather_single")  # noqa: B009
     real_c10d = getattr(_c10d, "all_gather_single")  # noqa: B009

@@ -160,6 +160,10 @@ TORCH_FREE = {
         "from wholebatch.cli import main\n"
         "assert main(['plan', '--world', '65536', '--batch', '1048576', '--json']) == 0"
     ),
+    "wholebatch plan --mesh": (
+        "from wholebatch.cli import main\n"
+        "assert main(['plan', '--mesh', 'dp=2,tp=2,cp=1,pp=1', '--loss', 'tokens', '--json']) == 0"
+    ),
 }
 
 

@@ -169,12 +169,12 @@ def test_one_rank_moves_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("loss", "cosine"), ("dtype", "int8"), ("world", 0), ("world", 70_000), ("batch", 3),
+    [("loss", "cosine"), ("dtype", "int8"), ("world", -1), ("world", 70_000), ("batch", 3),
      ("memory_gib", 0), ("reserve_gib", 90.0), ("tile", -1), ("micro_batches", True)],
 )  # fmt: skip
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     with pytest.raises(WholebatchError, match=f"^{field}="):
-        PlanConfig(**{field: value, **({"batch": 8} if field == "world" and value == 0 else {})})  # type: ignore[arg-type]
+        PlanConfig(**{field: value, **({"batch": 8} if field == "world" and value == -1 else {})})  # type: ignore[arg-type]
 
 
 def test_uneven_sizes_must_add_up() -> None:
@@ -194,8 +194,8 @@ def test_cli_table_json_and_usage_error(capsys: pytest.CaptureFixture[str]) -> N
         c["sent"] for c in doc["collectives"] if c["phase"] == "forward"
     )
     assert doc["config"]["world"] == 4 and doc["micro_batches"] >= 1
-    assert main(["plan", "--world", "0"]) == 2
-    assert "--world=0" in capsys.readouterr().err
+    assert main(["plan", "--world", "-3"]) == 2
+    assert "--world=-3" in capsys.readouterr().err
 
 
 def test_cli_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,16 +48,46 @@ def test_spec_mesh_fields_are_checked() -> None:
         _tiny_spec(mesh="dp=2,tp=2", batch_dims="dp")
     with pytest.raises(WholebatchError, match="NAME=SIZE"):
         _tiny_spec(mesh="dp")
-    with pytest.raises(WholebatchError, match="not supported yet"):
-        import torch
 
-        TrainerSpec(
-            build_model=lambda: torch.nn.Linear(2, 1),
-            batch=torch.zeros(4, 2),
-            train=lambda run: None,
-            reference_loss=lambda m, b: m(b).sum(),
-            mesh="dp=2",
-        )
+
+def _tiny_trainer(**kw: Any) -> TrainerSpec:
+    import torch
+
+    return TrainerSpec(
+        build_model=lambda: torch.nn.Linear(2, 1),
+        batch=torch.zeros(4, 2),
+        train=lambda run: None,
+        reference_loss=lambda m, b: m(b).sum(),
+        **kw,
+    )
+
+
+def test_trainer_mesh_fields_are_checked() -> None:
+    spec = _tiny_trainer(mesh="dp=2,tp=2", batch_dims=("dp",), parallelize=lambda m, mesh: m)
+    assert spec.mesh == "dp=2,tp=2" and spec.batch_dims == ("dp",)
+    with pytest.raises(WholebatchError, match=r"TrainerSpec: batch_dims \['data'\] are not dims"):
+        _tiny_trainer(mesh="dp=2,tp=2", batch_dims=("data",))
+    with pytest.raises(WholebatchError, match="TrainerSpec: parallelize must be callable"):
+        _tiny_trainer(mesh="dp=2", parallelize=3)
+
+
+def test_trainer_rows_must_divide_by_the_row_shards() -> None:
+    # 12 rows on dp=2 x K=4 (B·K = 8): a trainer's fixed per-device batch cannot cover them;
+    # checked in the parent before any process starts (a step only needs B·K rows).
+    from wholebatch.verify import TargetError
+    from wholebatch.verify.runner import _check_mesh_split
+    from wholebatch.verify.worker import Description
+
+    def desc(kind: str) -> Description:
+        return Description(
+            kind=kind, wrap="trainer", rows=12, equal_rows=0, has_dropout=False,
+            has_equal=False, rtol=None, mesh="dp=2,tp=2", batch_dims=("dp",),
+        )  # fmt: skip
+
+    with pytest.raises(TargetError, match="must divide by B·K = 2·4 = 8"):
+        _check_mesh_split("t.py:f", "dp=2,tp=2", desc("trainer"), 4)
+    _check_mesh_split("t.py:f", "dp=2,tp=2", desc("step"), 4)  # 12 >= 8 rows: fine
+    _check_mesh_split("t.py:f", "dp=2,tp=2", desc("trainer"), 3)  # 12 = 2·3·2
 
 
 def test_layout() -> None:

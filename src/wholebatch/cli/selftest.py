@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import wholebatch
+from wholebatch.comm.agree import agree_rows
 from wholebatch.comm.checks import exchange_text
 from wholebatch.comm.groups import comm_device
 from wholebatch.errors import WholebatchError
@@ -272,16 +273,21 @@ def run_checks() -> list[dict[str, Any]]:
         record(name, functools.partial(_check_collective, rank, device, xs, sim, run))
     for i, (name, loss, ref, scalars) in enumerate(_LOSSES):
         record(name, functools.partial(_check_loss, rank, w, device, loss, ref, scalars, i))
-    table = torch.tensor(local, dtype=torch.float64, device=device)
-    table = torch.nan_to_num(table, nan=float("inf"))
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    # One named row per rank (agree_rows), each check's worst over ranks read back;
+    # NaN (a check that produced none) counts as a failure.
+    table = torch.nan_to_num(torch.tensor(local, dtype=torch.float64), nan=float("inf"))
+    rows = agree_rows({"fwd": table[:, 0], "bwd": table[:, 1], "raised": table[:, 2]})
+    worst = {
+        k: [max(col) for col in zip(*rows.vectors(k), strict=True)]
+        for k in ("fwd", "bwd", "raised")
+    }
     # Text as uint8 tensors (checks.exchange_text), never pickle: one string per
     # rank, its messages joined by a separator no exception text contains.
     joined = exchange_text("\x1f".join(messages), max_bytes=320 * max(1, len(messages)))
     all_messages = [(j.split("\x1f") + [""] * len(messages))[: len(messages)] for j in joined]
     out = []
     for i, name in enumerate(names):
-        fwd, bwd, raised = table[i].tolist()
+        fwd, bwd, raised = worst["fwd"][i], worst["bwd"][i], worst["raised"][i]
         errors = {r: m[i] for r, m in enumerate(all_messages) if m[i]}
         out.append({
             "check": name, "forward_rel_err": fwd, "backward_rel_err": bwd,

@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank
 from wholebatch.comm.groups import get_world_size, is_distributed
+from wholebatch.comm.shape import parse_mesh_shape
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = ["MeshCounts", "MeshSplit", "parse_mesh_shape"]
@@ -73,25 +74,6 @@ class MeshCounts:
 
     rows: Rows
     """The agreed table (every field the caller added too), to read further flags from."""
-
-
-def parse_mesh_shape(text: str) -> dict[str, int]:
-    """`"dp=2,tp=2"` -> `{"dp": 2, "tp": 2}`, the order kept; a clear error otherwise."""
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        name = name.strip()
-        if not sep or not name.isidentifier() or not size.strip().isdigit():
-            raise WholebatchError(
-                f"mesh: {part.strip()!r} in {text!r} is not NAME=SIZE; write the mesh as "
-                "dims and sizes, e.g. 'dp=2,tp=2'"
-            )
-        if name in out:
-            raise WholebatchError(f"mesh: dim {name!r} appears twice in {text!r}")
-        if int(size) < 1:
-            raise WholebatchError(f"mesh: dim {name!r} has size {size}; sizes must be >= 1")
-        out[name] = int(size)
-    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ And open_clip_train's training loop (docs/integrations/open_clip.md):
 
 or run open_clip_train's own CLI through wholebatch, unchanged flags:
 
-    torchrun --nproc-per-node 2 -m wholebatch.integrations.open_clip --train-data ... --accum-freq 4
+    torchrun --nproc-per-node 2 -m wholebatch.integrations.open_clip -- --train-data ... --accum-freq 4
 
 `train_one_epoch` has open_clip_train 3.3.0's signature and arguments; for any
 `accum_freq` each optimizer step's gradient is one process's on the window's
@@ -470,6 +470,8 @@ def train_one_epoch(
         optimizer.zero_grad()
         with autocast():
             total_loss = cache(window, whole_loss)
+        # The scale before the step, as open_clip_train logs it.
+        scale_logged = float(inner.logit_scale.detach().exp())
         _backward_and_step(total_loss, model, optimizer, scaler, args.grad_clip_norm)
         rows = len(window[-1][0])
         window = []
@@ -485,7 +487,7 @@ def train_one_epoch(
             _log_step(
                 args, epoch, step, batch_count, num_batches_per_epoch, rows, accum,
                 sample_digits, dataloader.num_samples, losses, losses_m, batch_time_m,
-                data_time_m, float(inner.logit_scale.detach().exp()), optimizer, tb_writer,
+                data_time_m, scale_logged, optimizer, tb_writer,
             )  # fmt: skip
     # A window left short here is dropped, as open_clip_train's loop drops it.
 
@@ -535,19 +537,48 @@ def _log_step(
     data_time_m.reset()
 
 
+class _CpuDeviceIdsDDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP that drops `device_ids=[cpu]`, which open_clip_train's CLI passes with `--device cpu`.
+
+    open_clip_train 3.3.0's `main` wraps the model as
+    ``DistributedDataParallel(model, device_ids=[device])`` whatever the device; with a
+    CPU device DDP raises ("device_ids ... only work with ... GPU modules or CPU modules"),
+    so its CLI cannot train on CPU ranks at all. For CPU modules DDP wants no device_ids:
+    they are dropped; any other device is passed through unchanged.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, *args: Any, **kw: Any) -> None:
+        if device_ids is not None and all(torch.device(d).type == "cpu" for d in device_ids):
+            device_ids = None
+        super().__init__(module, device_ids, *args, **kw)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """open_clip_train's CLI (`open_clip_train.main.main`) with wholebatch's `train_one_epoch`.
 
     `python -m wholebatch.integrations.open_clip ARGS` (or `torchrun ... -m
-    wholebatch.integrations.open_clip ARGS`) takes open_clip_train's arguments
-    unchanged. The loop it trains with is this module's `train_one_epoch`, which
-    rebuilds `create_loss`'s ClipLoss / SigLipLoss as this module's exact ones
-    (patching `open_clip.loss` would not reach `create_loss`: `open_clip.factory`
-    imported the classes by name; nothing of open_clip is patched here).
+    wholebatch.integrations.open_clip -- ARGS`) takes open_clip_train's arguments
+    unchanged; a leading `--` is dropped (torchrun needs it before `--logs`, which
+    it would otherwise read as an ambiguous abbreviation of its own `--logs-specs`).
+    The loop it trains with is this module's `train_one_epoch`, which rebuilds
+    `create_loss`'s ClipLoss / SigLipLoss as this module's exact ones (patching
+    `open_clip.loss` would not reach `create_loss`: `open_clip.factory` imported the
+    classes by name). While `main` runs, `torch.nn.parallel.DistributedDataParallel`
+    is `_CpuDeviceIdsDDP` (a subclass: open_clip_train passes `device_ids=[cpu]` under
+    `--device cpu`, which DDP refuses); it is restored afterwards.
     """
     cli: Any = require_peer("open_clip_train.main", "open-clip-torch", "wholebatch's open_clip CLI")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
     cli.train_one_epoch = train_one_epoch  # main() looks the loop up in its own module
-    cli.main(list(sys.argv[1:] if argv is None else argv))
+    parallel: Any = torch.nn.parallel
+    ddp = parallel.DistributedDataParallel
+    parallel.DistributedDataParallel = _CpuDeviceIdsDDP
+    try:
+        cli.main(args)
+    finally:
+        parallel.DistributedDataParallel = ddp
 
 
 if __name__ == "__main__":  # pragma: no cover - the CLI entry

@@ -18,12 +18,16 @@ What trl 1.16 does, and where it goes wrong:
   by the `num_items_in_batch` transformers counted, times the number of
   processes. transformers counts unshifted labels for GPT-2 (`loss_type=None`,
   see wholebatch.integrations.huggingface): N too large, every step too small
-  (0.8168x on the batch of issue 24: 131 counted, 107 used). Llama is counted
-  shifted and is exact.
+  (0.8168x on the batch of issue 24: 131 counted, 107 used; wrapped packing
+  0.875x). Llama is counted shifted and is exact; so is GPT-2 wherever each
+  row's first label is already -100 (padding-free, bfd packing, completion-only
+  loss: tests/e2e/test_integrations_trl.py).
 - `DPOTrainer` returns each micro-batch's MEAN over its preference pairs and
   sets `loss_is_scaled_for_ga = False`, so the Trainer divides by the
   accumulation steps: a mean of per-micro-batch means, exact only when every
-  micro-batch of the step holds the same number of pairs.
+  micro-batch of the step holds the same number of pairs (one process, a window
+  of 2, 2 and 1 pairs: 0.32 off; on W ranks accelerate's even batches fill
+  the short micro-batch with pairs from the epoch's start).
 
 What these classes change (the training loop is the Trainer's):
 
@@ -49,6 +53,7 @@ Legend: W data-parallel ranks, K micro-batches per step, N items in the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -89,9 +94,15 @@ class SFTMixin(WholeBatchTrainerMixin):
     # trl's loss divides by the count it is handed; the model's own loss is not used.
     _model_loss_takes_count: bool | None = True
 
-    @property
-    def loss_shifts_labels(self) -> bool:  # type: ignore[override]
-        """SFT trains causal LMs: trl's fused head scores labels[:, 1:] (or `shift_labels`)."""
+    @functools.cached_property
+    def loss_shifts_labels(self) -> bool:
+        """SFT trains causal LMs: trl's fused head scores labels[:, 1:] (or `shift_labels`).
+
+        Cached, as the mixin's: `accelerator.unwrap_model` asks importlib.metadata whether
+        DeepSpeed is installed on every call (0.48 ms CPU, asked once per micro-batch's
+        count: ~1% of benchmarks/bench_trainers.py's trl step), and the model's kind
+        does not change.
+        """
         model = self.accelerator.unwrap_model(self.model)
         return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
 

@@ -8,7 +8,8 @@ autograd kernels that keep memory linear in the batch, `ring` the ring forms
 of the softmax losses (memory independent of N), `replicated` the small-batch
 path (one all-gather, the whole loss on every rank, no backward collective),
 `sizing` their pure bookkeeping (tile size, the exchange's row, what "auto"
-picks, the small-batch row limit). Losses use
+picks, the small-batch row limit), `meshgroup` the `mesh=`/`batch_dims=`
+arguments (the batch dims' group, replicas checked). Losses use
 `wholebatch.comm` and nothing above it.
 """
 

@@ -169,4 +169,115 @@ def dk_kernel(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-KERNELS = {"row": row_kernel, "col": col_kernel, "dq": dq_kernel, "dk": dk_kernel}
+# ---------------------------------------------------------------------------
+# SigLIP: z = s·(q·k) + b, every negative pair's softplus(z) and its gradient sigmoid(z)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _softplus(z):  # type: ignore[no-untyped-def]
+    # max(z, 0) + log1p(exp(-|z|)), log1p to float32 round-off even for tiny terms
+    # (log(u)·x / (u − 1), u = 1 + x: Goldberg's identity), 0 at z = -inf
+    x = tl.exp(-tl.abs(z))
+    u = 1.0 + x
+    lp = tl.where(u == 1.0, x, tl.log(u) * x / tl.where(u == 1.0, 1.0, u - 1.0))
+    return tl.maximum(z, 0.0) + lp
+
+
+@triton.jit
+def _sigmoid(z):  # type: ignore[no-untyped-def]
+    # either branch without overflow into its result; 0 at z = -inf
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def _sig_logits(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, rows, cols, b, c, d, offset, scale_ptr, bias_ptr, mask_ptr, n_masks,
+    BD: tl.constexpr,
+):  # fmt: skip
+    safe_rows = tl.where(rows < b, rows, -1)
+    safe_cols = tl.where(cols < c, cols, -1)
+    z = _logits(q_ptr, k_ptr, safe_rows, safe_cols, d, scale_ptr, BD)
+    z = z + tl.load(bias_ptr).to(tl.float32)
+    # padded rows and columns (z = b there, not 0) and the positives: -inf, worth nothing
+    return _masked(z, rows, cols, b, c, offset, mask_ptr, n_masks, c)
+
+
+@triton.jit
+def sig_row_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, out_ptr, mask_ptr, n_masks, b, c, d, offset, scale_ptr, bias_ptr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    acc = tl.zeros((BM,), tl.float32)
+    for j0 in range(0, c, BN):
+        cols = j0 + tl.arange(0, BN)
+        z = _sig_logits(
+            q_ptr, k_ptr, rows, cols, b, c, d, offset, scale_ptr, bias_ptr, mask_ptr, n_masks, BD
+        )  # fmt: skip
+        acc += tl.sum(_softplus(z), 1)
+    tl.store(out_ptr + rows, acc, mask=rows < b)
+
+
+@triton.jit
+def sig_dq_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, uq_ptr, p_ptr, mask_ptr, n_masks, b, c, d, offset, scale_ptr, bias_ptr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    acc = tl.zeros((BM, BD), tl.float32)
+    psum = tl.zeros((BM,), tl.float32)
+    for j0 in range(0, c, BN):
+        cols = j0 + tl.arange(0, BN)
+        z = _sig_logits(
+            q_ptr, k_ptr, rows, cols, b, c, d, offset, scale_ptr, bias_ptr, mask_ptr, n_masks, BD
+        )  # fmt: skip
+        p = _sigmoid(z)
+        psum += tl.sum(p, 1)
+        k = tl.load(
+            k_ptr + cols[:, None] * d + offs_d[None, :],
+            mask=(cols[:, None] < c) & (offs_d[None, :] < d), other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        acc += tl.dot(p, k, input_precision="ieee")
+    tl.store(
+        uq_ptr + rows[:, None] * d + offs_d[None, :], acc,
+        mask=(rows[:, None] < b) & (offs_d[None, :] < d),
+    )  # fmt: skip
+    tl.store(p_ptr + rows, psum, mask=rows < b)
+
+
+@triton.jit
+def sig_dk_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, uk_ptr, mask_ptr, n_masks, b, c, d, offset, scale_ptr, bias_ptr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    acc = tl.zeros((BN, BD), tl.float32)
+    for i0 in range(0, b, BM):
+        rows = i0 + tl.arange(0, BM)
+        z = _sig_logits(
+            q_ptr, k_ptr, rows, cols, b, c, d, offset, scale_ptr, bias_ptr, mask_ptr, n_masks, BD
+        )  # fmt: skip
+        q = tl.load(
+            q_ptr + rows[:, None] * d + offs_d[None, :],
+            mask=(rows[:, None] < b) & (offs_d[None, :] < d), other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        acc += tl.dot(tl.trans(_sigmoid(z)), q, input_precision="ieee")
+    tl.store(
+        uk_ptr + cols[:, None] * d + offs_d[None, :], acc,
+        mask=(cols[:, None] < c) & (offs_d[None, :] < d),
+    )  # fmt: skip
+
+
+KERNELS = {
+    "row": row_kernel,
+    "col": col_kernel,
+    "dq": dq_kernel,
+    "dk": dk_kernel,
+    "sig_row": sig_row_kernel,
+    "sig_dq": sig_dq_kernel,
+    "sig_dk": sig_dk_kernel,
+}

@@ -14,6 +14,11 @@ rank back-propagates its L: each rank's gradients are W·dl_r, and DDP's 1/W
 turns their sum into exactly dL. Gradient to remote rows flows back through the
 collectives' adjoints (all-gather -> reduce-scatter, ring_shift(1) -> ring_shift(-1)).
 
+On a device mesh (``mesh=``, ``batch_dims=``, docs/mesh.md) W is the batch dims'
+size: the loss gathers over their ranks, tensor-parallel replicas are checked to
+hold the same rows, and a replica's gradient is its batch-group peers' (never
+split over tp): `wholebatch.losses.meshgroup`.
+
 Logits are never materialised: see `wholebatch.losses.tiles` (tiles of T x T,
 recomputed in backward from the inputs and the per-row log-sum-exp).
 
@@ -30,12 +35,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
 from wholebatch.losses import replicated
-from wholebatch.losses.common import prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.common import resolve_strategy, resolve_tile, whole
+from wholebatch.losses.meshgroup import prepare_on
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, SigmoidRing, SymmetricLSE, compute_dtype, softplus
@@ -55,6 +62,8 @@ def clip_loss(
     *,
     logit_bias: Tensor | float | None = None,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -98,7 +107,7 @@ def clip_loss(
         logit_scale: the logit multiplier, a 1-element tensor (may require grad) or a number;
             the same value on every rank.
         logit_bias: an optional logit bias (no effect on the loss; gradient 0).
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -116,9 +125,10 @@ def clip_loss(
     if logit_bias is not None:
         scalars["logit_bias"] = logit_bias
     ((name, fix),) = spec.options
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims,
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
         small=spec.replicable(strategy), carry=True,
     )  # fmt: skip
@@ -128,14 +138,15 @@ def clip_loss(
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)
     s = prep.scalars[0]
-    pos_B = s * (image_BD.to(acc) * text_BD.to(acc)).sum(1)  # s·Iᵢ·Tᵢ
     sizes_t = tuple(prep.sizes)
     if resolve_strategy(strategy, n * text_BD.shape[1] * text_BD.element_size()) == "ring":
         tile = resolve_tile(tile_size, image_BD.device, b, max(sizes_t))
+        # the positives s·Iᵢ·Tᵢ are the ring's own (pos_B=None): their gradient added in place
         row_B, col_B = PositiveRing.apply(  # type: ignore[no-untyped-call]
-            image_BD, text_BD, s, pos_B, 1, (0,), True, sizes_t, tile, group
+            image_BD, text_BD, s, None, 1, (0,), True, sizes_t, tile, group
         )
     else:
+        pos_B = s * (image_BD.to(acc) * text_BD.to(acc)).sum(1)  # s·Iᵢ·Tᵢ
         tile = resolve_tile(tile_size, image_BD.device, b, n)
         all_text_ND = all_gather(text_BD, sizes=prep.sizes, group=group, check=False)
         row_B, col_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
@@ -154,6 +165,8 @@ def siglip_loss(
     logit_bias: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -184,7 +197,7 @@ def siglip_loss(
         text_BD: this rank's text embeddings (B x D); row i pairs with image row i.
         logit_scale: the logit multiplier (a 1-element tensor or a number), the same on every rank.
         logit_bias: the logit bias (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -196,10 +209,11 @@ def siglip_loss(
             the process setting, on).
     """
     op = SPECS["siglip"].function
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"image_BD": image_BD, "text_BD": text_BD},
         {"logit_scale": logit_scale, "logit_bias": logit_bias}, grad_reduction=grad_reduction,
-        tile_size=tile_size, sizes=sizes, check=check, group=group, small=True, carry=True,
+        tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
+        batch_dims=batch_dims, small=True, carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.siglip(image_BD, text_BD, prep, group)
@@ -218,6 +232,8 @@ def nt_xent_loss(
     temperature: Tensor | float,
     *,
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -251,7 +267,7 @@ def nt_xent_loss(
         z1_BD: this rank's first-view embeddings (B x D), normalised by the caller.
         z2_BD: this rank's second-view embeddings (B x D); row i is the same sample.
         temperature: τ (a 1-element tensor or a number), the same on every rank.
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a mesh and batch dims.
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile (memory T² per buffer); None:
@@ -263,10 +279,10 @@ def nt_xent_loss(
             the process setting, on).
     """
     op = SPECS["nt_xent"].function
-    prep = prepare(
+    prep, group = prepare_on(
         op, {"z1_BD": z1_BD, "z2_BD": z2_BD}, {"temperature": temperature},
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check, group=group,
-        small=True, carry=True,
+        mesh=mesh, batch_dims=batch_dims, small=True, carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.nt_xent(z1_BD, z2_BD, prep, group)

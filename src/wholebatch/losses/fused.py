@@ -14,7 +14,16 @@ logit:
   the query rows;
 - `grads`: uq = Σ_j g_ij k_j and uk = Σ_i g_ij q_i with
   g_ij = exp(s_ij − sh_i)·cf_i + exp(s_ij − sh'_j)·cf'_j (the softmax over row
-  i's negatives times its gradient, plus the column part), unscaled.
+  i's negatives times its gradient, plus the column part), unscaled;
+- `sigmoid_sum` (SigLIP's forward): Σ_ij softplus(z_ij), z_ij = s·(q_i·k_j) + b,
+  over the pairs that are not masked (the negatives: the masked entries are the
+  positives, whose terms the caller computes on its own), per query row;
+- `sigmoid_grads` (its backward): uq = Σ_j σ(z_ij) k_j, uk = Σ_i σ(z_ij) q_i
+  and Σ_ij σ(z_ij), unscaled (times g·s they are the rows' gradients; the
+  scale's is g·Σ q·uq, the bias's g·Σ σ).
+
+NT-Xent's panel pairs (`tiles.SymmetricLSE`) use `row_stats`, `col_stats`
+and `grads` with the masks (0, M/2, −M/2): the diagonal and both positives.
 
 Chosen automatically on CUDA when triton is installed (the `triton` extra)
 and D <= `MAX_AUTO_DIM`, the PyTorch tiles otherwise (and for the rest of the
@@ -47,6 +56,8 @@ __all__ = [
     "grads",
     "merge",
     "row_stats",
+    "sigmoid_grads",
+    "sigmoid_sum",
     "use_fused",
 ]
 
@@ -200,3 +211,49 @@ def grads(
     _kernels()["dq"][(-(-b // bm),)](q, k, *f32, mk, len(masks), uq, *common, BM=bm, BN=bn, BD=bd)
     _kernels()["dk"][(-(-c // bn),)](q, k, *f32, mk, len(masks), uk, *common, BM=bm, BN=bn, BD=bd)
     return uq, uk
+
+
+def _pair(q_BD: Tensor, k_CD: Tensor) -> tuple[Tensor, Tensor]:
+    """Both towers in one dtype (one dot's operands), contiguous; widened if they differ."""
+    if q_BD.dtype != k_CD.dtype:
+        dtype = torch.promote_types(q_BD.dtype, k_CD.dtype)
+        q_BD, k_CD = q_BD.to(dtype), k_CD.to(dtype)
+    return q_BD.contiguous(), k_CD.contiguous()
+
+
+def sigmoid_sum(
+    q_BD: Tensor, k_CD: Tensor, scale: Tensor, bias: Tensor, offset: int, masks: tuple[int, ...]
+) -> Tensor:
+    """Σ_ij softplus(s·(q_i·k_j) + b) per query row (B, float32), entries (i, offset + i + t) left out."""
+    b, d = q_BD.shape
+    c = k_CD.shape[0]
+    out_B = torch.zeros(b, dtype=torch.float32, device=q_BD.device)
+    if b == 0 or c == 0:
+        return out_B
+    bm, bn, bd = _blocks(d)
+    q, k = _pair(q_BD, k_CD)
+    _kernels()["sig_row"][(-(-b // bm),)](
+        q, k, out_B, _masks(masks, q.device), len(masks), b, c, d, offset,
+        _scale(scale, q), _scale(bias, q), BM=bm, BN=bn, BD=bd,
+    )  # fmt: skip
+    return out_B
+
+
+def sigmoid_grads(
+    q_BD: Tensor, k_CD: Tensor, scale: Tensor, bias: Tensor, offset: int, masks: tuple[int, ...]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(uq, uk, p_B), float32: Σ_j σ(z_ij) k_j, Σ_i σ(z_ij) q_i, Σ_j σ(z_ij), masks as `sigmoid_sum`."""
+    b, d = q_BD.shape
+    c = k_CD.shape[0]
+    uq = torch.zeros((b, d), dtype=torch.float32, device=q_BD.device)
+    uk = torch.zeros((c, d), dtype=torch.float32, device=q_BD.device)
+    p_B = torch.zeros(b, dtype=torch.float32, device=q_BD.device)
+    if b == 0 or c == 0:
+        return uq, uk, p_B
+    bm, bn, bd = _blocks(d)
+    q, k = _pair(q_BD, k_CD)
+    mk, s, bias_t = _masks(masks, q.device), _scale(scale, q), _scale(bias, q)
+    common = (mk, len(masks), b, c, d, offset, s, bias_t)
+    _kernels()["sig_dq"][(-(-b // bm),)](q, k, uq, p_B, *common, BM=bm, BN=bn, BD=bd)
+    _kernels()["sig_dk"][(-(-c // bn),)](q, k, uk, *common, BM=bm, BN=bn, BD=bd)
+    return uq, uk, p_B

@@ -26,12 +26,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank
 from wholebatch.conventions import GradReduction
 from wholebatch.losses import replicated
-from wholebatch.losses.common import Prepared, prepare, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.common import Prepared, resolve_strategy, resolve_tile, whole
+from wholebatch.losses.meshgroup import prepare_on
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
 from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
@@ -76,6 +78,8 @@ def info_nce_loss(
     directions: Sequence[Direction] = ("query_to_doc",),
     partition_mode: PartitionMode = "joint",
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_dims: Sequence[str] | None = None,
     grad_reduction: GradReduction = "mean",
     tile_size: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -134,7 +138,8 @@ def info_nce_loss(
             every rank); row i holds query i's. None: no hard negatives.
         directions: which directions to include (a tuple holding "query_to_doc").
         partition_mode: "joint" or "per_direction" (see above).
-        group: the process group (default: the world).
+        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
+            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
         grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
             "sum" if they are summed.
         tile_size: rows and columns of one logits tile; None: chosen for the device
@@ -146,15 +151,12 @@ def info_nce_loss(
         strategy: "gather" (the all-gathers above), "ring" (blocks around the ring, memory
             O(B·(1 + k)·D + T²): `losses.ring`) or "auto"; as for `clip_loss`.
     """
-    k = (
-        negatives_BKD.shape[1]
-        if isinstance(negatives_BKD, Tensor) and negatives_BKD.dim() == 3
-        else 0
-    )
-    prep = _prepare(
+    negs = negatives_BKD
+    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
+    prep, group = _prepare(
         query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
         strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        group=group,
+        group=group, mesh=mesh, batch_dims=batch_dims,
     )  # fmt: skip
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
@@ -179,12 +181,13 @@ def _prepare(
     partition_mode: object,
     strategy: object,
     **common: Any,
-) -> Prepared:
-    """`prepare` with InfoNCE's options (k, directions, partition mode, strategy) agreed."""
+) -> tuple[Prepared, ProcessGroup | None]:
+    """`prepare_on` (the group, on a mesh the batch dims') with InfoNCE's options (k,
+    directions, partition mode, strategy) agreed."""
     mask, err = _check_options(directions, partition_mode)
     partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
     values = (k, mask, partition, strategy_code(strategy))
-    return prepare(
+    return prepare_on(
         SPEC.function,
         {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
         {"logit_scale": logit_scale},
@@ -285,7 +288,8 @@ def _ring_terms(
     tile = resolve_tile(tile_size, query_BD.device, b, max(sizes_t) * (1 + k))
     cols = "doc_to_query" in wanted
     ring = PositiveRing.apply
-    q2d_B, d2q_B = ring(query_BD, keys_BX, s, pos_B, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+    # its positives s·qᵢ·dᵢ are the ring's own (None): their gradient added in place
+    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
     parts = [q2d_B, d2q_B] if cols else [q2d_B]
     if "query_to_query" in wanted:
         q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes_t, tile, group)  # type: ignore[no-untyped-call]

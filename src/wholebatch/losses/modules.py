@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
+from wholebatch.comm.meshgroup import resolve_group
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
@@ -90,8 +92,14 @@ class _LossModule(nn.Module):
         group: ProcessGroup | None,
         grad_reduction: GradReduction,
         tile_size: int | None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        # Validated (and the batch dims' group built, once per mesh) here, on every rank.
+        resolve_group(group, mesh, batch_dims, type(self).__name__)
+        self.mesh = mesh
+        self.batch_dims = None if batch_dims is None else tuple(batch_dims)
         if not isinstance(normalize, bool):
             raise WholebatchError(
                 f"{type(self).__name__}: normalize={normalize!r} must be True (L2-normalise "
@@ -114,8 +122,8 @@ class ClipLoss(_LossModule):
         normalize: L2-normalise image and text rows first (True) or not (False).
         logit_scale: the logit multiplier (not its log); None: pass it to each call.
         learn_scale: learn it (stored as log(logit_scale); CLIP starts at 1 / 0.07).
-        group, grad_reduction, tile_size, strategy: as for `clip_loss` ("ring": memory
-            independent of N).
+        group, mesh, batch_dims, grad_reduction, tile_size, strategy: as for `clip_loss`
+            ("ring": memory independent of N).
     """
 
     def __init__(
@@ -125,11 +133,13 @@ class ClipLoss(_LossModule):
         logit_scale: float | None = None,
         learn_scale: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
         strategy: Strategy = "gather",
     ) -> None:
-        super().__init__(normalize, group, grad_reduction, tile_size)
+        super().__init__(normalize, group, grad_reduction, tile_size, mesh, batch_dims)
         self.scale = _Scalar("logit_scale", "ClipLoss", logit_scale, learn_scale, log=True)
         self.strategy: Strategy = strategy
 
@@ -143,8 +153,8 @@ class ClipLoss(_LossModule):
         """The whole batch's CLIP loss (same on every rank); `logit_bias` has no effect (gradient 0)."""
         return clip_loss(
             self._prep(image_BD), self._prep(text_BD), self.scale.resolve(logit_scale),
-            logit_bias=logit_bias, group=self.group, grad_reduction=self.grad_reduction,
-            tile_size=self.tile_size, strategy=self.strategy,
+            logit_bias=logit_bias, group=self.group, mesh=self.mesh, batch_dims=self.batch_dims,
+            grad_reduction=self.grad_reduction, tile_size=self.tile_size, strategy=self.strategy,
         )  # fmt: skip
 
 
@@ -157,7 +167,7 @@ class SigLipLoss(_LossModule):
         logit_bias: the logit bias; None: pass it to each call.
         learn_scale: learn the scale (stored as its log; SigLIP starts at 10).
         learn_bias: learn the bias (SigLIP starts at -10).
-        group, grad_reduction, tile_size: as for `siglip_loss`.
+        group, mesh, batch_dims, grad_reduction, tile_size: as for `siglip_loss`.
     """
 
     def __init__(
@@ -169,10 +179,12 @@ class SigLipLoss(_LossModule):
         learn_scale: bool = False,
         learn_bias: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
     ) -> None:
-        super().__init__(normalize, group, grad_reduction, tile_size)
+        super().__init__(normalize, group, grad_reduction, tile_size, mesh, batch_dims)
         self.scale = _Scalar("logit_scale", "SigLipLoss", logit_scale, learn_scale, log=True)
         self.bias = _Scalar("logit_bias", "SigLipLoss", logit_bias, learn_bias, log=False)
 
@@ -186,8 +198,9 @@ class SigLipLoss(_LossModule):
         """The whole batch's SigLIP loss (same on every rank)."""
         return siglip_loss(
             self._prep(image_BD), self._prep(text_BD), self.scale.resolve(logit_scale),
-            self.bias.resolve(logit_bias), group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
+            self.bias.resolve(logit_bias), group=self.group, mesh=self.mesh,
+            batch_dims=self.batch_dims, grad_reduction=self.grad_reduction,
+            tile_size=self.tile_size,
         )  # fmt: skip
 
 
@@ -198,7 +211,7 @@ class NTXentLoss(_LossModule):
         normalize: L2-normalise both views' rows first (True; SimCLR and lightly do) or not.
         temperature: τ (logits are z·z / τ); None: pass it to each call.
         learn_temperature: learn τ (stored as log τ).
-        group, grad_reduction, tile_size: as for `nt_xent_loss`.
+        group, mesh, batch_dims, grad_reduction, tile_size: as for `nt_xent_loss`.
     """
 
     def __init__(
@@ -208,10 +221,12 @@ class NTXentLoss(_LossModule):
         temperature: float | None = None,
         learn_temperature: bool = False,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
     ) -> None:
-        super().__init__(normalize, group, grad_reduction, tile_size)
+        super().__init__(normalize, group, grad_reduction, tile_size, mesh, batch_dims)
         self.temperature = _Scalar(
             "temperature", "NTXentLoss", temperature, learn_temperature, log=True
         )
@@ -222,7 +237,8 @@ class NTXentLoss(_LossModule):
         """The whole batch's NT-Xent loss over its 2N views (same on every rank)."""
         return nt_xent_loss(
             self._prep(z1_BD), self._prep(z2_BD), self.temperature.resolve(temperature),
-            group=self.group, grad_reduction=self.grad_reduction, tile_size=self.tile_size,
+            group=self.group, mesh=self.mesh, batch_dims=self.batch_dims,
+            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
         )  # fmt: skip
 
 
@@ -238,7 +254,7 @@ class InfoNCELoss(_LossModule):
         logit_scale: the multiplier (sentence-transformers' `scale`); None: pass it per call.
         learn_scale: learn it (stored as its log).
         directions, partition_mode: as for `info_nce_loss`.
-        group, grad_reduction, tile_size, strategy: as for `info_nce_loss`.
+        group, mesh, batch_dims, grad_reduction, tile_size, strategy: as for `info_nce_loss`.
     """
 
     def __init__(
@@ -250,11 +266,13 @@ class InfoNCELoss(_LossModule):
         directions: Sequence[Direction] = ("query_to_doc",),
         partition_mode: PartitionMode = "joint",
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
         grad_reduction: GradReduction = "mean",
         tile_size: int | None = None,
         strategy: Strategy = "gather",
     ) -> None:
-        super().__init__(normalize, group, grad_reduction, tile_size)
+        super().__init__(normalize, group, grad_reduction, tile_size, mesh, batch_dims)
         self.scale = _Scalar("logit_scale", "InfoNCELoss", logit_scale, learn_scale, log=True)
         self.directions = tuple(directions)
         self.partition_mode: PartitionMode = partition_mode
@@ -286,7 +304,8 @@ class InfoNCELoss(_LossModule):
             self._prep(query_BD), self._prep(document_BD), self.scale.resolve(logit_scale),
             negatives_BKD=None if negs is None else self._prep(negs),
             directions=self.directions, partition_mode=self.partition_mode, group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size, strategy=self.strategy,
+            mesh=self.mesh, batch_dims=self.batch_dims, grad_reduction=self.grad_reduction,
+            tile_size=self.tile_size, strategy=self.strategy,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

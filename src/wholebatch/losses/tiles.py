@@ -21,6 +21,11 @@ pair is nearly saturated (loss → 0) in float32. SigLIP likewise masks the
 positive pairs, whose terms softplus(−z_ii) are computed on their own.
 16-bit inputs are computed in float32, tile by tile.
 
+On CUDA (D <= 256, triton installed) every kernel here hands its tiles to the
+fused Triton kernels of `wholebatch.losses.fused` instead, logits never in
+memory; ``WHOLEBATCH_TILES=torch|triton`` forces either, and a kernel that
+fails to build falls back to the tiles below with a warning.
+
 On CPU the tiles' elementwise passes (exp, subtract, multiply) cost as much as
 their matrix products, so the kernels scale the queries once (B x D) instead
 of every tile, and fuse what they can (`addcmul_`).
@@ -509,6 +514,53 @@ def _mask_sym(s_TT: Tensor, i0: int, j0: int, half: int) -> None:
     s_TT.diagonal(half + i0 - j0).fill_(float("-inf"))
 
 
+def _sym_masks(m: int) -> tuple[int, ...]:
+    """The entries (i, i + t) of an M x M self-similarity matrix that are not negatives:
+    the diagonal and the positives i ± M/2 (out-of-range ones match no column)."""
+    return (0, m // 2, -(m // 2))
+
+
+def _sym_stats_fused(z_MD: Tensor, scale: Tensor, group: Any, m_M: Tensor, l_M: Tensor) -> bool:
+    """This rank's panel pairs' (max, sum) from the fused kernels, merged into (m_M, l_M) in place.
+
+    A diagonal pair is its whole square by rows (each entry once for its row, as
+    the tiles on and above the diagonal give it); an off-diagonal pair serves its
+    rows and, through the column statistics, the mirrored pair's rows.
+    """
+    masks = _sym_masks(z_MD.shape[0])
+    parts = []  # every kernel first, then the merges: a failure leaves (m_M, l_M) untouched
+    for a0, a1, b0, b1 in _dealt_pairs(z_MD.shape[0], get_world_size(group), get_rank(group)):
+        za, zb, off = z_MD[a0:a1], z_MD[b0:b1], a0 - b0
+        parts.append((a0, a1, fused.row_stats(za, zb, scale, off, masks)))
+        if a0 != b0:
+            parts.append((b0, b1, fused.col_stats(za, zb, scale, off, masks, b1 - b0)))
+    for i0, i1, (m2, l2) in parts:
+        m_M[i0:i1], l_M[i0:i1] = fused.merge(m_M[i0:i1], l_M[i0:i1], m2, l2)
+    return True
+
+
+def _sym_grads_fused(
+    z_MD: Tensor, scale: Tensor, group: Any, shift: Tensor, coef: Tensor, u_MD: Tensor
+) -> bool:
+    """This rank's panel pairs' U = Σ G·z (unscaled) from the fused kernels, added to `u_MD`.
+
+    A diagonal pair, its whole square by rows: G = R (row i's softmax gradient)
+    and U gains R·z + Rᵀ·z, the same as the tiles' R + Rᵀ on and above the diagonal.
+    """
+    masks = _sym_masks(z_MD.shape[0])
+    none = shift[:0]
+    parts = []
+    for a0, a1, b0, b1 in _dealt_pairs(z_MD.shape[0], get_world_size(group), get_rank(group)):
+        za, zb, off = z_MD[a0:a1], z_MD[b0:b1], a0 - b0
+        cols = (none, none) if a0 == b0 else (shift[b0:b1], coef[b0:b1])
+        uq, uk = fused.grads(za, zb, scale, off, masks, (shift[a0:a1], coef[a0:a1]), cols)
+        parts.append((a0, a1, b0, b1, uq, uk))
+    for a0, a1, b0, b1, uq, uk in parts:
+        u_MD[a0:a1] += uq.to(u_MD.dtype)
+        u_MD[b0:b1] += uk.to(u_MD.dtype)
+    return True
+
+
 class SymmetricLSE(torch.autograd.Function):
     """NT-Xent's row terms over the symmetric `scale * z_MD @ z_MDᵀ`, tile by tile.
 
@@ -534,6 +586,8 @@ class SymmetricLSE(torch.autograd.Function):
     With G the tile's gradient (row part + transposed column part, which holds
     both (i, j) and (j, i)) and U = sum over tiles of G·z (unscaled):
     d z = scale·U and d scale = (z · U).sum() / 2, since z·U counts every pair twice.
+    Where `fused.use_fused` says, each dealt pair runs through the fused kernels
+    instead (`_sym_stats_fused`, `_sym_grads_fused`): the same statistics and U.
     """
 
     @staticmethod
@@ -547,7 +601,10 @@ class SymmetricLSE(torch.autograd.Function):
         z = z_MD if post is not None else z_MD.to(acc)
         m_M = torch.full((m,), float("-inf"), dtype=acc, device=z_MD.device)
         l_M = torch.zeros(m, dtype=acc, device=z_MD.device)
-        for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
+        fast = fused.use_fused(z_MD)
+        if fast:  # no collective inside: a rank whose kernel fails takes the PyTorch tiles alone
+            fast = _fused_or_none(_sym_stats_fused, z_MD, scale, group, m_M, l_M) is not None
+        for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
             m_M[i0:i1], l_M[i0:i1] = _running(m_M[i0:i1], l_M[i0:i1], s_TT, 1)
@@ -574,7 +631,12 @@ class SymmetricLSE(torch.autograd.Function):
         zs_MD, post = _scaled_rows(z_MD, scale, acc)
         z = z_MD if post is not None else z_MD.to(acc)
         u_MD = torch.zeros(z_MD.shape, dtype=acc, device=z_MD.device)
-        for i0, i1, j0, j1 in _upper_tiles(m, tile, group):
+        fast = fused.use_fused(z_MD)
+        if fast:
+            fast = (
+                _fused_or_none(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
+            )
+        for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
             # d a_i / d s_ij = softmax over row i's negatives; the column part is
@@ -606,6 +668,62 @@ def _ring_next(sizes: tuple[int, ...], rank: int, step: int) -> int:
     return ring_block(sizes, rank, step + 1)
 
 
+def _fused_or_none(kernel: Callable[..., Any], *args: Any) -> Any:
+    """`kernel(*args)`, or None (and the PyTorch tiles from now on) if it fails to build or run here;
+    raised when ``WHOLEBATCH_TILES=triton`` forces the kernels."""
+    try:
+        return kernel(*args)
+    except Exception as failure:
+        if fused.forced():
+            raise
+        fused.disable(failure)
+        return None
+
+
+def _sigmoid_block_fused(
+    img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, g: Tensor, own: bool, acc: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """One block's (d img, d blk, d scale, d bias) from the fused kernels, or None (see `_fused_or_none`)."""
+    got = _fused_or_none(fused.sigmoid_grads, img_BD, blk_MD, s, b, 0, (0,) if own else ())
+    if got is None:
+        return None
+    uq_BD, uk_MD, p_B = (x.to(acc) for x in got)
+    # z = s·q·k + b: dz/dq = s·k, dz/ds = q·k, dz/db = 1; d softplus(z)/dz = σ(z)
+    ds = g * (img_BD.to(acc) * uq_BD).sum()
+    return uq_BD.mul_(g * s), uk_MD.mul_(g * s), ds, g * p_B.sum()
+
+
+def _sigmoid_block_torch(
+    img: Tensor,
+    blk_MD: Tensor,
+    s: Tensor,
+    b: Tensor,
+    g: Tensor,
+    tile: int,
+    acc: torch.dtype,
+    own: bool,
+    di_BD: Tensor,
+    dblk_MD: Tensor,
+    ds: Tensor,
+    db: Tensor,
+) -> None:
+    """One block's gradients, tile by tile, added in place to (di_BD, dblk_MD, ds, db)."""
+    for i0 in range(0, img.shape[0], tile):
+        q_TD = img[i0 : i0 + tile]
+        for j0 in range(0, blk_MD.shape[0], tile):
+            k_TD = blk_MD[j0 : j0 + tile]
+            z_TT = _mm_acc(q_TD, k_TD.T, acc).mul_(s).add_(b)
+            if own:
+                z_TT.diagonal(i0 - j0).fill_(float("-inf"))
+            # d softplus(z)/dz = sigmoid(z)
+            g_TT = z_TT.sigmoid_().mul_(g)
+            gk_TD = _mm_acc(g_TT.to(k_TD.dtype), k_TD, acc)
+            ds += (q_TD.to(acc) * gk_TD).sum()
+            db += g_TT.sum()
+            di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
+            dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
+
+
 def _softplus_sum(
     img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, tile: int, acc: torch.dtype, own: bool
 ) -> Tensor:
@@ -614,6 +732,12 @@ def _softplus_sum(
     `own`: the block is this rank's own texts, whose pairs (i, i) are the
     positives, left out (their terms softplus(−z_ii) are computed apart).
     """
+    if fused.use_fused(img_BD):
+        got: Tensor | None = _fused_or_none(
+            fused.sigmoid_sum, img_BD, blk_MD, s, b, 0, (0,) if own else ()
+        )
+        if got is not None:
+            return got.sum().to(acc)
     total = torch.zeros((), dtype=acc, device=img_BD.device)
     for i0 in range(0, img_BD.shape[0], tile):
         q_TD = img_BD[i0 : i0 + tile]
@@ -637,7 +761,9 @@ class SigmoidRing(torch.autograd.Function):
     gradient along with it, W - 1 shifts of the block (its own dtype) and its
     gradient (the compute dtype), and one last shift that returns each
     gradient to its owner. Peak memory O(B·D + T²),
-    independent of W.
+    independent of W. Each block's softplus sum and gradients come from the
+    fused kernels (`fused.sigmoid_sum`, `fused.sigmoid_grads`) where
+    `fused.use_fused` says, else the PyTorch tiles.
 
     Backward: exact adjoint of the distributed sum; each rank's text gradient
     collects every rank's image rows' contributions, so the sum over ranks of
@@ -688,23 +814,20 @@ class SigmoidRing(torch.autograd.Function):
         wire_MD = txt_BD.detach()
         dblk_MD = torch.zeros(wire_MD.shape, dtype=acc, device=wire_MD.device)
         rank, peers = get_rank(group), ring_peers(group) if w > 1 else (0, 0)
+        fast = fused.use_fused(img_BD)
         for step in range(w):
-            blk_MD = wire_MD.to(img.dtype)
-            for i0 in range(0, img_BD.shape[0], tile):
-                q_TD = img[i0 : i0 + tile]
-                for j0 in range(0, blk_MD.shape[0], tile):
-                    k_TD = blk_MD[j0 : j0 + tile]
-                    z_TT = _mm_acc(q_TD, k_TD.T, acc).mul_(s).add_(b)
-                    if step == 0:
-                        z_TT.diagonal(i0 - j0).fill_(float("-inf"))
-                    # d softplus(z)/dz = sigmoid(z)
-                    g_TT = z_TT.sigmoid_().mul_(g)
-                    gk_TD = _mm_acc(g_TT.to(k_TD.dtype), k_TD, acc)
-                    ds += (q_TD.to(acc) * gk_TD).sum()
-                    db += g_TT.sum()
-                    di_BD[i0 : i0 + tile] += gk_TD.mul_(s)
-                    dblk_MD[j0 : j0 + tile] += _mm_acc(g_TT.T.to(q_TD.dtype), q_TD, acc).mul_(s)
-            del blk_MD
+            # the fused kernels for this block, or (failed, or not chosen) the PyTorch tiles
+            got = _sigmoid_block_fused(img_BD, wire_MD, s, b, g, step == 0, acc) if fast else None
+            fast = got is not None
+            if got is not None:
+                di_BD += got[0]
+                dblk_MD += got[1]
+                ds += got[2]
+                db += got[3]
+            else:
+                _sigmoid_block_torch(
+                    img, wire_MD.to(img.dtype), s, b, g, tile, acc, step == 0, di_BD, dblk_MD, ds, db
+                )  # fmt: skip
             rows = _ring_next(sizes, rank, step) if w > 1 else 0
             if step < w - 1:
                 wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group, peers=peers)

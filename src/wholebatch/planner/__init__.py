@@ -1,6 +1,7 @@
 """Planning: what a whole-batch step costs per rank, before anyone books the GPUs.
 
-`core` holds `plan` and its result types, `config` the `PlanConfig`, `traffic`
+`core` holds `plan` and its result types, `config` the `PlanConfig`, `mesh` the
+device mesh a plan may size (dp, dp_replicate, cp, tp, pp), `traffic`
 the bytes each collective moves (from `wholebatch.comm.sizes`, the collectives'
 own bookkeeping), `memory` the loss kernels' memory, `report` the tables,
 `plots` the PNG plots (matplotlib, imported only there), `measure` a model's

@@ -8,9 +8,12 @@ bytes; GB/s is 10^9 bytes per second; TFLOP/s is 10^12.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from wholebatch.errors import WholebatchError
 from wholebatch.losses.specs import SPECS
+from wholebatch.planner.mesh import PlanMesh
 
 __all__ = ["DIRECTIONS", "DTYPE_BYTES", "LOSSES", "PlanConfig"]
 
@@ -20,6 +23,7 @@ DIRECTIONS = tuple(dict.fromkeys(d for s in SPECS.values() for d in s.directions
 _WITH_NEGATIVES = tuple(name for name, s in SPECS.items() if s.negatives)
 _WITH_DIRECTIONS = tuple(name for name, s in SPECS.items() if s.directions)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+_DEFAULT_WORLD = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,8 +62,14 @@ class PlanConfig:
     """dtype of the embeddings the loss receives: fp32, bf16, fp16 or fp64
     (the tiled kernels compute in float32 for 16-bit inputs)."""
 
-    world: int = 8
-    """W, ranks (one per GPU) in the data-parallel group."""
+    world: int = 0
+    """W, ranks (one per GPU) in the data-parallel group (a flat world of DDP replicas);
+    0 (the default): 8 in a flat world, the mesh's size with mesh (a different W is an error)."""
+
+    mesh: str = ""
+    """A device mesh instead of a flat world, dims and sizes as for wholebatch verify --mesh,
+    e.g. dp=2,tp=2,cp=1,pp=1: dp (FSDP2 shards over dp x cp), dp_replicate (DDP, HSDP's
+    replicate dim) and cp split the items; tp replicates them; pp: stages, the loss on the last."""
 
     gpus_per_node: int = 8
     """GPUs per node: rings within a node use the intra-node link, the rest the inter-node link."""
@@ -82,7 +92,12 @@ class PlanConfig:
     (16: fp32 weights and gradients plus Adam's two moments)."""
 
     grad_bytes: int = 4
-    """Bytes per gradient element on DDP's all-reduce (4: fp32; 2: bf16/fp16 compression)."""
+    """Bytes per gradient element on DDP's all-reduce (4: fp32; 2: bf16/fp16 compression)
+    and FSDP2's reduce-scatter (a mesh with dp or cp)."""
+
+    param_bytes: int = 4
+    """Bytes per parameter element FSDP2 all-gathers, forward and backward (a mesh with dp
+    or cp; 4: fp32; 2: MixedPrecisionPolicy(param_dtype=torch.bfloat16))."""
 
     tokens: int = 256
     """Tokens (or patches) per sample, for the compute estimate 6 x params x tokens FLOPs."""
@@ -126,7 +141,9 @@ class PlanConfig:
             raise bad("loss", self.loss, f"is not one of {', '.join(LOSSES)}")
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
-        for name in ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes"):
+        self._check_mesh(bad)
+        names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes")
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, value, "must be a positive int")
@@ -155,10 +172,9 @@ class PlanConfig:
             raise bad("strategy", self.strategy, f"is not one of {offered} for loss={self.loss!r}")
         if self.world > 65536:
             raise bad("world", self.world, "is above the 65,536 ranks the planner answers for")
-        if self.batch < self.world and self.loss != "tokens":
-            raise bad(
-                "batch", self.batch, f"is smaller than world={self.world}: give every rank a row"
-            )
+        if self.batch < self.shards and self.loss != "tokens":
+            where = f"world={self.world}" if not self.mesh else f"the {self.shards} item shards"
+            raise bad("batch", self.batch, f"is smaller than {where}: give every rank a row")
         positive = ("memory_gib", "intra_gbs", "inter_gbs", "tflops", "hbm_gbs", "state_bytes")
         for name in positive:
             value = getattr(self, name)
@@ -172,6 +188,36 @@ class PlanConfig:
             raise bad(
                 "reserve_gib", self.reserve_gib, f"must be below memory_gib={self.memory_gib}"
             )
+
+    def _check_mesh(self, bad: Callable[[str, object, str], WholebatchError]) -> None:
+        """Resolve `world` 0: 8 flat, the mesh's size with `mesh` (a different world: an error)."""
+        if not isinstance(self.mesh, str):
+            raise bad("mesh", self.mesh, "must be a string of dims and sizes, e.g. 'dp=2,tp=2'")
+        if not self.mesh:
+            if self.world == 0:
+                object.__setattr__(self, "world", _DEFAULT_WORLD)
+            return
+        shape = PlanMesh.parse(self.mesh)
+        if self.world not in (0, shape.world):
+            raise bad(
+                "world", self.world, f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
+                "leave world out (it is the mesh's size) or give the same number",
+            )  # fmt: skip
+        if self.plots:
+            raise bad("plots", self.plots, "sweeps a flat world's W; plot without mesh")
+        object.__setattr__(self, "world", shape.world)
+
+    @functools.cached_property
+    def mesh_shape(self) -> PlanMesh | None:
+        """`mesh` parsed (None: a flat world)."""
+        return PlanMesh.parse(self.mesh) if self.mesh else None
+
+    @property
+    def shards(self) -> int:
+        """B: the item shards, the ranks a whole-batch loss gathers over (W in a flat world;
+        dp_replicate x dp x cp on a mesh)."""
+        m = self.mesh_shape
+        return self.world if m is None else m.batch
 
     @property
     def direction_list(self) -> tuple[str, ...]:

@@ -7,6 +7,11 @@ loss memory from the kernels' measured buffer counts (`wholebatch.planner.memory
 times from bandwidths and FLOP rates the caller gives. Everything is per rank
 and per optimizer step; a rank is one GPU. See docs/plan.md.
 
+On a device mesh (`PlanConfig.mesh`, `wholebatch.planner.mesh`) the items are split
+over the batch group (dp_replicate x dp x cp ranks), the loss's collectives run
+over it, state is divided over tp x pp and FSDP2's dp x cp, and each collective
+names the dims it runs over.
+
 Legend: W ranks, N global rows, B a rank's rows (the largest, with an uneven
 split), D dim, K micro-batches per rank, T tile.
 """
@@ -23,11 +28,14 @@ from wholebatch.losses.sizing import auto_strategy, tile_size_for
 from wholebatch.losses.specs import COLUMN_PASSES, SPECS
 from wholebatch.planner.config import PlanConfig
 from wholebatch.planner.memory import STRATEGY_NAMES, loss_memory
+from wholebatch.planner.mesh import ENGINE_ROW_FIELDS
 from wholebatch.planner.traffic import (
     Collective,
     ddp_grad_traffic,
+    engine_row_traffic,
     gather_traffic,
     loss_traffic,
+    mesh_grad_traffic,
     representative_ranks,
     ring_traffic,
 )
@@ -118,11 +126,23 @@ class Plan:
     assumptions: tuple[str, ...]
     seconds: float
     """Wall time the planner took."""
+    other_stages_peak: int | None = None
+    """On a mesh with pp > 1: the peak of a rank of any stage but the last (which holds the
+    loss, and is the busiest one `memory` describes): its parameters and activations."""
 
     def bytes(self, phase: str | None = None) -> tuple[int, int]:
         """(sent, received) bytes per rank per step, over `phase` ("forward"/"backward") or both."""
         rows = [c for c in self.collectives if phase is None or c.phase == phase]
         return sum(c.sent for c in rows), sum(c.received for c in rows)
+
+    def bytes_by_dims(self) -> dict[str, tuple[int, int]]:
+        """(sent, received) bytes per rank per step by the mesh dims each collective runs
+        over ("dp x cp": the batch group; "": a flat world), in the order they first occur."""
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.collectives:
+            sent, received = out.get(c.dims, (0, 0))
+            out[c.dims] = (sent + c.sent, received + c.received)
+        return out
 
     def to_json(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
@@ -133,6 +153,11 @@ class Plan:
         out["bytes_per_rank"] = {
             "forward_sent": fs, "forward_received": fr, "backward_sent": bs, "backward_received": br,
         }  # fmt: skip
+        if self.config.mesh:
+            out["bytes_per_dims"] = {
+                d or "world": {"sent": s, "received": r}
+                for d, (s, r) in self.bytes_by_dims().items()
+            }
         return out
 
     def format(self) -> str:
@@ -147,7 +172,34 @@ class Plan:
 
 
 def _static(c: PlanConfig) -> int:
-    return int(c.params * c.state_bytes)
+    """Parameters x state_bytes on one rank: all of them in a flat world (DDP); on a mesh
+    the rank's 1/(tp x pp) part, of which FSDP2 keeps 1/(dp x cp)."""
+    m = c.mesh_shape
+    if m is None:
+        return int(c.params * c.state_bytes)
+    return int(c.params * c.state_bytes / (m.model_split * m.shard))
+
+
+def grad_traffic(c: PlanConfig) -> list[Collective]:
+    """The step's data-parallel gradient collectives on one rank: DDP's all-reduce over W,
+    or on a mesh FSDP2's over dp x cp and DDP's / HSDP's over dp_replicate (traffic.py)."""
+    m = c.mesh_shape
+    if m is None:
+        return ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
+    return mesh_grad_traffic(
+        c.params / m.model_split, c.grad_bytes, c.param_bytes, m.shard, m.size("dp_replicate"),
+        shard_dims=m.label(("dp", "cp")), replicate_dims=m.label(("dp_replicate",)),
+    )  # fmt: skip
+
+
+def _engine_rows(c: PlanConfig) -> list[Collective]:
+    """On a mesh, the engine's agreement rows (loss "tokens": `Accumulator`, or
+    `PipelineAccumulator` with pp > 1), over every rank of the mesh."""
+    m = c.mesh_shape
+    if m is None or c.loss != "tokens":
+        return []
+    engine = "pipeline" if m.size("pp") > 1 else "accumulator"
+    return engine_row_traffic(ENGINE_ROW_FIELDS[engine], m.world, m.world_label)
 
 
 def _act(c: PlanConfig, rows: int) -> int:
@@ -176,7 +228,7 @@ def _own(c: PlanConfig, n: int) -> str:
 def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
     return loss_memory(
         c.loss, strategy=strategy or _own(c, n), n=n, b=b, dim=c.dim, elem=c.elem,
-        acc=c.acc, tile=tile, w=c.world, negatives=c.negatives, directions=c.direction_list,
+        acc=c.acc, tile=tile, w=c.shards, negatives=c.negatives, directions=c.direction_list,
     )  # fmt: skip
 
 
@@ -252,7 +304,7 @@ def _choose_tile(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = No
 
 
 def _fits_any_k(c: PlanConfig, n: int) -> bool:
-    b = math.ceil(n / c.world)
+    b = math.ceil(n / c.shards)
     tile = _choose_tile(c, n, b)  # the tile a plan at this batch would choose
     k = c.micro_batches or max(1, b)
     return _memory(c, n, b, min(k, max(b, 1)), tile).peak <= c.budget
@@ -262,7 +314,7 @@ def _largest_batch(c: PlanConfig, fixed_k: bool) -> int | None:
     if c.loss == "tokens" and not fixed_k:
         return None  # more micro-batches always fit: activations are one micro-batch's
     probe = c if fixed_k else dataclasses.replace(c, micro_batches=0)
-    lo, hi = 0, c.world
+    lo, hi = 0, c.shards
     while _fits_any_k(probe, hi):
         lo, hi = hi, hi * 2
         if hi > 2**50:
@@ -293,9 +345,11 @@ def _times(c: PlanConfig, n: int, b: int, k: int, loss_rows: list[Collective]) -
     # the last one's graph from pass 1): (K - 1)/K of the rows, a forward being a
     # third of forward + backward.
     extra = (k - 1) / (3 * k) if c.loss != "tokens" and k > 1 else 0.0
-    model = flops * b * (1 + extra) / (c.tflops * 1e12)
+    m = c.mesh_shape
+    split = 1 if m is None else m.model_split  # a rank computes its tp x pp part of the model
+    model = flops * b * (1 + extra) / (c.tflops * 1e12 * split)
     loss_s = 0.0 if c.loss == "tokens" else _loss_seconds(c, n, b)
-    ddp = ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
+    ddp = grad_traffic(c)
     return Times(
         model=model,
         loss=loss_s,
@@ -310,8 +364,8 @@ def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
     passes: float = spec.passes
     if spec.kernel == "symmetric":
         m = spec.views * n
-        elements = m**2 / 2 / c.world  # the upper triangle, dealt over the ranks
-        mm = 4.0 * m * m * c.dim / c.world
+        elements = m**2 / 2 / c.shards  # the upper triangle, dealt over the batch group
+        mm = 4.0 * m * m * c.dim / c.shards
     else:
         dirs = c.direction_list
         cands = n * spec.key_rows(c.negatives)
@@ -397,7 +451,8 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
     Args:
         config: the run (default: `PlanConfig()`).
         sizes: rows per rank, if not an even split of `config.batch` over
-            `config.world` (they must sum to `batch` and have `world` entries).
+            `config.world` (they must sum to `batch` and have `world` entries); on a
+            mesh, rows per item shard (`config.shards` entries: dp_replicate x dp x cp).
 
     Returns:
         A `Plan`; `plan.format()` renders tables, `plan.to_json()` a dict.
@@ -405,28 +460,32 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
     t0 = time.perf_counter()
     c = config or PlanConfig()
     if sizes is None:
-        rows = split_rows(c.batch, c.world)
+        rows = split_rows(c.batch, c.shards)
     else:
         rows = [int(s) for s in sizes]
-        if len(rows) != c.world or sum(rows) != c.batch or min(rows) < 0:
+        if len(rows) != c.shards or sum(rows) != c.batch or min(rows) < 0:
+            what = f"world={c.world}" if c.mesh_shape is None else f"{c.shards} (item shards)"
             raise WholebatchError(
-                f"plan: sizes must have world={c.world} entries >= 0 summing to batch={c.batch}; "
+                f"plan: sizes must have {what} entries >= 0 summing to batch={c.batch}; "
                 f"got {len(rows)} entries summing to {sum(rows)}"
             )
     n, b = c.batch, max(rows)
+    m = c.mesh_shape
+    batch_dims = "" if m is None else m.batch_label
     tile = _choose_tile(c, n, b, rows)
     k = _choose_k(c, n, b, tile)
     mem = _memory(c, n, b, k, tile)
     ranks = representative_ranks(rows)
     traffic = _Traffic(c, rows)
     per_rank = {}
+    grads = grad_traffic(c)
     for r in ranks:
         coll = [] if c.loss == "tokens" else traffic(_own(c, n), r)
-        per_rank[r] = coll + ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
+        per_rank[r] = [dataclasses.replace(x, dims=batch_dims) for x in coll]
     busiest = max(ranks, key=lambda r: (sum(x.sent + x.received for x in per_rank[r]), rows[r]))
-    collectives = per_rank[busiest]
-    loss_rows = [x for x in collectives if not x.name.startswith("DDP")]
-    times = _times(c, n, b, k, loss_rows)
+    loss_rows = per_rank[busiest]
+    collectives = loss_rows + _engine_rows(c) + grads
+    times = _times(c, n, b, k, loss_rows + _engine_rows(c))
     return Plan(
         config=c, rows_per_rank=(min(rows), b), ranks_counted=tuple(ranks), micro_batches=k,
         micro_batch_rows=math.ceil(b / k) if b else 0, tile=tile, fits=mem.peak <= c.budget,
@@ -435,7 +494,37 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
         max_batch_at_k=_largest_batch(dataclasses.replace(c, micro_batches=k), fixed_k=True),
         strategies=tuple(_strategies(c, n, rows, busiest, tile, traffic)),
         assumptions=tuple(_assumptions(c)), seconds=time.perf_counter() - t0,
+        other_stages_peak=_other_stages_peak(c, b, k),
     )  # fmt: skip
+
+
+def _other_stages_peak(c: PlanConfig, b: int, k: int) -> int | None:
+    """pp > 1: a stage without the loss holds its parameters and one micro-batch's activations."""
+    m = c.mesh_shape
+    if m is None or m.size("pp") == 1:
+        return None
+    return _static(c) + _act(c, math.ceil(b / k) if b else 0)
+
+
+def _parallel_assumption(c: PlanConfig) -> str:
+    m = c.mesh_shape
+    if m is None:
+        return (
+            "DDP replicas (no FSDP sharding); the model's activations scale with micro-batch rows"
+        )
+    out = (
+        f"mesh {m.describe()}: the items are split over the {m.batch} ranks of {m.batch_label} "
+        "(the loss gathers over them); tp ranks replicate them; parameters, gradients and "
+        f"optimizer state are 1/(tp x pp) per rank, FSDP2 keeping 1/{m.shard} of that "
+        "(dp x cp); act_mib is one rank's activations per item as measured on its part "
+        "of the model; tensor-parallel collectives and pipeline sends are not counted"
+    )
+    if m.size("pp") > 1:
+        out += (
+            "; pp: the loss on the last stage (the ranks planned), every stage the same "
+            "share of parameters, in-flight micro-batches of the schedule not counted"
+        )
+    return out
 
 
 def _assumptions(c: PlanConfig) -> list[str]:
@@ -445,7 +534,7 @@ def _assumptions(c: PlanConfig) -> list[str]:
         f"rings cross the {link} link: {c.inter_gbs if link == 'inter-node' else c.intra_gbs:g} GB/s "
         f"per GPU per direction, {c.latency_us:g} us per message round; no overlap of communication and compute",
         "all-reduce: ring model 2(W-1)/W of the tensor (NCCL trees/NVLS move less at scale)",
-        "DDP replicas (no FSDP sharding); the model's activations scale with micro-batch rows",
+        _parallel_assumption(c),
         f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute for 16-bit; "
         "CUDA's 16-bit path skips some float32 copies), an even split",
         "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
@@ -456,8 +545,8 @@ def _assumptions(c: PlanConfig) -> list[str]:
             "K > 1 uses gradient caching (wholebatch.GradCache / CachedStep): K - 1 extra forwards, "
             "the last micro-batch's graph kept through the loss"
         )
-    if c.loss != "tokens" and not c.known_sizes and c.world > 1:
-        row = 8 * (c.world - 1) * 15
+    if c.loss != "tokens" and not c.known_sizes and c.shards > 1:
+        row = 8 * (c.shards - 1) * 15
         if row > 2**20:
             out.append(
                 f"the losses' metadata exchange all-gathers ~{row / 2**20:.0f} MiB per rank per call "

@@ -45,7 +45,8 @@ other N, W (3), k and dtypes (docs/plan.md).
   16-bit 4a + 4e at W = 1, 5a + 3e at W = 2, 5a + 4e from W = 3 (the blocks
   travel in their own dtype, their gradients in float32).
 - clip and info_nce with `strategy="ring"` (`PositiveRing`): only B·D and
-  B·J·D blocks (J = 1 + k), independent of N: see `_positive_ring`; 2.8 T²·a
+  B·J·D buffers (J = 1 + k) and chunks of about a tile's candidates (the
+  blocks travel in chunks), independent of N: see `_positive_ring`; 2.8 T²·a
   of tiles.
 - Tiles: 2.5 T²·a for clip and info_nce (the tile and one buffer that holds
   the rows' exponentials, then the columns', then the gradient tile), 2 for
@@ -82,26 +83,35 @@ def _ring_per_bd(w: int, elem: int, acc: int) -> float:
 
 
 def _positive_ring(
-    b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str]
+    b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str], tile: int
 ) -> float:
-    """`PositiveRing` (clip, info_nce with strategy="ring"): B·D and B·J·D buffers only.
+    """`PositiveRing` (clip, info_nce with strategy="ring"): B·D, B·J·D and chunk buffers only.
 
-    Read off peak RSS at W = 2 and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and
-    1,024; tests/support/plan_memprobe.py, docs/plan.md): float32 3.7a per B·J·D element at
-    W = 2 and 4.8a from W = 3 (the block held and the one arriving, the gradient
-    accumulated and the one arriving, the queries' gradient; the scale is applied per
-    tile), 1.6a more with hard negatives (the [document | negatives] row and the
-    candidate-ordered copies); 16-bit inputs 2.36a per B·D + 4.72a per B·J·D at W = 2,
-    1.28a + 5.88a from W = 3 (the float32 copies of queries and blocks); each extra
-    direction's ring (query_to_query, doc_to_doc) 1.05a per B·J·D more. W = 1 (nothing
-    in flight, not measured): 3a.
+    The blocks travel in chunks of about one tile of candidates (T / J rows, at most
+    the block), so a rank holds about ONE block of each travelling tensor (the held
+    chunks not yet sent and the arriving ones), not two. Read off peak RSS at W = 2
+    and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and 1,024;
+    tests/support/plan_memprobe.py, docs/plan.md): float32 a per B·D (the queries'
+    gradient) + 2a per B·J·D (the travelling block and its travelling gradient; at
+    the end the gradient's chunks and their join), + 1.23a per B·J·D with hard
+    negatives (the caller's [document | negatives] rows and their gradients' copies);
+    16-bit inputs 2a per B·D (the queries' gradient and their float32 copy) + 1.38a
+    per B·J·D, (0.83 + k)a with k hard negatives (fitted at k = 1 and 2: the
+    caller's rows and copies grow faster than the ring's own buffers; not broken
+    down); chunks in flight 1.4a per chunk element at W = 2, 2a from W = 3 (the
+    sent chunk alive until the next is computed, the arriving one, the tile's two
+    T x D products; measured 0.2a-3.5a from W = 3: a receive buffer is resident
+    only once its chunk has arrived, so the peak depends on how far the arriving
+    chunks lag behind the computed ones, and 2a is the middle); each extra direction's ring (query_to_query, doc_to_doc)
+    1.05a per B·J·D more. W = 1 (nothing in flight, not measured): as W = 2.
     """
     bd, bjd = b * dim, b * (1 + k) * dim
+    chunk = min(max(1, tile // (1 + k)), max(b, 1)) * (1 + k) * dim
     if elem < acc:
-        out = (2.36 * bd + 4.72 * bjd if w == 2 else 1.28 * bd + 5.88 * bjd) * acc
+        out = 2.0 * acc * bd + (0.83 + k if k else 1.38) * acc * bjd
     else:
-        base = 3.0 if w == 1 else (3.7 if w == 2 else 4.8)
-        out = (base + (1.6 if k else 0.0)) * acc * bjd
+        out = acc * (bd + 2.0 * bjd) + (1.23 * acc * bjd if k else 0.0)
+    out += (1.4 if w <= 2 else 2.0) * acc * chunk
     extra = sum(d in directions for d in ("query_to_query", "doc_to_doc"))
     return out + 1.05 * acc * bjd * extra
 
@@ -175,7 +185,7 @@ def loss_memory(
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
     if strategy == "ring + tiled" and spec.kernel == "positive" and RING in spec.strategies:
-        return int(_positive_ring(b, dim, elem, acc, w, k, directions) + 2.8 * tiles)
+        return int(_positive_ring(b, dim, elem, acc, w, k, directions, tile) + 2.8 * tiles)
     if strategy == "ring + tiled":  # SigmoidRing's schedule (the comparison for other losses)
         width = spec.key_rows(k)  # key blocks of `width` x D per row
         buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers

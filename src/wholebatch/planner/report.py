@@ -65,11 +65,22 @@ def _header(p: Plan) -> list[str]:
         if c.loss == "tokens"
         else f"{c.loss}, D = {c.dim}, {c.dtype}"
     )
-    return [
-        f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
-        f"({max(1, -(-c.world // c.gpus_per_node)):,} node(s) of {c.gpus_per_node}); {split}",
-        "",
+    nodes = f"({max(1, -(-c.world // c.gpus_per_node)):,} node(s) of {c.gpus_per_node})"
+    m = c.mesh_shape
+    if m is None:
+        return [f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
+                f"{nodes}; {split}", ""]  # fmt: skip
+    per = split.replace("per rank", f"per item shard ({m.batch_label}; tp replicas see the same)")
+    out = [
+        f"wholebatch plan: {what}; global batch {c.batch:,} over the mesh {m.describe()}: "
+        f"W = {c.world:,} {nodes}, B = {m.batch:,} item shards; {per}",
     ]
+    if m.size("pp") > 1:
+        out.append(
+            "the ranks planned are the last pipeline stage's (they hold the loss); "
+            f"other stages' peak: {human_bytes(p.other_stages_peak or 0)}"
+        )
+    return [*out, ""]
 
 
 def _memory_lines(p: Plan) -> list[str]:
@@ -106,23 +117,34 @@ def _bytes_lines(p: Plan) -> list[str]:
         if len(p.ranks_counted) == 1
         else "busiest of " + str(list(p.ranks_counted))
     )
+    mesh = bool(p.config.mesh)
     rows = [
-        [x.phase, x.name, x.primitive, f"{x.calls:,}", human_bytes(x.sent), human_bytes(x.received)]
+        [x.phase, x.name, *([x.dims] if mesh else []), x.primitive, f"{x.calls:,}",
+         human_bytes(x.sent), human_bytes(x.received)]
         for x in p.collectives
-    ]
+    ]  # fmt: skip
     fs, fr = p.bytes("forward")
     bs, br = p.bytes("backward")
-    rows.append(["", "total forward", "", "", human_bytes(fs), human_bytes(fr)])
-    rows.append(["", "total backward", "", "", human_bytes(bs), human_bytes(br)])
-    header = ["phase", "collective", "primitive", "calls", "sent", "received"]
-    return [f"bytes per rank per step (rank {counted}):"] + ["  " + r for r in _table(header, rows)]
+    pad = [""] * (3 if mesh else 2)
+    rows.append(["", "total forward", *pad, human_bytes(fs), human_bytes(fr)])
+    rows.append(["", "total backward", *pad, human_bytes(bs), human_bytes(br)])
+    header = ["phase", "collective", *(["over"] if mesh else []), "primitive", "calls"]
+    header += ["sent", "received"]
+    what = "rank " + str(counted) if not mesh else "a rank of item shard " + str(counted)
+    out = [f"bytes per rank per step ({what}):"] + ["  " + r for r in _table(header, rows)]
+    if mesh:
+        dims = [[d, human_bytes(s), human_bytes(r)] for d, (s, r) in p.bytes_by_dims().items()]
+        out += ["", "bytes per rank per step by mesh dims:"]
+        out += ["  " + r for r in _table(["over", "sent", "received"], dims)]
+    return out
 
 
 def _time_lines(p: Plan) -> list[str]:
     t = p.times
     out = [
         f"time per step (estimate): model {human_seconds(t.model)}, loss {human_seconds(t.loss)}, "
-        f"loss communication {human_seconds(t.loss_comm)}, DDP all-reduce {human_seconds(t.ddp_comm)}; "
+        f"loss communication {human_seconds(t.loss_comm)}, "
+        f"{'gradient collectives' if p.config.mesh else 'DDP all-reduce'} {human_seconds(t.ddp_comm)}; "
         f"total {human_seconds(t.step)} "
         f"(communication {100 * (t.loss_comm + t.ddp_comm) / t.step:.0f}% of it)"
         if t.step > 0

@@ -59,8 +59,10 @@ __all__ = [
     "SCALARS",
     "Collective",
     "ddp_grad_traffic",
+    "engine_row_traffic",
     "gather_traffic",
     "loss_traffic",
+    "mesh_grad_traffic",
     "positive_ring_traffic",
     "representative_ranks",
     "ring_traffic",
@@ -88,6 +90,8 @@ class Collective:
     """Bytes this rank receives from other ranks (all calls)."""
     steps: int
     """Sequential message rounds (for the latency term): W - 1 per ring collective, 1 per shift."""
+    dims: str = ""
+    """On a mesh, the dims whose ranks it runs over (e.g. "dp x cp"); "": the flat world."""
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -308,7 +312,8 @@ def positive_ring_traffic(
     elements per row), and one more that takes them home. Backward: W - 1
     shifts of each block with its column coefficients, each followed by one of
     its accumulated gradient (the compute dtype), and one more that returns each
-    gradient to its owner.
+    gradient to its owner. The ring sends each block in chunks, each with its
+    statistics, coefficients or gradient: the same bytes per shift.
     """
     w = len(sizes)
     steps, home = range(w - 1), range(w - 1, w)
@@ -358,6 +363,66 @@ def ddp_grad_traffic(params: int, grad_elem: int, w: int) -> list[Collective]:
     return [
         _all_reduce("DDP gradient all-reduce (ring model)", "backward", params, grad_elem, w, 1)
     ]
+
+
+def mesh_grad_traffic(
+    params: float,
+    grad_elem: int,
+    param_elem: int,
+    shard: int,
+    replicate: int,
+    *,
+    shard_dims: str,
+    replicate_dims: str,
+) -> list[Collective]:
+    """The data-parallel collectives of one step on a mesh, for a rank holding `params` (its
+    tp/pp part): FSDP2 over the `shard` ranks (dp x cp), then DDP / HSDP over `replicate`.
+
+    FSDP2 (shard > 1): the parameters all-gathered in the forward and again in the
+    backward (reshard_after_forward=True, its default), the gradients reduce-scattered
+    once (ring model: each moves (S - 1)/S of the tensor per rank). The replicate dim
+    (replicate > 1): one ring all-reduce of the rank's gradient shard (params / S).
+    tp adds none (a DTensor's gradient is whole on its shard) and pp none (stages own
+    their parameters).
+    """
+    out: list[Collective] = []
+    if params <= 0:
+        return out
+    if shard > 1:
+        part = (shard - 1) / shard * params
+        gathered, reduced = round(part * param_elem), round(part * grad_elem)
+        for phase, what in (("forward", "forward"), ("backward", "backward re-gather")):
+            out.append(Collective(
+                name=f"FSDP2 parameter all-gather ({what})", phase=phase, primitive="all_gather",
+                calls=1, sent=gathered, received=gathered, steps=shard - 1, dims=shard_dims,
+            ))  # fmt: skip
+        out.append(Collective(
+            name="FSDP2 gradient reduce-scatter", phase="backward", primitive="reduce_scatter",
+            calls=1, sent=reduced, received=reduced, steps=shard - 1, dims=shard_dims,
+        ))  # fmt: skip
+    if replicate > 1:
+        what = "HSDP gradient all-reduce of the shard" if shard > 1 else "DDP gradient all-reduce"
+        row = _all_reduce(f"{what} (ring model)", "backward", round(params / shard), grad_elem,
+                          replicate, 1)  # fmt: skip
+        out.append(dataclasses.replace(row, dims=replicate_dims))
+    return out
+
+
+def engine_row_traffic(fields: dict[str, int], w: int, dims: str) -> list[Collective]:
+    """An engine's agreement rows: one all-gather of a float64 row per rank, per row, over `w`
+    ranks (`fields`: {"begin": its length, "finish": its length}; see `planner.mesh`)."""
+    if w <= 1:
+        return []
+    names = {
+        "begin": ("agree K and the normalisation table (float64 row)", "forward"),
+        "finish": ("agree N, loss, flags; replicas checked (float64 row)", "backward"),
+    }
+    out = []
+    for key, n in fields.items():
+        name, phase = names[key]
+        row = _gather(name, phase, [n] * w, 0, 8)
+        out.append(dataclasses.replace(row, dims=dims))
+    return out
 
 
 def representative_ranks(sizes: Sequence[int]) -> list[int]:

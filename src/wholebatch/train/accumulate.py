@@ -31,7 +31,8 @@ Other normalisations (`step(..., normalize=Normalize(mode, items=...))`: "sequen
 "constant", "group" over the whole step) cannot be applied after backward: their
 normalisers are per sequence or group, not one scalar. A counting pass over the
 micro-batches' index tensors (no forward) and the same all-gather that agrees K give
-every item its exact weight first (`wholebatch.train.normalize`).
+every item its exact weight first (`wholebatch.train.normalize`); on a mesh the
+table holds each data shard's rows once (agreed over the batch dims, replicas checked).
 
 Communication: micro-batches 0..K-2 run forward AND backward under `no_sync()`
 (DDP) or `set_requires_gradient_sync(False)` (FSDP2); the last synchronises:
@@ -64,10 +65,12 @@ from wholebatch.train.normalize import (
     StepWeights,
     begin_fields,
     check_agreed,
+    concat_tables,
     count_items,
     local_rows,
+    mesh_table,
+    rank_tables,
     read_items,
-    step_table,
 )
 from wholebatch.train.stepping import (
     OnNonFinite,
@@ -302,17 +305,11 @@ class Accumulator:
             WholebatchError: on every rank, when K differs across ranks or is 0, the
                 parameters hold gradients before the step, the model is a plain module
                 on W > 1 ranks without `rank_local=True`; with `normalize`, when a rank's
-                ids are bad, ranks disagree on the mode, a group has no item, or a loss's
-                shape is not its mask's (nothing is stepped).
+                ids are bad, ranks disagree on the mode, a group has no item, a loss's
+                shape is not its mask's, or (on a mesh) replicas report different tables
+                (nothing is stepped).
             NonFiniteStepError: on every rank, with on_nonfinite="raise".
         """
-        if normalize is not None and self.split is not None:
-            # Its weight table is gathered over every rank: tp replicas would count twice.
-            raise WholebatchError(
-                "Accumulator.step: normalize= is not supported with mesh= yet (its weight "
-                "table is agreed over every rank, so replicas would count twice); use the "
-                "default token mean (loss_fn returning (sum, count)) on a mesh"
-            )
         if normalize is not None and not isinstance(normalize, Normalize):
             raise WholebatchTypeError(
                 f"Accumulator.step: normalize must be a wholebatch.Normalize or None, got "
@@ -376,8 +373,19 @@ class Accumulator:
         table = None
         if norm.needs_table:
             empty = torch.empty(0, dtype=torch.long)
-            table = step_table(mine or (empty, empty, empty), rows, self.finisher.group)
-        return StepWeights(norm, ids, world_size=self.finisher.world_size, table=table)
+            tables = rank_tables(mine or (empty, empty, empty), rows, self.finisher.group)
+            if self.split is None:
+                table = concat_tables(tables)
+            else:  # one copy of each data shard's rows; replicas checked (normalize.mesh_table)
+                table = mesh_table(tables, self.split, self._table_dims(), op)
+        shards = self.finisher.world_size if self.split is None else self.split.batch_size
+        return StepWeights(norm, ids, world_size=shards, table=table)
+
+    def _table_dims(self) -> tuple[str, ...]:
+        """The mesh dims the normalisation table is agreed over: the batch dims (data and
+        context parallel), so each data shard's rows count once (tests override it)."""
+        assert self.split is not None
+        return tuple(self.split.batch_dims)
 
     def _normalized(
         self,

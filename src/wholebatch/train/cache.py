@@ -84,8 +84,8 @@ class CachedStep:
         rank_local: allow a plain module on W > 1 ranks (each rank on its own gradient).
         group: the data-parallel group; None: DDP's own, else the world.
         mesh: a `DeviceMesh` instead of `group` (docs/mesh.md); the loss must gather over
-            `MeshSplit(mesh=mesh, batch_dims=...).batch_group()` (e.g.
-            `clip_loss(..., group=that)`), and ranks that replicate the batch must
+            the batch dims only (`clip_loss(..., mesh=mesh, batch_dims=...)`, or
+            `group=MeshSplit(...).batch_group()`), and ranks that replicate the batch must
             report the same rows and loss (else the same error on every rank).
         batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
     """

@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,13 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from wholebatch.comm.agree import agree_rows
+from wholebatch.comm.agree import Field, agree_rows
 from wholebatch.comm.groups import get_world_size, is_distributed
+from wholebatch.comm.mesh import MeshSplit
+from wholebatch.comm.meshgroup import check_replicas, fingerprint_fields, resolve_split
 from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.meshstep import MeshReduction
 from wholebatch.train.wrappers import (
     ddp_of,
     fsdp_modules,
@@ -61,6 +64,9 @@ from wholebatch.train.wrappers import (
     set_fsdp_sync,
     unwrapped_error,
 )
+
+if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["EmbedFn", "GradCache", "LossFn"]
 
@@ -104,16 +110,28 @@ def _get_autocast() -> AutocastState:
     )
 
 
-def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | None = None) -> None:
+def _agree(
+    op: str,
+    error: str | None,
+    group: ProcessGroup | None,
+    *,
+    k: int | None = None,
+    split: MeshSplit | None = None,
+    parts: list[Embeddings] | None = None,
+) -> None:
     """Raise the same `WholebatchError` on every rank if any rank has an `error` (one small all-gather).
 
     With `k`, also if the ranks' micro-batch counts differ: FSDP2 gathers the
     parameters in every forward (and DDP may broadcast buffers), so every rank
-    must run as many forwards as every other.
+    must run as many forwards as every other. With `split` and `parts` (pass 1's
+    embeddings), also if ranks that replicate the batch embedded different rows
+    (their fingerprints travel in the same all-gather, `comm.meshgroup`).
     """
-    rows = agree_rows(
-        {"error": error is not None, "micro_batches": -1 if k is None else k}, group=group
-    )
+    row: dict[str, Field] = {"error": error is not None, "micro_batches": -1 if k is None else k}
+    if split is not None and parts is not None:
+        outputs = [list(p) for p in parts]  # one list per micro-batch: its outputs in order
+        row.update(fingerprint_fields(split, {"embeddings": [t for p in outputs for t in p]}))
+    rows = agree_rows(row, group=group)
     if not rows.ranks_where("error") and not rows.same("micro_batches"):
         ks = dict(enumerate(rows.ints("micro_batches")))
         raise WholebatchError(
@@ -122,6 +140,8 @@ def _agree(op: str, error: str | None, group: ProcessGroup | None, *, k: int | N
             "every rank). Give a short rank micro-batches of 0 rows"
         )
     rows.error(op, error)
+    if split is not None and parts is not None:
+        check_replicas(op, split, rows, ["embeddings"])
 
 
 def _loss_leaves(loss: Tensor, stop: object) -> list[Tensor]:
@@ -234,10 +254,21 @@ class GradCache:
         keep_last: keep micro-batch K-1's pass-1 graph for pass 2 (one forward fewer;
             its activations live while the loss runs: peak = one micro-batch PLUS the
             loss). False re-runs it (peak = the larger of the two): for a large loss.
+        mesh: a `DeviceMesh` instead of `group` (docs/mesh.md). K and errors are agreed
+            over the whole mesh, and in the same all-gather ranks that replicate the
+            batch (the same coordinate on every batch dim) are checked to have embedded
+            the same rows (else the same error on every rank); the loss's own leaves
+            are averaged over the batch dims' ranks; after a synchronising pass 2 the
+            model's gradients are multiplied by `MeshReduction.factor` / W_b (W_b the
+            product of the batch dims' sizes for "mean", 1 for "sum"), as `CachedStep`
+            rescales: 1, nothing done, for a mean over the batch dims. Pass the loss
+            the same mesh and batch dims (`clip_loss(..., mesh=, batch_dims=)`).
+        batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
     """
 
     _replay_rng: bool = True  # tests turn these off to show what each is for
     _reuse_last: bool = True
+    _mesh_rescale: bool = True
 
     def __init__(
         self,
@@ -248,6 +279,8 @@ class GradCache:
         rank_local: bool = False,
         group: ProcessGroup | None = None,
         keep_last: bool = True,
+        mesh: DeviceMesh | None = None,
+        batch_dims: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -264,6 +297,10 @@ class GradCache:
         self.rank_local = bool(rank_local)
         self.group = group
         self._reuse_last = bool(keep_last)
+        found = resolve_split("GradCache", group, mesh, batch_dims)
+        self.split: MeshSplit | None = None if found is None else found[0]
+        self._batch_group: ProcessGroup | None = None if found is None else found[1]
+        self._reductions: dict[int, tuple[nn.Module, MeshReduction]] = {}
 
     # -- the call (pass 1 and the loss) ---------------------------------------------
 
@@ -306,7 +343,9 @@ class GradCache:
         mbs = list(micro_batches)
         k = len(mbs)
         group = self._group(model)
-        _agree(op, self._static_error(model, k, group), group, k=k)
+        if self.split is not None:
+            self._mesh_reduction(model, op)  # the wrapper reduces every batch dim (or raises)
+        _agree(op, self._static_error(model, k, group), self._agree_group(model), k=k)
         grad = torch.is_grad_enabled()
         ddp = ddp_of(model)
         fsdp = fsdp_modules(model)
@@ -319,7 +358,7 @@ class GradCache:
         # synchronises on: that forward must come after every other pass-2 backward.
         keep = grad and self._reuse_last and not (ddp is not None and sync and k == 1)
         parts, rngs, autocasts, kept, error = self._first_pass(model, mbs, keep, ddp)
-        _agree(op, error, group)
+        _agree(op, error, self._agree_group(model), split=self.split, parts=parts)
         rows = [[t.shape[0] for t in p] for p in parts]
         n_rows = sum(r[0] for r in rows)
         if not grad:
@@ -348,10 +387,33 @@ class GradCache:
         return loss, n_rows
 
     def _group(self, model: nn.Module) -> ProcessGroup | None:
+        """The group the loss gathers over: on a mesh the batch dims', else `group` or DDP's."""
+        if self.split is not None:
+            return self._batch_group
         ddp = ddp_of(model)
         if self.group is None and ddp is not None:
             return ddp.process_group  # type: ignore[no-any-return]
         return self.group
+
+    def _agree_group(self, model: nn.Module) -> ProcessGroup | None:
+        """The group errors and K are agreed over: on a mesh every rank of it (the world)."""
+        return None if self.split is not None else self._group(model)
+
+    def _mesh_reduction(self, model: nn.Module, op: str) -> MeshReduction:
+        """What `model`'s wrapper does on the mesh (read once per model; raises the same
+        error on every rank when it does not reduce every batch dim)."""
+        assert self.split is not None
+        hit = self._reductions.get(id(model))
+        if hit is None or hit[0] is not model:
+            how = MeshReduction.of(
+                model,
+                self.split,
+                grad_reduction=self.grad_reduction,
+                allow_unreduced=self.rank_local,
+                op=op,
+            )
+            hit = self._reductions[id(model)] = (model, how)
+        return hit[1]
 
     def _static_error(self, model: nn.Module, k: int, group: ProcessGroup | None) -> str | None:
         ddp = ddp_of(model)
@@ -366,7 +428,7 @@ class GradCache:
                 "DDP with static_graph=True expects one forward per backward; build "
                 "DistributedDataParallel without static_graph for gradient caching"
             )
-        if not self.rank_local:
+        if not self.rank_local and self.split is None:  # on a mesh: MeshReduction.of
             return unwrapped_error(model, get_world_size(group), "GradCache")
         return None
 
@@ -534,11 +596,14 @@ class GradCache:
 
     @torch.no_grad()
     def _finish(self, p: _Pending, error: str | None) -> None:
-        """Agree pass 2's errors; average the loss's own leaves that no wrapper reduces."""
+        """Agree pass 2's errors; average the loss's own leaves that no wrapper reduces;
+        on a mesh, rescale the model's reduced gradients (`_rescale_on_mesh`)."""
         group = self._group(p.model)
         leaves = p.average if p.sync else []
         numel = sum(t.numel() for t in leaves)
-        rows = agree_rows({"error": error is not None, "numel": numel}, group=group)
+        rows = agree_rows(
+            {"error": error is not None, "numel": numel}, group=self._agree_group(p.model)
+        )
         rows.error(p.op, error)
         if not rows.same("numel"):
             raise WholebatchError(
@@ -546,6 +611,8 @@ class GradCache:
                 f"across ranks (elements per rank {dict(enumerate(rows.ints('numel')))}); every "
                 "rank's loss_fn must use the same ones"
             )
+        if p.sync:
+            self._rescale_on_mesh(p)
         if numel == 0 or not is_distributed(group):
             return
         for leaf in leaves:
@@ -563,3 +630,17 @@ class GradCache:
                 flat /= get_world_size(group)
             for g, new in zip(gs, torch.split(flat, [g.numel() for g in gs]), strict=True):
                 g.copy_(new.view_as(g))
+
+    def _rescale_on_mesh(self, p: _Pending) -> None:
+        """On a mesh, multiply the model's (reduced) gradients by factor / W_b: what is left
+        of `MeshReduction`'s rule once the loss carried W_b (the batch dims' size for
+        "mean", 1 for "sum"). Exactly 1, and nothing done, for a mean over the batch dims."""
+        if self.split is None or not self._mesh_rescale:
+            return
+        carried = float(self.split.batch_size) if self.grad_reduction == "mean" else 1.0
+        rescale = self._mesh_reduction(p.model, p.op).factor / carried
+        if rescale == 1.0:
+            return
+        for q in p.model.parameters():
+            if q.grad is not None:
+                q.grad.mul_(rescale)  # one by one: DTensor gradients may sit on different meshes

@@ -34,6 +34,12 @@ each rank's (sequence, group, count) rows ride on the all-gather that agrees K
 gives every item its exact weight before any backward. "token" keeps the
 after-backward rescale (no pre-pass) and "constant" needs no table.
 
+On a device mesh (`Accumulator(mesh=, batch_dims=)`) the rows are still gathered
+from every rank, and `mesh_table` keeps one copy of each data shard's rows (the
+ranks along the batch dims through this rank): a context-parallel sequence's
+counts add up over its cp ranks, and tensor-parallel replicas, which must report
+the same rows (checked, the same error on every rank), count once.
+
 `match_normalization` names which of these (whole step, or per micro-batch) a
 set of per-item weights matches: what a verify report says when a split step
 normalises otherwise than its reference.
@@ -54,6 +60,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from wholebatch.comm.agree import Field, Rows, agree_rows
+from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
@@ -67,12 +74,15 @@ __all__ = [
     "StepWeights",
     "begin_fields",
     "check_agreed",
+    "concat_tables",
     "count_items",
     "gather_table",
     "local_rows",
     "match_normalization",
+    "mesh_table",
     "mismatch_text",
     "mode_weights",
+    "rank_tables",
     "read_items",
     "step_table",
 ]
@@ -303,14 +313,103 @@ def step_table(
     mine: LocalRows, rows: Rows, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's (sequence, group, count) rows [R]: from `begin`'s row when they fit, else gathered."""
+    return concat_tables(rank_tables(mine, rows, group))
+
+
+def rank_tables(mine: LocalRows, rows: Rows, group: ProcessGroup | None) -> list[LocalRows]:
+    """Each rank's (sequence, group, count) rows [U_r], in rank order, padding dropped.
+
+    From `begin`'s row when every rank's rows fit in it, else from one more all-gather
+    over `group` (`gather_table`; every rank takes the same path: `norm_rows` is agreed).
+    """
     if max(rows.ints("norm_rows")) > INLINE_ROWS:
         return gather_table(mine, rows, group)
-    seq_R, grp_R, count_R = (
-        torch.tensor([v for r in rows.vectors(name) for v in r], dtype=torch.long)
-        for name in ("norm_sequence", "norm_group", "norm_count")
+    return _per_rank(rows, ("norm_sequence", "norm_group", "norm_count"))
+
+
+def _per_rank(rows: Rows, names: tuple[str, str, str]) -> list[LocalRows]:
+    """The three vector fields `names` of every rank as long tensors, padding rows (count -1) dropped."""
+    out: list[LocalRows] = []
+    for seq, grp, count in zip(*(rows.vectors(n) for n in names), strict=True):
+        seq_U, grp_U, count_U = (torch.tensor(v, dtype=torch.long) for v in (seq, grp, count))
+        real = count_U >= 0
+        out.append((seq_U[real], grp_U[real], count_U[real]))
+    return out
+
+
+def concat_tables(tables: Sequence[LocalRows]) -> tuple[Tensor, Tensor, Tensor]:
+    """The ranks' rows as one table [R] (every rank counted: a flat world)."""
+    empty = torch.empty(0, dtype=torch.long)
+    if not tables:
+        return empty, empty, empty
+    seq_R, grp_R, count_R = (torch.cat([t[i] for t in tables]) for i in range(3))
+    return seq_R, grp_R, count_R
+
+
+def mesh_table(
+    tables: Sequence[LocalRows], split: MeshSplit, dims: Sequence[str], op: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The step's table on a mesh: one copy of each data shard's rows, replicas checked.
+
+    `tables`: every rank's rows (`rank_tables`, gathered over the whole mesh). Ranks
+    that replicate a data shard (the same coordinates on every batch dim: tensor
+    parallel) must report the same rows, else the same `WholebatchError` on every
+    rank, naming them. The table is then the rows of the ranks along `dims` through
+    this rank (the split's batch dims: each data shard exactly once, so a context-parallel
+    sequence's counts are summed over its cp ranks and tp replicas are not counted twice).
+    """
+    holders: dict[int, list[int]] = {}
+    for r, shard in sorted(_batch_indices(split).items()):
+        holders.setdefault(shard, []).append(r)
+    for ranks in holders.values():
+        first = ranks[0]
+        bad = [r for r in ranks[1:] if not _same_rows(tables[r], tables[first])]
+        if bad:
+            shown = [first, *bad]
+            differ = tuple(d for d in split.replica_dims if split.sizes[d] > 1)
+            raise WholebatchError(
+                f"{op}: normalize: ranks {shown} replicate the same rows (the same coordinates "
+                f"on batch dims {tuple(split.batch_dims)}; they differ only on {differ}) but "
+                f"report different normalisation tables: {_table_text(tables, shown)}. "
+                f"Feed every rank of a {'/'.join(differ)} group the "
+                "same micro-batches (shard the data by the batch dims only), or name the dim "
+                "in batch_dims if its ranks are meant to hold different items (context parallel)"
+            )
+    return concat_tables([tables[r] for r in sorted(split.ranks_along(dims))])
+
+
+def _batch_indices(split: MeshSplit) -> dict[int, int]:
+    """Every rank's data shard (`MeshSplit.batch_index`), in one pass over the mesh: O(W)."""
+    sizes = split.sizes
+    out: dict[int, int] = {}
+    for flat, rank in enumerate(split.mesh.mesh.flatten().tolist()):
+        coord: dict[str, int] = {}
+        for d in reversed(split.dims):  # row-major, as the mesh tensor is laid out
+            coord[d] = flat % sizes[d]
+            flat //= sizes[d]
+        index = 0
+        for d in split.batch_dims:
+            index = index * sizes[d] + coord[d]
+        out[int(rank)] = index
+    return out
+
+
+def _table_text(tables: Sequence[LocalRows], ranks: Sequence[int]) -> str:
+    """`(sequence, group) rows {0: 6, 1: 6}, items in the mask {...}, first ids {...}`."""
+    rows = {r: int(tables[r][0].numel()) for r in ranks}
+    items = {r: int(tables[r][2].sum()) for r in ranks}
+    first = {
+        r: [(int(q), int(g)) for q, g in zip(*(t[:3].tolist() for t in tables[r][:2]), strict=True)]
+        for r in ranks
+    }
+    return (
+        f"(sequence, group) rows {rows}, items in the mask {items}, first "
+        f"(sequence, group) ids {first} (-1: not given)"
     )
-    real = count_R >= 0
-    return seq_R[real], grp_R[real], count_R[real]
+
+
+def _same_rows(a: LocalRows, b: LocalRows) -> bool:
+    return all(x.shape == y.shape and bool(torch.equal(x, y)) for x, y in zip(a, b, strict=True))
 
 
 def check_agreed(rows: Rows, op: str, error: str | None) -> None:
@@ -371,10 +470,8 @@ class StepWeights:
         return torch.where(it.mask_I, 1.0 / (self.units * n), torch.zeros_like(mask))
 
 
-def gather_table(
-    mine: LocalRows, rows: Rows, group: ProcessGroup | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Every rank's (sequence, group, count) rows [R] in one all-gather (int64), padding dropped.
+def gather_table(mine: LocalRows, rows: Rows, group: ProcessGroup | None) -> list[LocalRows]:
+    """Each rank's (sequence, group, count) rows [U_r] in one all-gather (int64), padding dropped.
 
     For a step whose rows do not fit in `begin`'s row; each rank's rows are padded to
     the longest (`norm_rows`).
@@ -391,12 +488,7 @@ def gather_table(
         group=group,
         dtype=torch.int64,
     )
-    seq_R, grp_R, count_R = (
-        torch.tensor([v for r in table.vectors(name) for v in r], dtype=torch.long)
-        for name in ("sequence", "group", "count")
-    )
-    real = count_R >= 0
-    return seq_R[real], grp_R[real], count_R[real]
+    return _per_rank(table, ("sequence", "group", "count"))
 
 
 def _global_counts(

@@ -15,14 +15,21 @@ only: each parameter's gradient comes from the first rank whose stage computed o
 (one all-gather), and each rank reports which parameters its stage owns. Each rank also records a fingerprint of what the model's
 forward received: ranks that replicate a data shard must have seen the same.
 
+A `TrainerSpec` on a mesh runs the same way, its trainer handed a `TrainerRun`
+with the mesh, the batch dims and this rank's row shard (`run.shard`, the same
+on its replicas); the optimizer verify gives it (`ModelGradRecorder`) follows
+the parameters the trainer registers, as a trainer that shards the model in
+its own setup (Lightning's `configure_model`) replaces them.
+
 Legend: W processes (the mesh's size), B row shards (the product of the batch
 dims' sizes), R = W / B ranks per row shard (the replicas), K micro-batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,15 +37,18 @@ from torch import Tensor, nn
 
 from wholebatch.comm.mesh import parse_mesh_shape
 from wholebatch.errors import WholebatchError
+from wholebatch.verify.recording import GradRecorder
+from wholebatch.verify.spec import rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from wholebatch.verify.spec import VerifySpec
+    from wholebatch.verify.spec import Spec, TrainerSpec
     from wholebatch.verify.worker import Condition, RankResult
 
 __all__ = [
     "REPLICAS_ONE",
+    "ModelGradRecorder",
     "coordinate",
     "current_mesh",
     "mesh_world",
@@ -163,7 +173,7 @@ def _full(g: Tensor | None, p: Tensor) -> Tensor | None:
 
 
 def split_rank_mesh(
-    spec: VerifySpec, condition: Condition, micro_batches: int, rank: int, world_size: int
+    spec: Spec, condition: Condition, micro_batches: int, rank: int, world_size: int
 ) -> RankResult:
     """One rank of a split run on `condition.mesh` (called in a forked process in the W-rank group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -171,11 +181,10 @@ def split_rank_mesh(
     from wholebatch.verify import worker
     from wholebatch.verify.recording import (
         DtypeMeter,
-        GradRecorder,
         collectives_in_functions,
         collectives_seen,
     )
-    from wholebatch.verify.spec import fingerprint, rows, split_batch
+    from wholebatch.verify.spec import TrainerSpec, fingerprint
 
     shape = parse_mesh_shape(condition.mesh)
     if math.prod(shape.values()) != world_size:
@@ -183,14 +192,10 @@ def split_rank_mesh(
             f"verify: mesh {condition.mesh!r} needs {math.prod(shape.values())} processes, "
             f"the run has {world_size}"
         )
-    dims = row_dims(shape, spec.batch_dims)
-    b = math.prod(shape[d] for d in dims)
-    shard = shard_of(shape, dims, rank)
-    coord = coordinate(shape, rank)
-    primary = all(coord[d] == 0 for d in shape if d not in dims)
+    at = _MeshRank(shape=shape, dims=row_dims(shape, spec.batch_dims), rank=rank, k=micro_batches)
+    trainer = isinstance(spec, TrainerSpec)
     batch = worker._batch(spec, condition)
-    k, n = micro_batches, rows(batch)
-    model, tapes = worker._build(spec, "record" if condition.dropout else "off")
+    model, tapes = worker._build(spec, "record" if condition.dropout and not trainer else "off")
     params_fp = worker._params_fp(model)
     seen: list[float] = []
     hook = model.register_forward_pre_hook(
@@ -199,37 +204,24 @@ def split_rank_mesh(
     mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
     _CURRENT.append(mesh)
     try:
-        module: nn.Module = model
-        if spec.parallelize is not None:
-            module = spec.parallelize(model, mesh) or model
-        elif spec.wrap == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            group = (
-                mesh[dims[0]].get_group()
-                if len(dims) == 1
-                else mesh[dims]._flatten("_".join(dims)).get_group()
-            )
-            module = DistributedDataParallel(model, process_group=group)
-        named = list(model.named_parameters())
-        before = [p.detach().clone() for _, p in named]
-        optimizer = GradRecorder([p for _, p in named])
-        chunks = torch.tensor_split(torch.arange(n), b * k)[shard * k : (shard + 1) * k]
-        mine = split_batch(batch, b * k)[shard * k : (shard + 1) * k]
+        module = _parallelized(spec, model, mesh, at.dims)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        optimizer = ModelGradRecorder(model)
         collectives_seen(reset=True)
         collectives_in_functions(reset=True)
         meter = DtypeMeter()
         # Replicas draw the same random numbers (dropout masks): seeded by the row shard.
-        torch.manual_seed(spec.seed + 1 + shard)
+        torch.manual_seed(spec.seed + 1 + at.shard)
         with meter:
-            spec.step(module, optimizer, mine)
+            if isinstance(spec, TrainerSpec):
+                pieces, rows_note = _run_trainer(spec, module, model, optimizer, batch, mesh, at)
+            else:
+                spec.step(module, optimizer, at.micro_batches(batch))
+                pieces, rows_note = at.pieces(rows(batch)), ""
         collectives = collectives_seen(reset=True)
         in_functions = collectives_in_functions(reset=True)
-        changed = tuple(
-            name
-            for (name, p), was in zip(named, before, strict=True)
-            if not torch.equal(_local(p), _local(was))
-        )
+        named = list(model.named_parameters())  # a trainer may have replaced them (sharded)
+        changed = _changed(named, before, full=trainer)
         local = {name: _local_piece(optimizer.gradient(p), p) for name, p in named}
         grads = {name: _full(optimizer.gradient(p), p) for name, p in named}
         owned = tuple(n for n, g in grads.items() if g is not None)
@@ -238,27 +230,176 @@ def split_rank_mesh(
     finally:
         _CURRENT.pop()
         hook.remove()
-    pieces = [c.tolist() for c in chunks]
     my_rows = sum(len(c) for c in pieces)
+    keep = at.primary and not trainer  # a trainer runs with dropout off: no masks
     return worker.RankResult(
         grads=grads,
         calls=optimizer.calls,
         changed=changed,
-        masks={name: t.first_rows(my_rows) for name, t in tapes.items()} if primary else {},
+        masks={name: t.first_rows(my_rows) for name, t in tapes.items()} if keep else {},
         collectives=collectives,
-        pieces=pieces if primary else [],
+        pieces=pieces if at.primary else [],
         dtypes=worker._dtype_names(meter.dtypes),
         params_fp=params_fp,
         batch_fp=fingerprint(batch),
         autocast=tuple(sorted(meter.autocast)),
         in_functions=in_functions,
-        redrawn=tuple(name for name, t in tapes.items() if t.redrawn(my_rows)) if primary else (),
-        shard=shard,
-        primary=primary,
+        redrawn=tuple(name for name, t in tapes.items() if t.redrawn(my_rows)) if keep else (),
+        rows_note=rows_note if at.primary else "",
+        shard=at.shard,
+        primary=at.primary,
         owned=owned,
         local={n: v for n, v in local.items() if v is not None},
         inputs=tuple(seen),
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _MeshRank:
+    """Where a rank sits on the mesh: its row shard, and whether it is its shard's first replica."""
+
+    shape: Mapping[str, int]
+    dims: tuple[str, ...]
+    """The row dims (the batch dims)."""
+    rank: int
+    k: int
+    """K micro-batches per row shard."""
+
+    @property
+    def shards(self) -> int:
+        """B: the row shards (the product of the row dims' sizes)."""
+        return math.prod(self.shape[d] for d in self.dims)
+
+    @property
+    def shard(self) -> int:
+        return shard_of(self.shape, self.dims, self.rank)
+
+    @property
+    def primary(self) -> bool:
+        coord = coordinate(self.shape, self.rank)
+        return all(coord[d] == 0 for d in self.shape if d not in self.dims)
+
+    def pieces(self, n: int) -> list[list[int]]:
+        """The whole batch's row indices of this shard's K micro-batches (of B·K contiguous chunks)."""
+        b, k, s = self.shards, self.k, self.shard
+        return [c.tolist() for c in torch.tensor_split(torch.arange(n), b * k)[s * k : (s + 1) * k]]
+
+    def micro_batches(self, batch: Any) -> list[Any]:
+        from wholebatch.verify.spec import split_batch
+
+        b, k, s = self.shards, self.k, self.shard
+        return split_batch(batch, b * k)[s * k : (s + 1) * k]
+
+
+def _parallelized(
+    spec: Spec, model: nn.Module, mesh: DeviceMesh, dims: tuple[str, ...]
+) -> nn.Module:
+    """The module the step (or trainer) gets: the spec's `parallelize`, DDP over the row dims
+    (a VerifySpec with wrap="ddp"), or the plain model."""
+    if spec.parallelize is not None:
+        return spec.parallelize(model, mesh) or model
+    if getattr(spec, "wrap", "none") != "ddp":
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = (
+        mesh[dims[0]].get_group()
+        if len(dims) == 1
+        else mesh[dims]._flatten("_".join(dims)).get_group()
+    )
+    return DistributedDataParallel(model, process_group=group)
+
+
+def _run_trainer(
+    spec: TrainerSpec,
+    module: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    mesh: DeviceMesh,
+    at: _MeshRank,
+) -> tuple[list[list[int]], str]:
+    """Hand the trainer its `TrainerRun` on the mesh; the rows each forward held, and a note
+    on the rows it could not match."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from wholebatch.verify import worker
+    from wholebatch.verify.recording import RowRecorder
+    from wholebatch.verify.spec import TrainerRun, dataset_rows, split_batch
+
+    n = rows(batch)
+    recorder = RowRecorder(model, batch, spec.row_key)
+    try:
+        with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
+            run = TrainerRun(
+                model=module, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
+                world_size=dist.get_world_size(), rank=at.rank, micro_batches=at.k,
+                per_device_rows=n // (at.shards * at.k), output_dir=out, seed=spec.seed,
+                mesh=mesh, batch_dims=at.dims, data_shards=at.shards, data_rank=at.shard,
+                shard=dataset_rows(split_batch(batch, at.shards)[at.shard]),
+            )  # fmt: skip
+            spec.train(run)
+    finally:
+        recorder.remove()
+    return recorder.calls, worker._rows_note(recorder, n // at.shards)
+
+
+def _changed(
+    named: Sequence[tuple[str, Tensor]], before: Mapping[str, Tensor], *, full: bool
+) -> tuple[str, ...]:
+    """The parameters whose values the step changed. `full`: compare full values (a trainer
+    that shards the model itself holds DTensors where `before` holds the plain tensors; every
+    rank gathers in the same order)."""
+    out = []
+    for name, p in named:
+        now, was = p.detach(), before[name]
+        if full:
+            now = now.full_tensor() if hasattr(now, "full_tensor") else now
+            was = was.full_tensor() if hasattr(was, "full_tensor") else was
+        else:
+            now, was = _local(now), _local(was)
+        if now.shape != was.shape or not torch.equal(now, was.to(now.dtype)):
+            out.append(name)
+    return tuple(out)
+
+
+class _LiveParams(list[Tensor]):
+    """`model`'s parameters as they are registered now: read again on every use."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = model
+
+    def _now(self) -> list[Tensor]:
+        return list(self._model.parameters())
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._now()[i]
+
+
+class ModelGradRecorder(GradRecorder):
+    """A `GradRecorder` over `model`'s parameters as they are registered whenever it is used.
+
+    A trainer that parallelises the model in its own setup (Lightning's
+    `configure_model`: `fully_shard`, `parallelize_module`) replaces the parameters
+    with DTensors after verify built the optimizer, and FSDP2 registers its unsharded
+    and sharded parameters in turn around every forward and backward; a callback that
+    rescales `optimizer.param_groups` inside the trainer's closure (Lightning's
+    `on_before_optimizer_step`) must see the ones registered then. So the one
+    param group's "params" is read from the model on every use.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model.parameters())
+        self.param_groups[0]["params"] = _LiveParams(model)
 
 
 def _local_piece(g: Tensor | None, p: Tensor) -> tuple[Tensor, tuple[int, ...]] | None:

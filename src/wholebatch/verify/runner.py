@@ -378,12 +378,7 @@ class _Target:
 
 def _check_mesh_split(target: str, mesh: str, desc: Description, k: int) -> None:
     """A TargetError (the same for every rank: checked before any runs) unless the spec can
-    run on `mesh`: a VerifySpec, batch dims among its dims, at least B·K rows."""
-    if desc.kind == "trainer":
-        raise TargetError(
-            f"verify: {target}: --mesh {mesh}: a TrainerSpec cannot run on a mesh yet (its "
-            "trainer owns the split); write the step as a VerifySpec with parallelize="
-        )
+    run on `mesh`: batch dims among its dims, at least B·K rows (a trainer: a multiple)."""
     try:
         shape = parse_mesh_shape(mesh)
         dims = row_dims(shape, desc.batch_dims)
@@ -396,6 +391,12 @@ def _check_mesh_split(target: str, mesh: str, desc: Description, k: int) -> None
                 f"verify: {target}: the spec's {what} has {n} rows, fewer than B·K = {b}·{k} = "
                 f"{b * k} (B: the row shards of mesh {mesh}, the product of {dims}); lower "
                 "--micro-batches or make the batch larger"
+            )
+        if n and desc.kind == "trainer" and n % (b * k):
+            raise TargetError(
+                f"verify: {target}: a trainer takes a fixed batch per device, so the spec's "
+                f"{what} rows ({n}) must divide by B·K = {b}·{k} = {b * k} (B: the row shards "
+                f"of mesh {mesh}, the product of {dims}); change the batch or --micro-batches"
             )
 
 
@@ -459,7 +460,9 @@ def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:
 
 def _describe(session: Session, target: str, config: VerifyConfig) -> Description:
     where = split_target(target)[0]
-    (value,) = session.call(where, describe, (target, config.nproc, config.micro_batches))
+    (value,) = session.call(
+        where, describe, (target, config.nproc, config.micro_batches, config.mesh)
+    )
     if isinstance(value, str):
         raise TargetError(value)
     if isinstance(value, ChildFailure):

@@ -6,9 +6,11 @@ Two kinds of TARGET:
   cuts the whole batch into W·K contiguous chunks, wraps the model in DDP and
   hands each rank its K chunks.
 - `TrainerSpec`: a trainer that owns the split (the Hugging Face `Trainer`, an
-  Accelerate loop): `train(run)` builds it around `run.model`, `run.optimizer`
-  and the whole batch `run.dataset`, with `run.per_device_rows` rows per device
-  and `run.micro_batches` accumulation steps, and trains one optimizer step.
+  Accelerate loop, Lightning): `train(run)` builds it around `run.model`,
+  `run.optimizer` and the whole batch `run.dataset`, with `run.per_device_rows`
+  rows per device and `run.micro_batches` accumulation steps, and trains one
+  optimizer step. On a mesh (`mesh="dp=2,tp=2"`) `run.mesh`, `run.batch_dims`,
+  `run.data_shards`, `run.data_rank` and `run.shard` say how to shard the rows.
 
 Both give the same whole-batch reference: `reference_loss(model, whole_batch)` in
 one process. Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
@@ -25,13 +27,16 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.normalize import Normalize
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Batch",
@@ -213,7 +218,7 @@ class TrainerRun:
     """`batch` as a list of rows (a dict per row for a dict batch), for a map-style dataset."""
 
     world_size: int
-    """W."""
+    """W: the processes (on a mesh, the product of its sizes)."""
 
     rank: int
     """This process's rank."""
@@ -222,13 +227,39 @@ class TrainerRun:
     """K: pass as gradient accumulation steps."""
 
     per_device_rows: int
-    """N / (W·K): pass as the per-device batch size, so the one epoch is one optimizer step."""
+    """N / (W·K) (on a mesh N / (B·K), B = `data_shards`): pass as the per-device batch
+    size, so the one epoch is one optimizer step."""
 
     output_dir: str
     """A fresh temporary folder (HF `TrainingArguments.output_dir`)."""
 
     seed: int
     """The spec's seed."""
+
+    mesh: DeviceMesh | None = None
+    """On a mesh (`TrainerSpec.mesh`): the `DeviceMesh` verify built (named dims, gloo;
+    also `current_mesh()`). Size the trainer's parallelism from it, e.g. Lightning's
+    `ModelParallelStrategy(data_parallel_size=run.mesh["dp"].size(), ...)`, since verify
+    also re-runs the trainer on the mesh with its replica dims of size 1. None: a flat
+    world."""
+
+    batch_dims: tuple[str, ...] = ()
+    """On a mesh: the dims whose ranks get different rows (the spec's `batch_dims`, or every
+    dim but tp, cp and pp). Shard the data over these dims only."""
+
+    data_shards: int = 0
+    """On a mesh: B, the row shards (the product of the batch dims' sizes); flat: W."""
+
+    data_rank: int = 0
+    """On a mesh: which row shard (0..B-1) this rank holds, row-major over the batch dims
+    (a `DistributedSampler(num_replicas=run.data_shards, rank=run.data_rank)` deals
+    rows the same way, interleaved); ranks that differ only on the other dims
+    (the replicas) get the same. Flat: the rank."""
+
+    shard: list[Any] = dataclasses.field(default_factory=list)
+    """On a mesh: the rows of this rank's row shard (contiguous rows data_rank·N/B onwards,
+    as `dataset` rows), for a trainer fed without a sampler. Replicas get the same rows.
+    Flat: this rank's N/W contiguous rows."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,15 +312,25 @@ class TrainerSpec:
     """As `VerifySpec.item_losses`."""
 
     mesh: str | None = None
-    """As `VerifySpec.mesh`. Not supported yet for a trainer: verify refuses it."""
+    """Optional: the device mesh the trainer splits the step over, as dims and sizes
+    ("dp=2,tp=2"; `--mesh` overrides it). Verify runs product-of-sizes processes, builds
+    the `DeviceMesh` (`run.mesh`, `current_mesh()`), hands every rank the whole batch
+    and its row shard's rows (`run.shard`: the ranks of the non-batch dims get the
+    same), and gathers each parameter's full gradient (DTensor shards via
+    `full_tensor()`) after the trainer's one optimizer step (docs/mesh.md, "verify on a
+    mesh"). The rows must divide by B·K (B: the product of the batch dims' sizes)."""
+
+    batch_dims: tuple[str, ...] | None = None
+    """As `VerifySpec.batch_dims`: the dims whose ranks get different rows."""
+
+    parallelize: Callable[[nn.Module, Any], nn.Module | None] | None = None
+    """With a mesh, optional: `parallelize(model, mesh)` applied by verify before the
+    trainer gets `run.model` (in place, or the module it returns). None: the trainer
+    parallelises the model itself (Lightning's `configure_model`)."""
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
-            raise WholebatchError(
-                f"TrainerSpec: mesh={self.mesh!r}: verify on a mesh runs a VerifySpec step "
-                "only (a trainer's own split over a mesh is not supported yet); write the "
-                "step as a VerifySpec with mesh= and parallelize="
-            )
+            _check_mesh(self, "TrainerSpec")
         if self.row_key is not None and not (
             isinstance(self.batch, Mapping) and isinstance(self.batch.get(self.row_key), Tensor)
         ):
@@ -307,7 +348,7 @@ class TrainerSpec:
 Spec = VerifySpec | TrainerSpec
 
 
-def _check_mesh(spec: VerifySpec, kind: str) -> None:
+def _check_mesh(spec: VerifySpec | TrainerSpec, kind: str) -> None:
     """A spec's mesh fields: a parseable shape, batch dims among its dims, a callable."""
     from wholebatch.comm.mesh import parse_mesh_shape
 

@@ -190,13 +190,16 @@ def _params_fp(model: nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
-def describe(target: str, world_size: int, micro_batches: int) -> Description | str:
-    """Load TARGET and check it can be split W x K; a Description, or the usage error's text."""
+def describe(target: str, world_size: int, micro_batches: int, mesh: str = "") -> Description | str:
+    """Load TARGET and check it can be split W x K; a Description, or the usage error's text.
+
+    On a mesh (`mesh`, else the spec's) the rows are checked against the mesh's row
+    shards by the parent instead (`runner._check_mesh_split`)."""
     try:
         spec = load_spec(target)
         w, k = world_size, micro_batches
         for what, batch in (("batch", spec.batch), ("equal_batch", spec.equal_batch)):
-            if batch is None:
+            if batch is None or mesh or spec.mesh:
                 continue
             n = rows(batch)
             if n < w * k:
@@ -233,7 +236,7 @@ def split_rank(
 ) -> RankResult:
     """One rank of the split run (called in a forked process that joined the W-rank group)."""
     spec = load_spec(target)
-    if condition.mesh and isinstance(spec, VerifySpec):
+    if condition.mesh:
         from wholebatch.verify.mesh import split_rank_mesh
 
         return split_rank_mesh(spec, condition, micro_batches, rank, world_size)
@@ -306,6 +309,8 @@ def _run_step(
                 model=model, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
                 world_size=world_size, rank=rank, micro_batches=k,
                 per_device_rows=n // (world_size * k), output_dir=out, seed=spec.seed,
+                data_shards=world_size, data_rank=rank,
+                shard=dataset_rows(split_batch(batch, world_size)[rank]),
             )  # fmt: skip
             torch.manual_seed(spec.seed + 1 + rank)
             spec.train(run)
@@ -337,6 +342,14 @@ def _rows_note(recorder: RowRecorder, expected: int) -> str:
     matched = sum(len(c) for c in recorder.calls)
     if matched >= expected:
         return ""
+    if recorder.forwards and not recorder.missed:
+        return (
+            f"the model's {recorder.forwards} forward call(s) on this rank held {matched} "
+            f"rows of the batch, every one recognised, where this rank's share is {expected}: "
+            "the trainer's sampler dealt the rows over more ranks than the data shards (on a "
+            "mesh: by the global rank, not the batch index), so the rows each micro-batch "
+            "should hold are not known"
+        )
     return (
         f"verify recognised {matched} of this rank's {expected} rows in the model's "
         f"{recorder.forwards} forward call(s): it looks for the batch's {recorder.key_name} "
