@@ -128,9 +128,8 @@ def clip_loss(
     prep, group = prepare_on(
         op, {"image_BD": image_BD, "text_BD": text_BD}, scalars, grad_reduction=grad_reduction,
         tile_size=tile_size, sizes=sizes, check=check, group=group, mesh=mesh,
-        batch_dims=batch_dims,
+        batch_dims=batch_dims, small=spec.replicable(strategy), carry=True,
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
-        small=spec.replicable(strategy), carry=True,
     )  # fmt: skip
     if prep.replicated:
         return replicated.clip(image_BD, text_BD, prep, logit_bias is not None, group)
