@@ -96,16 +96,16 @@ def _clip_small_unscaled(image_BD: Tensor, text_BD: Tensor, s: Tensor, **kw: Any
     """MUTATION: the small path without the gradient convention's scaling (own rows get dL/dx)."""
     import wholebatch.losses.replicated as replicated
 
-    real = replicated._scaled
+    real = replicated._own_rows
 
-    def unscaled(x: Tensor, value: Tensor, factor: Tensor) -> Tensor:
-        return real(x, value, torch.ones_like(factor))
+    def unscaled(all_NR: Tensor, shapes: Any, span: Any, acc: Any, factor: Tensor, ts: Any) -> Any:
+        return real(all_NR, shapes, span, acc, torch.ones_like(factor), ts)
 
-    replicated._scaled = unscaled  # the forward captures the factor; the backward runs later
+    replicated._own_rows = unscaled  # the forward captures the factor; the backward runs later
     try:
         return clip_loss(image_BD, text_BD, s, **kw)
     finally:
-        replicated._scaled = real
+        replicated._own_rows = real
 
 
 LOSSES: dict[str, Callable[..., Tensor]] = {

@@ -104,29 +104,19 @@ def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup 
     to the input it came from; see the module docstring for the scalars.
     """
     w, r = get_world_size(group), get_rank(group)
-    sizes, b = prep.sizes, prep.sizes[get_rank(group)]
+    sizes, b = prep.sizes, prep.sizes[r]
     first = tensors[0]
     dtype, acc, elem = first.dtype, compute_dtype(first.dtype), first.element_size()
-    widths = [math.prod(t.shape[1:]) for t in tensors]
-    width = sum(widths)
-    mine_BR = torch.cat(
-        [t.detach().reshape(b, w_) for t, w_ in zip(tensors, widths, strict=True)], 1
-    )
-    payload = mine_BR.reshape(-1).view(torch.uint8)
-    head = 0
-    if not prep.checked:  # the agreement's row rides along: S scalars and the reduction code
-        factor_local = torch.as_tensor(prep.grad_factor, dtype=torch.float64, device=first.device)
-        code = (factor_local != 1.0).to(torch.float64).reshape(1)
-        row_S1 = torch.cat([*[s.detach().to(torch.float64).reshape(1) for s in prep.scalars], code])
-        payload = torch.cat([payload, row_S1.view(torch.uint8)])
-        head = row_S1.numel() * 8
+    shapes = [tuple(t.shape[1:]) for t in tensors]
+    width = sum(math.prod(shape) for shape in shapes)
+    head = 0 if prep.checked else 8 * (len(prep.scalars) + 1)
     byte_sizes = [q * width * elem + head for q in sizes]
     carried = prep.carried_WC
     if carried is not None and max(byte_sizes) <= carried.shape[1]:
         # every rank's rows came with the exchange: no second collective
         got = torch.cat([carried[q, :nb] for q, nb in enumerate(byte_sizes)]).to(first.device)
     else:
-        got = all_gather(payload, sizes=byte_sizes, group=group, check=False)
+        got = all_gather(_payload(tensors, prep, b), sizes=byte_sizes, group=group, check=False)
     n = sum(sizes)
     if head:
         starts = [sum(byte_sizes[:q]) for q in range(w)]
@@ -141,13 +131,66 @@ def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup 
         scalars = [_scaled(s, s, factor) for s in prep.scalars]
     all_NR = rows_bytes.view(dtype).view(n, width)
     offset = sum(sizes[:r])
-    row_factor = factor * w
-    out = []
-    for t, part in zip(tensors, torch.split(all_NR, widths, 1), strict=True):
-        all_N = part.reshape(n, *t.shape[1:])
-        own = _scaled(t, t, row_factor)
-        out.append(torch.cat([all_N[:offset], own, all_N[offset + b :]]).to(acc))
-    return Whole(rows=out, scalars=scalars, n=n)
+    rows = _own_rows(all_NR, shapes, (offset, offset + b), acc, factor * w, tensors)
+    return Whole(rows=rows, scalars=scalars, n=n)
+
+
+def _own_rows(
+    all_NR: Tensor,
+    shapes: list[tuple[int, ...]],
+    span: tuple[int, int],
+    acc: torch.dtype,
+    factor: Tensor,
+    tensors: Sequence[Tensor],
+) -> list[Tensor]:
+    """`_Rows`: the whole batch per embedding; this rank's rows' gradient, times `factor`, home."""
+    return list(_Rows.apply(all_NR, shapes, span, acc, factor, *tensors))  # type: ignore[no-untyped-call]
+
+
+def _payload(tensors: Sequence[Tensor], prep: Prepared, b: int) -> Tensor:
+    """This rank's rows as bytes; without the exchange, its agreement row after them."""
+    rows_BR = torch.cat([t.detach().reshape(b, math.prod(t.shape[1:])) for t in tensors], 1)
+    payload = rows_BR.reshape(-1).view(torch.uint8)
+    if prep.checked:
+        return payload
+    # the agreement's row rides along: S scalars and the reduction code, float64
+    factor = torch.as_tensor(prep.grad_factor, dtype=torch.float64, device=payload.device)
+    code = (factor != 1.0).to(torch.float64).reshape(1)
+    row_S1 = torch.cat([*[s.detach().to(torch.float64).reshape(1) for s in prep.scalars], code])
+    return torch.cat([payload, row_S1.view(torch.uint8)])
+
+
+class _Rows(torch.autograd.Function):
+    """Forward: the whole batch per embedding, from `all_NR` (where this rank's rows are its
+    inputs, bit for bit), in the compute dtype; backward: this rank's rows of each output's
+    gradient, times `factor`, to the input they came from (nothing to the other ranks' rows)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        all_NR: Tensor,
+        shapes: list[tuple[int, ...]],
+        span: tuple[int, int],
+        acc: torch.dtype,
+        factor: Tensor,
+        *own: Tensor,
+    ) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(factor)
+        ctx.span, ctx.dtypes = span, [t.dtype for t in own]
+        whole_NR = all_NR.to(acc, copy=True)
+        n = whole_NR.shape[0]
+        parts = torch.split(whole_NR, [math.prod(shape) for shape in shapes], 1)
+        return tuple(p.reshape(n, *shape) for p, shape in zip(parts, shapes, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        (factor,) = ctx.saved_tensors
+        lo, hi = ctx.span
+        own = [
+            None if g is None else (g[lo:hi] * factor.to(g.dtype)).to(dt)
+            for g, dt in zip(grads, ctx.dtypes, strict=True)
+        ]
+        return (None, None, None, None, None, *own)
 
 
 def _agreed(
