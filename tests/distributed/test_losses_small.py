@@ -5,9 +5,13 @@ uneven rows, an empty rank, both gradient reductions, sizes= with the checks
 off) is checked with the tiled forms' own assertions in test_losses.py and
 test_info_nce.py (their "small" cases). Here:
 
-- the collectives per call: 2 forward (the exchange, the rows) and none
-  backward with the checks on; 1 with `sizes=` and `check=False`; the tiled
-  forms' counts are larger, so the count can fail;
+- the collectives per call: 1 forward (the exchange carrying the rows) and 1
+  backward (the upstream gradient's mean) with the checks on; the same with
+  `sizes=` and `check=False`; the tiled forms' counts are larger, so the count
+  can fail;
+- ranks back-propagating L with different upstream gradients (a per-rank
+  weight) get the tiled forms' gradients: each rank's rows receive every rank's
+  upstream gradient;
 - with the checks off and ranks passing different scalars or reductions, the
   small path computes what the tiled forms' agreement does (the maximum, its
   gradient split among ties), value and every gradient;
@@ -62,9 +66,15 @@ def _tensors(b: int, seed: int, dim: int = D) -> tuple[Tensor, Tensor]:
 
 
 def _step(
-    name: str, small: int | None, scalars: list[float], dim: int = D, **kw: Any
+    name: str,
+    small: int | None,
+    scalars: list[float],
+    dim: int = D,
+    weight: float = 1.0,
+    **kw: Any,
 ) -> dict[str, Any]:
-    """One forward + backward of `name` on this rank: value, gradients, c10d calls per phase."""
+    """One forward + backward of `name` on this rank (of `weight` x the loss): value,
+    gradients, c10d calls per phase."""
     r = get_rank()
     x, y = _tensors(SIZES[r], 10 + r, dim)
     sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
@@ -74,7 +84,7 @@ def _step(
         with count_collectives(fwd):
             loss = fn(x, y, *sc, tile_size=2, **kw)
         with count_collectives(bwd):
-            loss.backward()
+            (weight * loss).backward()
     return {
         "value": loss.detach(), "grads": [x.grad, y.grad, *[s.grad for s in sc]],
         "calls": (fwd.calls, bwd.calls),
@@ -92,9 +102,9 @@ def test_collectives_per_call(name: str) -> None:
     # one (the exchange carries the rows; or, without it, the rows carry the agreement).
     for known in (False, True):
         got = run_ranks(3, _counts, name, None, known)
-        assert got == [(1, 0)] * 3, (known, got)
+        assert got == [(1, 1)] * 3, (known, got)
         tiled = run_ranks(3, _counts, name, 0, known)[0]
-        assert tiled[0] > 1 and tiled[1] > 0, tiled  # the count can fail
+        assert tiled[0] > 1 and tiled[1] > 1, tiled  # the count can fail
 
 
 def _both_paths_dim(name: str, dim: int) -> list[dict[str, Any]]:
@@ -105,7 +115,7 @@ def test_rows_past_the_exchange_room_take_one_more_all_gather() -> None:
     # 3 rows x 2 x 6,000 float64 = 288,000 bytes > sizing.carry_bytes(3) (131,072):
     # the exchange's room is not enough and one all-gather moves the rows.
     assert carry_bytes(3) < 3 * 2 * 6000 * 8
-    assert run_ranks(3, _counts, "clip", None, False, 6000) == [(2, 0)] * 3
+    assert run_ranks(3, _counts, "clip", None, False, 6000) == [(2, 1)] * 3
     for small, tiled in run_ranks(3, _both_paths_dim, "clip", 6000):
         torch.testing.assert_close(small["value"], tiled["value"], **F64)
         for a, b in zip(small["grads"], tiled["grads"], strict=True):
@@ -143,7 +153,25 @@ def test_agreement_without_checks_is_the_tiled_forms(name: str, case: str) -> No
             torch.testing.assert_close(
                 a, b, **F64, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}"
             )
-        assert small["calls"] == (1, 0) and tiled["calls"][1] > 0, (small["calls"], tiled["calls"])
+        assert small["calls"] == (1, 1) and tiled["calls"][1] > 1, (small["calls"], tiled["calls"])
+
+
+def _weighted_both_paths(name: str) -> list[dict[str, Any]]:
+    weight = [1.0, 3.0, -0.5][get_rank()]
+    return [_step(name, small, LOSSES[name][1], weight=weight) for small in (None, 0)]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_upstream_gradients_differing_across_ranks_are_the_tiled_forms(name: str) -> None:
+    # Each rank back-propagates its own multiple of L (1, 3, -0.5): the tiled forms'
+    # whole-batch sum gives each rank's rows every rank's upstream gradient, and so
+    # does the small path's agreed upstream (without it, each rank's rows would get W
+    # times its own weight instead of the sum of the three: the mutation fails here).
+    for r, (small, tiled) in enumerate(run_ranks(3, _weighted_both_paths, name)):
+        for i, (a, b) in enumerate(zip(small["grads"], tiled["grads"], strict=True)):
+            torch.testing.assert_close(
+                a, b, **F64, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}"
+            )
 
 
 def _mixed_limits(name: str) -> dict[str, Any]:

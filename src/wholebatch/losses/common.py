@@ -542,6 +542,19 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * factor.to(grad.dtype), None
 
 
+class _MeanUpstream(torch.autograd.Function):
+    """Forward: L as is; backward: the mean over ranks of every rank's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, group: ProcessGroup | None) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        return all_reduce(grad.contiguous(), "mean", group=ctx.group, check=False), None
+
+
 def whole(local: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
     """L = sum over ranks of each rank's share, the same on every rank.
 
@@ -549,10 +562,15 @@ def whole(local: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
     rank back-propagating L every share gets W: after DDP's mean, exactly dL.
     With ``grad_reduction="sum"`` the gradient is divided by W instead, so a sum
     over ranks gives exactly dL. On the small path (`prep.replicated`) every rank's
-    `local` is already L, its gradients scaled by `wholebatch.losses.replicated`: returned as is.
+    `local` is already L, its gradients scaled by `wholebatch.losses.replicated`: returned as
+    is, its backward the mean over ranks of every rank's upstream gradient (one all-reduce of
+    one number), so a rank's rows get every rank's upstream, as through the sum above.
     """
-    if get_world_size(group) == 1 or prep.replicated:  # the small path: `local` is L already
+    if get_world_size(group) == 1:
         return local
+    if prep.replicated:  # the small path: `local` is L already; its upstream gradient agreed
+        same: Tensor = _MeanUpstream.apply(local, group)  # type: ignore[no-untyped-call]
+        return same
     total = all_reduce(local, "sum", group=group, check=False)
     if isinstance(prep.grad_factor, Tensor):
         out: Tensor = _ScaleGrad.apply(total, prep.grad_factor)  # type: ignore[no-untyped-call]

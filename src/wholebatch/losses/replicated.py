@@ -19,9 +19,12 @@ default, and the gathered rows within 16 MiB) each loss instead:
 3. computes the whole loss L with plain tensor ops on the N rows: every rank the
    same value, with no whole-batch sum.
 
-The backward needs no collective: the other ranks' rows are constants here, so
-autograd gives this rank dL/d(its own rows) from the full logits, and every
-rank already holds the whole dL/ds of each replicated scalar. The gradient
+The backward needs one collective of one number: the other ranks' rows are
+constants here, so autograd gives this rank dL/d(its own rows) from the full
+logits, and every rank already holds the whole dL/ds of each replicated scalar;
+only the upstream gradient of L is agreed (`common.whole`: its mean over ranks),
+so a rank's rows receive every rank's upstream gradient, as through the tiled
+forms' whole-batch sum, whatever each rank back-propagates. The gradient
 conventions (DESIGN.md, "gradient conventions"; `wholebatch.conventions`) are
 met by scaling: with grad_reduction="mean" this rank's rows get W·dL/dx (DDP's
 mean over ranks then gives dL/dθ) and its copy of a scalar gets dL/ds (the mean
@@ -29,15 +32,12 @@ of W equal copies); with "sum", dL/dx and dL/ds / W. Without the exchange a
 scalar's gradient goes, W-fold, to the ranks holding the agreed maximum, split
 among ties (every rank when they agree, as the caller promises).
 
-This is exact when every rank back-propagates L with the same upstream gradient
-(`loss.backward()`, a `GradScaler`'s scale, the same weight on every rank),
-which the tiled forms do not need (their whole-batch sum's backward adds every
-rank's upstream gradient); `wholebatch.losses.sizing.set_small_rows(0)` (or
-``WHOLEBATCH_SMALL_ROWS=0``) turns the small path off.
+`wholebatch.losses.sizing.set_small_rows(0)` (or ``WHOLEBATCH_SMALL_ROWS=0``)
+turns the small path off.
 
-Collectives per call: 1 with the checks on (the exchange carrying the rows;
-2 when a rank's rows pass the room), 1 with `sizes=` and `check=False`; none in
-the backward. open_clip's
+Collectives per call: 1 forward with the checks on (the exchange carrying the
+rows; 2 when a rank's rows pass the room), 1 with `sizes=` and `check=False`;
+1 in the backward (the upstream gradient, 8 bytes). open_clip's
 ``ClipLoss(gather_with_grad=True, local_loss=True)`` makes 2 forward and 2 backward.
 
 Legend: W ranks, B this rank's rows, N global rows, D dim, R elements of one
@@ -57,7 +57,7 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank, get_world_size
-from wholebatch.losses.common import Prepared
+from wholebatch.losses.common import Prepared, whole as whole_loss
 from wholebatch.losses.tiles import compute_dtype, softplus
 
 __all__ = ["Whole", "clip", "gather_whole", "info_nce_terms", "nt_xent", "siglip"]
@@ -239,7 +239,7 @@ def clip(
     loss = (rows + cols) / (2 * n)
     if bias:
         loss = loss + 0.0 * whole.scalars[1]  # no effect on the loss; gradient exactly 0
-    return loss
+    return whole_loss(loss, prep, group)
 
 
 def siglip(image_BD: Tensor, text_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
@@ -249,7 +249,7 @@ def siglip(image_BD: Tensor, text_BD: Tensor, prep: Prepared, group: ProcessGrou
     (s, b), n = whole.scalars, whole.n
     neg = softplus(s * (i_ND @ t_ND.T) + b).masked_fill(_eye(n, i_ND.device), 0.0).sum()
     pos = softplus(-(s * (i_ND * t_ND).sum(1) + b)).sum()
-    return (neg + pos) / n
+    return whole_loss((neg + pos) / n, prep, group)
 
 
 def nt_xent(z1_BD: Tensor, z2_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
@@ -263,7 +263,8 @@ def nt_xent(z1_BD: Tensor, z2_BD: Tensor, prep: Prepared, group: ProcessGroup | 
     pair_MM = torch.cat([torch.cat([eye, eye], 1)] * 2)  # itself and its other view
     neg_MM = _masked(inv_tau * (z_MD @ z_MD.T), pair_MM)
     pos_N = inv_tau * (z1_ND * z2_ND).sum(1)
-    return softplus(torch.logsumexp(neg_MM, 1) - torch.cat([pos_N, pos_N])).sum() / (2 * n)
+    loss = softplus(torch.logsumexp(neg_MM, 1) - torch.cat([pos_N, pos_N])).sum() / (2 * n)
+    return whole_loss(loss, prep, group)
 
 
 def info_nce_terms(

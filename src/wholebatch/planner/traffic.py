@@ -26,7 +26,7 @@ instead the exchange alone when it carried every rank's rows (B·R·e <= carry_b
 R = (2 + k)·D); otherwise (and without the exchange) ONE all-gather of every
 rank's rows of all its embeddings (B·R·e bytes per rank, plus the agreement's
 float64 row of the scalars and the reduction code without the exchange); and
-nothing else, forward or backward.
+backward one all-reduce of one element (the upstream gradient of L, its mean).
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
 negatives per query; e the embeddings' element size, a the kernels' compute
@@ -211,7 +211,7 @@ def loss_traffic(
     row_elements = spec.embeddings_per_row(negatives) * dim
     limit = small_rows() if small is None else small
     if spec.replicable(strategy) and replicates(sum(sizes), row_elements, elem, limit):
-        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange)
+        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange, acc)
     stats: list[Collective]
     if strategy == "ring" and spec.kernel == "positive":
         moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
@@ -242,21 +242,21 @@ def _exchange(spec: LossSpec, w: int, rank: int) -> Collective:
 
 
 def _replicated_traffic(
-    spec: LossSpec, sizes: Sequence[int], rank: int, row_bytes: int, exchange: bool
+    spec: LossSpec, sizes: Sequence[int], rank: int, row_bytes: int, exchange: bool, acc: int
 ) -> list[Collective]:
-    """The small path's collectives: the exchange (if it runs), and one all-gather of raw bytes
-    unless the exchange carried every rank's rows."""
+    """The small path's collectives: the exchange (if it runs), one all-gather of raw bytes
+    unless the exchange carried every rank's rows; backward, the upstream gradient's mean."""
     w = len(sizes)
     out = []
     head = 0
     if exchange:
         out.append(_exchange(spec, w, rank))
-        if max(sizes) * row_bytes <= carry_bytes(w):
-            return out
     else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
         head = 8 * (len(spec.scalars) + 1)
-    payload = [b * row_bytes + head for b in sizes]
-    out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
+    if not exchange or max(sizes) * row_bytes > carry_bytes(w):
+        payload = [b * row_bytes + head for b in sizes]
+        out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
+    out.append(_all_reduce("upstream gradient of L (mean)", "backward", 1, acc, w, 1))
     return out
 
 
