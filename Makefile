@@ -59,7 +59,7 @@ test: $(VENV)/.peers $(OCT_VENV)/.installed
 test-fast: $(VENV)/.peers
 	$(PY) -m pytest -q tests/unit
 
-bench: $(VENV)/.peers
+bench: $(VENV)/.peers $(OCT_VENV)/.installed
 	$(VENV)/bin/wholebatch bench
 
 # On a machine with CUDA: the CUDA tests and the GPU loss benchmark (benchmarks/gpu.sh).

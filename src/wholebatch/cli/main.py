@@ -45,7 +45,10 @@ BENCHMARKS = (
     "bench_plan",
     "bench_lint",
     "bench_mesh",
+    "bench_mesh_losses",
+    "bench_mesh_normalize",
     "bench_trainers",
+    "bench_open_clip_cli",
     "bench_verify_norm",
 )
 
