@@ -142,7 +142,7 @@ class _AccumulationLogic:
         self._window_loss: Tensor | None = None  # float64, detached
         self._window_items: Tensor | None = None
         self._window_micro = 0
-        self._window_bad = False
+        self._window_bad: Tensor | None = None
         self._wrapped: Any = None
 
     # -- per micro-batch ---------------------------------------------------------
@@ -190,7 +190,9 @@ class _AccumulationLogic:
         with torch.no_grad():
             self._window_loss = part if self._window_loss is None else self._window_loss + part
             self._window_items = count if self._window_items is None else self._window_items + count
-        self._window_bad = self._window_bad or not bool(torch.isfinite(part))
+        # a 0-dim flag on the loss's device: no host sync per micro-batch (agree_rows reads it)
+        bad = ~torch.isfinite(part)
+        self._window_bad = bad if self._window_bad is None else self._window_bad | bad
         self._window_micro += 1
         return {**out, "loss": loss.reshape(()) * self._c}
 
@@ -207,14 +209,14 @@ class _AccumulationLogic:
                 "loss": loss.detach(),
                 "items": items.detach(),
                 "micro_batches": self._window_micro,
-                "bad": self._window_bad,
+                "bad": False if self._window_bad is None else self._window_bad,
             },
             group=self.group,
         )
         c = self._c
         self._window_loss = self._window_items = None
         micro = {r: int(m) for r, m in rows.per_rank("micro_batches").items()}
-        self._window_micro, self._window_bad = 0, False
+        self._window_micro, self._window_bad = 0, None
         if len(set(micro.values())) > 1 or micro[0] == 0:
             raise WholebatchError(
                 f"{op}: the optimizer step's window holds {micro} micro-batches per rank; every "
