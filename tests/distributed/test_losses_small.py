@@ -193,3 +193,29 @@ def test_mutation_unscaled_small_path_is_caught() -> None:
     check_loss("clip", "clip", SIZES)  # the real small path passes the same check
     with pytest.raises(AssertionError, match="grad"):
         check_loss("clip_small_unscaled", "clip", SIZES)
+
+
+def _rows_copied(dim: int) -> int:
+    """How many times this rank's rows were copied to bytes for the exchange's room."""
+    import wholebatch.losses.common as common
+
+    calls = []
+    original = common.rows_as_bytes
+
+    def counted(embeddings: Any) -> Tensor:
+        calls.append(1)
+        return original(embeddings)
+
+    common.rows_as_bytes = counted  # type: ignore[assignment]
+    try:
+        _step("clip", None, LOSSES["clip"][1], dim)
+    finally:
+        common.rows_as_bytes = original  # type: ignore[assignment]
+    return len(calls)
+
+
+def test_rows_are_copied_for_the_room_only_when_they_fit() -> None:
+    # A batch past the room never has its rows copied (a large batch's B x D copy per call).
+    assert run_ranks(3, _rows_copied, D) == [1, 1, 1]
+    # (rank 1 holds no rows: its empty rows always fit)
+    assert run_ranks(3, _rows_copied, 6000) == [0, 1, 0]

@@ -313,10 +313,12 @@ def prepare(
     limit = small_rows()
     if checked:
         rows_bytes = carry_bytes(w) if carry else 0
-        data = rows_as_bytes(embeddings) if err is None and rows_bytes else None
+        elem = first.element_size() if isinstance(first, Tensor) else 0
+        fits = err is None and b * _row_elements(embeddings) * elem <= rows_bytes
+        # only rows that fit the room are copied to bytes (a large batch is never copied)
+        data = rows_as_bytes(embeddings) if fits and rows_bytes else None
         table = _exchange(
-            op, embeddings, scalars, grad_reduction, sizes, options, err, group,
-            data if data is not None and data.numel() <= rows_bytes else None, rows_bytes,
+            op, embeddings, scalars, grad_reduction, sizes, options, err, group, data, rows_bytes,
         )  # fmt: skip
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
         limit = min(table.ints("small rows"))
