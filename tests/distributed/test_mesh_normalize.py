@@ -102,12 +102,11 @@ def test_cp_left_out_of_the_batch_dims_is_an_error_on_every_rank() -> None:
 def _shards_agree() -> bool:
     from tests.support.mesh_cases import get_mesh
     from wholebatch.comm.mesh import MeshSplit
-    from wholebatch.train.normalize import _batch_indices
 
     ok = True
     for shape, dims in [(TP.shape, ("dp",)), (CP.shape, ("dp", "cp")), (CP.shape, ("cp", "dp"))]:
         split = MeshSplit(mesh=get_mesh(shape), batch_dims=dims)
-        ok &= _batch_indices(split) == {r: split.batch_index(r) for r in range(W)}
+        ok &= split.batch_indices() == {r: split.batch_index(r) for r in range(W)}
     return ok
 
 

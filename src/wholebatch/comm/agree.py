@@ -44,6 +44,7 @@ __all__ = [
     "exchange_text",
     "gather_errors",
     "per_rank",
+    "ranks_text",
     "start_rows",
 ]
 
@@ -317,6 +318,11 @@ def errors_text(bad: Mapping[int, str]) -> str:
     if len(set(bad.values())) == 1:
         return f"{next(iter(bad.values()))} (on ranks {sorted(bad)})"
     return "; ".join(f"rank {r}: {m}" for r, m in bad.items())
+
+
+def ranks_text(values: Sequence[float], ranks: Sequence[int]) -> str:
+    """`{0: 13, 2: 12.5}`: the values of `ranks` only, whole numbers shown without a point."""
+    return "{" + ", ".join(f"{r}: {_shown(values[r])}" for r in ranks) + "}"
 
 
 def per_rank(values: Sequence[object]) -> str:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank
+from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank, ranks_text
 from wholebatch.comm.groups import get_world_size, is_distributed
 from wholebatch.comm.shape import parse_mesh_shape
 from wholebatch.errors import WholebatchError, WholebatchTypeError
@@ -228,6 +228,20 @@ class MeshSplit:
             index = index * self.sizes[d] + coord[d]
         return index
 
+    def batch_indices(self) -> dict[int, int]:
+        """Every rank's `batch_index`, in one pass over the mesh (O(W), not O(W²))."""
+        out: dict[int, int] = {}
+        for flat, rank in enumerate(self.mesh.mesh.flatten().tolist()):
+            coord: dict[str, int] = {}
+            for d in reversed(self.dims):  # row-major, as the mesh tensor is laid out
+                coord[d] = flat % self.sizes[d]
+                flat //= self.sizes[d]
+            index = 0
+            for d in self.batch_dims:
+                index = index * self.sizes[d] + coord[d]
+            out[int(rank)] = index
+        return out
+
     def ranks_along(self, dims: Iterable[str], rank: int | None = None) -> frozenset[int]:
         """The ranks that share `rank`'s coordinate on every dim except `dims`."""
         free = set(dims)
@@ -335,8 +349,8 @@ class MeshSplit:
                 raise WholebatchError(
                     f"{op}: ranks {shown} replicate the same rows (the same coordinates on "
                     f"batch dims {self.batch_dims}; they differ only on {differ}) but saw "
-                    f"different data: item counts {_pick(items, shown)}, losses "
-                    f"{_pick(losses, shown)}. Feed every rank of a {'/'.join(differ)} group "
+                    f"different data: item counts {ranks_text(items, shown)}, losses "
+                    f"{ranks_text(losses, shown)}. Feed every rank of a {'/'.join(differ)} group "
                     "the same rows: shard the data by the batch dims only (e.g. "
                     "DistributedSampler(num_replicas=<product of the batch dims' sizes>, "
                     "rank=<this rank's batch index>)), or name the dim in batch_dims if its "
@@ -382,11 +396,3 @@ def _fsum(values: Sequence[float]) -> float:
         return math.fsum(values)
     except (ValueError, OverflowError):  # inf + -inf: NaN, as a plain sum gives
         return sum(values, 0.0)
-
-
-def _pick(values: Sequence[float], ranks: Sequence[int]) -> str:
-    return "{" + ", ".join(f"{r}: {_shown(values[r])}" for r in ranks) + "}"
-
-
-def _shown(v: float) -> object:
-    return int(v) if v.is_integer() else v

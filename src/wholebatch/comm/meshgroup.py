@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.agree import Field, PendingRows, Rows, start_rows
+from wholebatch.comm.agree import Field, PendingRows, Rows, ranks_text, start_rows
 from wholebatch.comm.groups import is_distributed
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError, WholebatchTypeError
@@ -244,7 +244,7 @@ def _replica_text(
         "pos": "row-weighted sums",
     }[stat]
     values = rows[f"{prefix} {name} {stat}"]
-    shown = "{" + ", ".join(f"{r}: {_shown(values[r])}" for r in members) + "}"
+    shown = ranks_text(values, members)
     return (
         f"{op}: ranks {members} replicate the same rows (the same coordinates on batch dims "
         f"{tuple(split.batch_dims)}; they differ only on {differ}) but hold different {name}: "
@@ -253,10 +253,6 @@ def _replica_text(
         "batch dims' sizes>, rank=<this rank's batch index>)), or name the dim in batch_dims "
         "if its ranks are meant to hold different rows (context parallel)"
     )
-
-
-def _shown(v: float) -> object:
-    return int(v) if v.is_integer() else v
 
 
 @contextlib.contextmanager

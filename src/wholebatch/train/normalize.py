@@ -359,7 +359,7 @@ def mesh_table(
     sequence's counts are summed over its cp ranks and tp replicas are not counted twice).
     """
     holders: dict[int, list[int]] = {}
-    for r, shard in sorted(_batch_indices(split).items()):
+    for r, shard in sorted(split.batch_indices().items()):
         holders.setdefault(shard, []).append(r)
     for ranks in holders.values():
         first = ranks[0]
@@ -376,22 +376,6 @@ def mesh_table(
                 "in batch_dims if its ranks are meant to hold different items (context parallel)"
             )
     return concat_tables([tables[r] for r in sorted(split.ranks_along(dims))])
-
-
-def _batch_indices(split: MeshSplit) -> dict[int, int]:
-    """Every rank's data shard (`MeshSplit.batch_index`), in one pass over the mesh: O(W)."""
-    sizes = split.sizes
-    out: dict[int, int] = {}
-    for flat, rank in enumerate(split.mesh.mesh.flatten().tolist()):
-        coord: dict[str, int] = {}
-        for d in reversed(split.dims):  # row-major, as the mesh tensor is laid out
-            coord[d] = flat % sizes[d]
-            flat //= sizes[d]
-        index = 0
-        for d in split.batch_dims:
-            index = index * sizes[d] + coord[d]
-        out[int(rank)] = index
-    return out
 
 
 def _table_text(tables: Sequence[LocalRows], ranks: Sequence[int]) -> str:
