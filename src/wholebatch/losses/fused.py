@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from wholebatch.errors import WholebatchError
 
 __all__ = [
     "MAX_AUTO_DIM",
+    "attempt",
     "available",
     "col_stats",
     "disable",
@@ -115,6 +117,24 @@ def disable(why: BaseException) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+def attempt(kernel: Callable[..., Any], *args: Any) -> Any:
+    """`kernel(*args)` (True when it returns nothing), or None if it fails to build or run
+    here: then `disable`, and the caller takes the PyTorch tiles from now on. Raised
+    instead when ``WHOLEBATCH_TILES=triton`` forces the kernels.
+
+    A kernel fails before it writes anything (it does not build, or does not launch),
+    so the PyTorch step that follows starts from the same state.
+    """
+    try:
+        out = kernel(*args)
+    except Exception as failure:
+        if forced():
+            raise
+        disable(failure)
+        return None
+    return True if out is None else out
 
 
 def _blocks(d: int) -> tuple[int, int, int]:

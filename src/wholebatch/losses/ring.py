@@ -382,7 +382,10 @@ def _fold_chunk(
     for a0, a1, mk in _row_ranges(st.b, r0, r1, own):
         rows = (st.m_row[a0:a1], st.l_row[a0:a1], stats)
         if st.fast:
-            st.fast = _try(_fold_fused, st.q[a0:a1], cand, st.scale, r1 - r0, mk, *rows)
+            st.fast = (
+                fused.attempt(_fold_fused, st.q[a0:a1], cand, st.scale, r1 - r0, mk, *rows)
+                is not None
+            )
         if not st.fast:
             _fold(st.qs[a0:a1], cand, st.post, st.acc, st.tile, r1 - r0, mk, *rows, st.buf)
     return [stats] if last else [blk, stats]
@@ -413,7 +416,10 @@ def _grad_chunk(
         rc = (st.coefs[0][a0:a1], st.coefs[1][a0:a1])
         q, uq = st.q[a0:a1], st.uq[a0:a1]
         if st.fast:
-            st.fast = _try(_grad_block_fused, q, cand, st.scale, mk, rc, cf, uq, dcand)
+            st.fast = (
+                fused.attempt(_grad_block_fused, q, cand, st.scale, mk, rc, cf, uq, dcand)
+                is not None
+            )
         if not st.fast:
             _grad_block(q, q, cand, st.post, st.acc, st.tile, mk, rc, cf, uq, dcand, st.buf)
     if st.j > 1:
@@ -456,22 +462,6 @@ def _fold(
             e = buf[: sc.numel()].view(sc.shape)
             m_c, l_c = stats_B2[j0:jc, 0].clone(), stats_B2[j0:jc, 1].clone()
             stats_B2[j0:jc, 0], stats_B2[j0:jc, 1] = _running(m_c, l_c, sc, 0, e)
-
-
-def _try(fn: Any, *args: Any) -> bool:
-    """Run a fused step; False (and the PyTorch tiles from now on) if its kernel fails here.
-
-    A kernel fails before it writes anything (it does not build, or does not launch),
-    so the PyTorch step that follows starts from the same state.
-    """
-    try:
-        fn(*args)
-    except Exception as failure:
-        if fused.forced():
-            raise
-        fused.disable(failure)
-        return False
-    return True
 
 
 def _fold_fused(

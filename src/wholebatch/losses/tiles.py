@@ -603,7 +603,7 @@ class SymmetricLSE(torch.autograd.Function):
         l_M = torch.zeros(m, dtype=acc, device=z_MD.device)
         fast = fused.use_fused(z_MD)
         if fast:  # no collective inside: a rank whose kernel fails takes the PyTorch tiles alone
-            fast = _fused_or_none(_sym_stats_fused, z_MD, scale, group, m_M, l_M) is not None
+            fast = fused.attempt(_sym_stats_fused, z_MD, scale, group, m_M, l_M) is not None
         for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
             _mask_sym(s_TT, i0, j0, half)
@@ -634,7 +634,7 @@ class SymmetricLSE(torch.autograd.Function):
         fast = fused.use_fused(z_MD)
         if fast:
             fast = (
-                _fused_or_none(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
+                fused.attempt(_sym_grads_fused, z_MD, scale, group, shift, coef, u_MD) is not None
             )
         for i0, i1, j0, j1 in _upper_tiles(m, tile, group) if not fast else ():
             s_TT = _logits(zs_MD[i0:i1], z[j0:j1].T, post, acc)
@@ -668,23 +668,11 @@ def _ring_next(sizes: tuple[int, ...], rank: int, step: int) -> int:
     return ring_block(sizes, rank, step + 1)
 
 
-def _fused_or_none(kernel: Callable[..., Any], *args: Any) -> Any:
-    """`kernel(*args)`, or None (and the PyTorch tiles from now on) if it fails to build or run here;
-    raised when ``WHOLEBATCH_TILES=triton`` forces the kernels."""
-    try:
-        return kernel(*args)
-    except Exception as failure:
-        if fused.forced():
-            raise
-        fused.disable(failure)
-        return None
-
-
 def _sigmoid_block_fused(
     img_BD: Tensor, blk_MD: Tensor, s: Tensor, b: Tensor, g: Tensor, own: bool, acc: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """One block's (d img, d blk, d scale, d bias) from the fused kernels, or None (see `_fused_or_none`)."""
-    got = _fused_or_none(fused.sigmoid_grads, img_BD, blk_MD, s, b, 0, (0,) if own else ())
+    got = fused.attempt(fused.sigmoid_grads, img_BD, blk_MD, s, b, 0, (0,) if own else ())
     if got is None:
         return None
     uq_BD, uk_MD, p_B = (x.to(acc) for x in got)
@@ -733,7 +721,7 @@ def _softplus_sum(
     positives, left out (their terms softplus(−z_ii) are computed apart).
     """
     if fused.use_fused(img_BD):
-        got: Tensor | None = _fused_or_none(
+        got: Tensor | None = fused.attempt(
             fused.sigmoid_sum, img_BD, blk_MD, s, b, 0, (0,) if own else ()
         )
         if got is not None:
