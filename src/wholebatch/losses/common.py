@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -316,7 +316,7 @@ def prepare(
         elem = first.element_size() if isinstance(first, Tensor) else 0
         fits = err is None and b * _row_elements(embeddings) * elem <= rows_bytes
         # only rows that fit the room are copied to bytes (a large batch is never copied)
-        data = rows_as_bytes(embeddings) if fits and rows_bytes else None
+        data = rows_as_bytes(embeddings.values()) if fits and rows_bytes else None
         table = _exchange(
             op, embeddings, scalars, grad_reduction, sizes, options, err, group, data, rows_bytes,
         )  # fmt: skip
@@ -349,9 +349,10 @@ def prepare(
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
 
 
-def rows_as_bytes(embeddings: Mapping[str, object]) -> Tensor:
-    """This rank's rows of every embedding, side by side ((B, R) in their one dtype), as bytes."""
-    parts = [x for x in embeddings.values() if isinstance(x, Tensor)]
+def rows_as_bytes(embeddings: Iterable[object]) -> Tensor:
+    """This rank's rows of every embedding (the tensors among `embeddings`), side by side
+    ((B, R) in their one dtype), as bytes."""
+    parts = [x for x in embeddings if isinstance(x, Tensor)]
     b = parts[0].shape[0]
     both_BR = torch.cat([x.detach().reshape(b, math.prod(x.shape[1:])) for x in parts], 1)
     return both_BR.reshape(-1).view(torch.uint8)

@@ -57,7 +57,7 @@ from torch.distributed import ProcessGroup
 
 from wholebatch.comm.collectives import all_gather
 from wholebatch.comm.groups import get_rank, get_world_size
-from wholebatch.losses.common import Prepared, whole as whole_loss
+from wholebatch.losses.common import Prepared, rows_as_bytes, whole as whole_loss
 from wholebatch.losses.tiles import compute_dtype, softplus
 
 __all__ = ["Whole", "clip", "gather_whole", "info_nce_terms", "nt_xent", "siglip"]
@@ -116,7 +116,7 @@ def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup 
         # every rank's rows came with the exchange: no second collective
         got = torch.cat([carried[q, :nb] for q, nb in enumerate(byte_sizes)]).to(first.device)
     else:
-        got = all_gather(_payload(tensors, prep, b), sizes=byte_sizes, group=group, check=False)
+        got = all_gather(_payload(tensors, prep), sizes=byte_sizes, group=group, check=False)
     n = sum(sizes)
     if head:
         starts = [sum(byte_sizes[:q]) for q in range(w)]
@@ -147,10 +147,9 @@ def _own_rows(
     return list(_Rows.apply(all_NR, shapes, span, acc, factor, *tensors))  # type: ignore[no-untyped-call]
 
 
-def _payload(tensors: Sequence[Tensor], prep: Prepared, b: int) -> Tensor:
+def _payload(tensors: Sequence[Tensor], prep: Prepared) -> Tensor:
     """This rank's rows as bytes; without the exchange, its agreement row after them."""
-    rows_BR = torch.cat([t.detach().reshape(b, math.prod(t.shape[1:])) for t in tensors], 1)
-    payload = rows_BR.reshape(-1).view(torch.uint8)
+    payload = rows_as_bytes(tensors)
     if prep.checked:
         return payload
     # the agreement's row rides along: S scalars and the reduction code, float64
