@@ -302,11 +302,9 @@ def _parallelized(
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    group = (
-        mesh[dims[0]].get_group()
-        if len(dims) == 1
-        else mesh[dims]._flatten("_".join(dims)).get_group()
-    )
+    from wholebatch.comm.mesh import MeshSplit
+
+    group = MeshSplit(mesh=mesh, batch_dims=dims).batch_group()
     return DistributedDataParallel(model, process_group=group)
 
 
