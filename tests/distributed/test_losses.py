@@ -94,18 +94,21 @@ def _clip_gather_without_grad(image_BD: Tensor, text_BD: Tensor, s: Tensor, **_:
 
 def _clip_small_unscaled(image_BD: Tensor, text_BD: Tensor, s: Tensor, **kw: Any) -> Tensor:
     """MUTATION: the small path without the gradient convention's scaling (own rows get dL/dx)."""
+    import dataclasses
+
     import wholebatch.losses.replicated as replicated
 
-    real = replicated._own_rows
+    real = replicated._gather
 
-    def unscaled(all_NR: Tensor, shapes: Any, span: Any, acc: Any, factor: Tensor, ts: Any) -> Any:
-        return real(all_NR, shapes, span, acc, torch.ones_like(factor), ts)
+    def unscaled(*args: Any) -> Any:
+        got = real(*args)
+        return dataclasses.replace(got, row_factor=1.0)
 
-    replicated._own_rows = unscaled  # the forward captures the factor; the backward runs later
+    replicated._gather = unscaled  # the forward captures the factor; the backward runs later
     try:
         return clip_loss(image_BD, text_BD, s, **kw)
     finally:
-        replicated._own_rows = real
+        replicated._gather = real
 
 
 LOSSES: dict[str, Callable[..., Tensor]] = {

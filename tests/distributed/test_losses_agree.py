@@ -204,8 +204,8 @@ def _no_exchange(*_: Any, **__: Any) -> Any:
 
 
 def _rank_sizes(name: str, sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    saved = common._exchange
-    common._exchange = _no_exchange  # type: ignore[assignment]  # this worker, this call only
+    saved = common.start_rows
+    common.start_rows = _no_exchange  # type: ignore[assignment]  # this worker, this call only
     xs, ys = _inputs(sizes)
     r = get_rank()
     x, y = xs[r].clone().requires_grad_(), ys[r].clone().requires_grad_()
@@ -215,7 +215,7 @@ def _rank_sizes(name: str, sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Te
         loss = FUNCS[name](x, y, s, *extra, sizes=sizes, check=False, tile_size=2)
         loss.backward()
     finally:
-        common._exchange = saved  # type: ignore[assignment]
+        common.start_rows = saved  # type: ignore[assignment]
     assert x.grad is not None and y.grad is not None and s.grad is not None
     return loss.detach(), x.grad, y.grad, s.grad
 

@@ -33,7 +33,7 @@ from tests.distributed.test_losses import SCALARS, check_loss
 from tests.support.harness import run_ranks
 from tests.support.plan_counting import Counter, count_collectives
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, room, siglip_loss
 from wholebatch.losses.sizing import carry_bytes, using_small_rows
 
 # float64 round-off of sums of a few dozen terms; every mutation is off by >= 1.5x.
@@ -76,6 +76,7 @@ def _step(
     """One forward + backward of `name` on this rank (of `weight` x the loss): value,
     gradients, c10d calls per phase."""
     r = get_rank()
+    room.forget()  # the first call on the group: the exchange's room is sizing.carry_bytes(W)
     x, y = _tensors(SIZES[r], 10 + r, dim)
     sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
     fn = LOSSES[name][0]
@@ -196,21 +197,21 @@ def test_mutation_unscaled_small_path_is_caught() -> None:
 
 
 def _rows_copied(dim: int) -> int:
-    """How many times this rank's rows were copied to bytes for the exchange's room."""
-    import wholebatch.losses.common as common
+    """How many times this rank's rows were copied into the exchange's room."""
+    import wholebatch.comm.agree as agree
 
     calls = []
-    original = common.rows_as_bytes
+    original = agree._write_rows
 
-    def counted(embeddings: Any) -> Tensor:
-        calls.append(1)
-        return original(embeddings)
+    def counted(room: Tensor, carry: Any) -> None:
+        calls.extend([1] if carry else [])
+        original(room, carry)
 
-    common.rows_as_bytes = counted  # type: ignore[assignment]
+    agree._write_rows = counted  # type: ignore[assignment]
     try:
         _step("clip", None, LOSSES["clip"][1], dim)
     finally:
-        common.rows_as_bytes = original  # type: ignore[assignment]
+        agree._write_rows = original  # type: ignore[assignment]
     return len(calls)
 
 
@@ -219,3 +220,75 @@ def test_rows_are_copied_for_the_room_only_when_they_fit() -> None:
     assert run_ranks(3, _rows_copied, D) == [1, 1, 1]
     # (rank 1 holds no rows: its empty rows always fit)
     assert run_ranks(3, _rows_copied, 6000) == [0, 1, 0]
+
+
+def _room_sequence(dims: list[int]) -> list[tuple[int, int, int]]:
+    """(forward c10d calls, bytes received in the forward, the room after) per clip call of
+    this rank, one call per dim in `dims`, from a fresh history; each call checked against
+    the tiled forms."""
+    room.forget()
+    out = []
+    for dim in dims:
+        r = get_rank()
+        x, y = _tensors(SIZES[r], 10 + r, dim)
+        s = torch.tensor(LOSSES["clip"][1][0], dtype=torch.float64, requires_grad=True)
+        fwd = Counter()
+        with count_collectives(fwd):
+            loss = clip_loss(x, y, s)
+        loss.backward()
+        with using_small_rows(0):
+            xt, yt = _tensors(SIZES[r], 10 + r, dim)
+            st = torch.tensor(LOSSES["clip"][1][0], dtype=torch.float64, requires_grad=True)
+            tiled = clip_loss(xt, yt, st)
+            tiled.backward()
+        torch.testing.assert_close(loss.detach(), tiled.detach(), **F64)
+        for a, b in ((x.grad, xt.grad), (y.grad, yt.grad), (s.grad, st.grad)):
+            torch.testing.assert_close(a, b, **F64)
+        out.append((fwd.calls, fwd.totals()[1], room.room(None, 3)))
+    return out
+
+
+def test_the_exchange_room_is_fitted_to_the_last_calls() -> None:
+    # W = 3, rows [2, 0, 3] of two float64 towers. The first call's room is carry_bytes(3);
+    # then the room fits the largest rank's rows (3 x 2 x D x 8 bytes, to a power of two,
+    # at least 1 KiB). A call past the cap (D = 6,000) takes one more all-gather and keeps
+    # the small calls' room. Every rank the same calls and rooms; values exact.
+    got = run_ranks(3, _room_sequence, [3, 3, 6000, 3, 3])
+    assert [[(c, r) for c, _, r in g] for g in got] == [[(c, r) for c, _, r in got[0]]] * 3
+    calls = [c for c, _, _ in got[0]]
+    rooms = [r for _, _, r in got[0]]
+    assert calls == [1, 1, 2, 1, 1], calls
+    small = 1024  # 3 x 2 x 3 x 8 = 144 bytes: the floor
+    assert rooms == [small, small, small, small, small], rooms  # the small calls keep it
+    received = [b for _, b, _ in got[0]]
+    row = 11 * 8  # clip's exchange row
+    assert received[0] == 2 * (row + carry_bytes(3))
+    assert received[1] == 2 * (row + small)
+
+
+def _after_large(dims: list[int]) -> list[tuple[int, int, int]]:
+    room.forget()
+    with using_small_rows(10**6):  # the small path even at D = 6,000
+        return _room_sequence_kept(dims)
+
+
+def _room_sequence_kept(dims: list[int]) -> list[tuple[int, int, int]]:
+    out = []
+    for dim in dims:
+        r = get_rank()
+        x, y = _tensors(SIZES[r], 10 + r, dim)
+        fwd = Counter()
+        with count_collectives(fwd):
+            clip_loss(x, y, torch.tensor(2.0, dtype=torch.float64)).backward()
+        out.append((fwd.calls, fwd.totals()[1], room.room(None, 3)))
+    return out
+
+
+def test_a_large_call_alone_leaves_no_room() -> None:
+    # Only large calls in the history: no room (nothing zero-filled or sent for nothing).
+    got = run_ranks(3, _after_large, [6000, 6000, 3, 3])
+    assert [[(c, r) for c, _, r in g] for g in got] == [[(c, r) for c, _, r in got[0]]] * 3
+    # forward + backward: the first small call's rows are not carried (one more all-gather)
+    assert [c for c, _, _ in got[0]] == [3, 3, 3, 2]
+    assert [r for _, _, r in got[0]] == [0, 0, 1024, 1024]
+    assert got[0][1][1] < got[0][0][1]  # the second large call sends no room

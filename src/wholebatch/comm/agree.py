@@ -25,7 +25,7 @@ Legend: W ranks of `group`, F elements in one row.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,6 +126,16 @@ class Rows:
         first = vals[0]
         return all(_same(v, first) for v in vals[1:])
 
+    def same_all(self, names: Iterable[str]) -> bool:
+        """`same` of every field in `names` at once (one pass over the table)."""
+        values = self._values
+        if all(row == values[0] for row in values[1:]):  # every rank's whole row alike
+            return True
+        cols = [c for name in names for c in range(*_span(self._slot(name)))]
+        first = [self._values[0][c] for c in cols]
+        others = ([row[c] for c in cols] for row in self._values[1:])
+        return all(got == first or _same(got, first) for got in others)
+
     def error(self, op: str, local_error: str | None, *, flag: str = "error") -> None:
         """Raise the same `WholebatchError` on every rank if any rank set the field `flag`.
 
@@ -146,20 +156,16 @@ class Rows:
         return per_rank([_shown(v) for v in self[name]])
 
 
+def _span(slot: tuple[int, int]) -> tuple[int, int]:
+    return slot[0], slot[0] + slot[1]
+
+
 def _same(a: Sequence[float], b: Sequence[float]) -> bool:
     return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True))
 
 
 def _shown(v: float) -> object:
     return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-def _part(value: Field, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.detach().reshape(-1).to(device=device, dtype=dtype)
-    if isinstance(value, (bool, int, float)):
-        return torch.tensor([value], dtype=dtype, device=device)
-    return torch.tensor(list(value), dtype=dtype, device=device).reshape(-1)
 
 
 class PendingRows:
@@ -182,10 +188,10 @@ class PendingRows:
             self._work.wait()
         if not self._carried:
             return Rows(self._table.cpu(), self._layout, self._group)
-        w = self._table.shape[0]
         row_bytes = self._table.shape[1] - self._carried
-        table_WF = self._table[:, :row_bytes].contiguous().view(torch.float64).view(w, -1)
-        rows = Rows(table_WF.cpu(), self._layout, self._group)
+        table_WF = self._table[:, :row_bytes].view(torch.float64)  # (W, F): rows strided
+        rows = Rows(table_WF if table_WF.device.type == "cpu" else table_WF.cpu(),
+                    self._layout, self._group)  # fmt: skip
         rows.carried_WC = self._table[:, row_bytes:]
         return rows
 
@@ -195,7 +201,7 @@ def start_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
-    carry: Tensor | None = None,
+    carry: Sequence[Tensor] | None = None,
     carry_bytes: int = 0,
 ) -> PendingRows:
     """`agree_rows` without waiting: the all-gather runs while the caller computes.
@@ -204,47 +210,60 @@ def start_rows(
     then `wait()` on the result before its next collective on `group`.
 
     With `carry_bytes` > 0 (the same on every rank; float64 rows only) the same
-    all-gather also carries up to that many bytes of each rank's `carry` (a 1-D
-    uint8 tensor on the row's device, zero-padded; None: nothing), read back as
-    `Rows.carried_WC`: data that would otherwise need a second collective.
+    all-gather also carries up to that many bytes of this rank's `carry` (tensors of
+    one dtype and one row count B, on the row's device: their rows side by side, (B, R)
+    as bytes, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
+    would otherwise need a second collective.
     """
     from wholebatch.comm._c10d import all_gather_single
 
     distributed = is_distributed(group)
     device = comm_device(group) if distributed else torch.device("cpu")
     layout: dict[str, tuple[int, int]] = {}
-    parts: list[Tensor] = []
-    numbers: list[float] = []  # a run of plain numbers becomes one tensor (one copy to the device)
-    start = 0
+    numbers: list[float] = []  # every field's numbers; a tensor field's are written after
+    tensors: list[tuple[int, Tensor]] = []
     for name, value in row.items():
+        if type(value) in _PLAIN and value.device.type == "cpu" and value.numel() == 1:  # type: ignore[union-attr]
+            value = value.item()  # type: ignore[union-attr]  # on the host: no sync, no copy op
         if isinstance(value, (bool, int, float)):
-            layout[name] = (start, 1)
-            start += 1
+            layout[name] = (len(numbers), 1)
             numbers.append(value)
             continue
-        if numbers:
-            parts.append(torch.tensor(numbers, dtype=dtype, device=device))
-            numbers = []
-        part = _part(value, dtype, device)
-        layout[name] = (start, part.numel())
-        start += part.numel()
-        parts.append(part)
-    if numbers:
-        parts.append(torch.tensor(numbers, dtype=dtype, device=device))
-    mine_F = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-    if carry_bytes:
-        row_bytes = mine_F.numel() * mine_F.element_size()
-        both = torch.zeros(row_bytes + carry_bytes, dtype=torch.uint8, device=device)
-        both[:row_bytes] = mine_F.view(torch.uint8)
-        if carry is not None:
-            both[row_bytes : row_bytes + carry.numel()] = carry
-        mine_F = both
+        if isinstance(value, Tensor):
+            n = value.numel()
+            tensors.append((len(numbers), value))
+        else:
+            n = len(value)
+            tensors.append((len(numbers), torch.tensor(list(value), dtype=dtype)))
+        layout[name] = (len(numbers), n)
+        numbers.extend([0.0] * n)
+    row_bytes = len(numbers) * dtype.itemsize
+    mine = torch.zeros(row_bytes + carry_bytes, dtype=torch.uint8, device=device)
+    mine_F = mine[:row_bytes].view(dtype)
+    mine_F.copy_(torch.tensor(numbers, dtype=dtype))  # one copy to the device
+    for start, value in tensors:  # stays on its device: no host sync
+        mine_F[start : start + value.numel()].copy_(value.detach().reshape(-1))
+    if carry_bytes and carry:
+        _write_rows(mine[row_bytes:], carry)
+    send = mine if carry_bytes else mine_F
     if not distributed:
-        return PendingRows(mine_F.unsqueeze(0), layout, group, None, carry_bytes)
+        return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
-    table = torch.empty(w * mine_F.numel(), dtype=mine_F.dtype, device=device)
-    work = all_gather_single(table, mine_F, group=group, async_op=True)
+    table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
+    work = all_gather_single(table, send, group=group, async_op=True)
     return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may communicate)
+
+
+def _write_rows(room: Tensor, carry: Sequence[Tensor]) -> None:
+    """`carry`'s rows side by side ((B, R) in their dtype) at the start of `room` (bytes)."""
+    b = carry[0].shape[0]
+    parts = [x.detach().reshape(b, math.prod(x.shape[1:])) for x in carry]
+    width = sum(x.shape[1] for x in parts)
+    used = b * width * carry[0].element_size()
+    torch.cat(parts, 1, out=room[:used].view(carry[0].dtype).view(b, width))
 
 
 def agree_rows(
@@ -252,7 +271,7 @@ def agree_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
-    carry: Tensor | None = None,
+    carry: Sequence[Tensor] | None = None,
     carry_bytes: int = 0,
 ) -> Rows:
     """All-gather one named row per rank; every rank gets the same `Rows` table.
@@ -265,7 +284,7 @@ def agree_rows(
         group: the process group; None: the default group (or one process).
         dtype: the wire dtype: float64 (default; holds integers exactly up to 2**53,
             and NaN) or int64 for integer-only rows.
-        carry: bytes to carry in the same all-gather (`start_rows`).
+        carry: rows to carry in the same all-gather (`start_rows`).
         carry_bytes: the room for them on every rank (0: none).
     """
     return start_rows(row, group=group, dtype=dtype, carry=carry, carry_bytes=carry_bytes).wait()

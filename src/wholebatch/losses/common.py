@@ -5,15 +5,18 @@
 1. Local checks (shapes, dtypes, scalars, options, `tile_size`, `sizes`).
 2. The exchange, when the per-rank row counts are unknown (`sizes=None`) or
    the cross-rank checks are on (`check=`, `wholebatch.set_checks`, default on):
-   one named float64 row per rank (`wholebatch.comm.agree.agree_rows`: one
+   one named float64 row per rank (`wholebatch.comm.agree.start_rows`: one
    all-gather, read back by field name) carrying its rows, dim, dtype,
    device, options, `grad_reduction`, the `sizes` it was given and its
    scalar values, and whether its local checks failed (a value or a type
-   error: the kind travels in the row, the text in one more all-gather). Tensor scalars ride in that row as tensors (concatenated on
-   the device, never read on their own): no `.item()`. Every rank runs the
-   same checks on the same table, so a bad input raises the same error on
-   every rank. On CUDA with NCCL reading the table is the one host sync of
-   the call; with `sizes=` given and checks off there is no exchange at all.
+   error: the kind travels in the row, the text in one more all-gather), then
+   a room for the rank's rows (`wholebatch.losses.room`; the small path uses
+   them). Tensor scalars on an accelerator ride in that row as tensors (copied
+   on the device, never read on their own: no host sync); a plain CPU tensor's
+   value is read as a number. Every rank runs the same checks on the same
+   table, so a bad input raises the same error on every rank. On CUDA with
+   NCCL reading the table is the one host sync of the call; with `sizes=`
+   given and checks off there is no exchange at all.
 3. The agreement (W > 1). When the exchange ran, it found the scalars and the
    reduction equal on every rank (or raised): the forward uses each rank's
    values as they are, with no collective. Without the exchange (`sizes=`
@@ -37,6 +40,7 @@ Legend: W ranks, B this rank's rows, N global rows, D embedding dim.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -45,15 +49,15 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.agree import Field, Rows, agree_rows
+from wholebatch.comm.agree import Field, PendingRows, Rows, start_rows
 from wholebatch.comm.checks import errors_text, gather_errors, per_rank
 from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.losses import room
 from wholebatch.losses.sizing import (
     auto_strategy,
-    carry_bytes,
     exchange_row_elements,
     replicates,
     sizes_fingerprint,
@@ -96,7 +100,7 @@ class Prepared:
     checked: bool = True
     """The exchange ran (the scalars and the reduction were found equal on every rank)."""
     carried_WC: Tensor | None = None
-    """Every rank's rows as bytes, carried by the exchange (`sizing.carry_bytes` each, zero
+    """Every rank's rows as bytes, carried by the exchange (`losses.room`'s room each, zero
     padded), or None; a rank's are there when they fit (every rank knows: agreed sizes)."""
 
 
@@ -294,7 +298,7 @@ def prepare(
             when the whole batch is small: `sizing.replicates` on the agreed N, the
             embeddings' row width and the smallest row limit over ranks).
         carry: the exchange carries this rank's rows of every embedding
-            (`sizing.carry_bytes`, `Prepared.carried_WC`); the same on every rank
+            (`wholebatch.losses.room`, `Prepared.carried_WC`); the same on every rank
             (a loss passes it always, whatever its other arguments).
     """
     options = options or {}
@@ -310,17 +314,21 @@ def prepare(
         vals = [_scalar_tensor(v, first) for v in scalars.values()]  # type: ignore[arg-type]
         return Prepared(sizes=[b], scalars=vals, grad_factor=1.0)
     checked = sizes is None or checks_enabled(check)
-    limit = small_rows()
+    values: list[Tensor | float] = list(scalars.values())  # type: ignore[arg-type]
     if checked:
-        rows_bytes = carry_bytes(w) if carry else 0
+        rows_bytes = room.room(group, w) if carry else 0
         elem = first.element_size() if isinstance(first, Tensor) else 0
         fits = err is None and b * _row_elements(embeddings) * elem <= rows_bytes
-        # only rows that fit the room are copied to bytes (a large batch is never copied)
-        data = rows_as_bytes(embeddings.values()) if fits and rows_bytes else None
-        table = _exchange(
-            op, embeddings, scalars, grad_reduction, sizes, options, err, group, data, rows_bytes,
-        )  # fmt: skip
+        # only rows that fit the room are copied (a large batch is never copied)
+        data = [x for x in embeddings.values() if isinstance(x, Tensor)] if fits else None
+        row = _row(embeddings, scalars, grad_reduction, sizes, options, err)
+        pending = start_rows(row, group=group, carry=data, carry_bytes=rows_bytes)
+        # while the exchange is in flight: what the call needs whatever the table says
+        own = None if err is not None else [_scalar_tensor(v, first) for v in values]  # type: ignore[arg-type]
+        table = _exchange_done(op, pending, len(options), len(scalars), err, group)
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
+        if carry:  # agreed numbers only: every rank records the same
+            room.record(group, max(agreed) * _row_elements(embeddings) * elem)
         limit = min(table.ints("small rows"))
     elif err is not None:
         # Nothing is exchanged (sizes given, checks off): a local error is raised here,
@@ -328,22 +336,24 @@ def prepare(
         err.raise_for(op)
     else:
         agreed = [int(v) for v in sizes]  # type: ignore[attr-defined]
+        limit = small_rows()
     if sum(agreed) == 0:
         raise WholebatchError(
             f"{op}: the whole batch has 0 rows (rows per rank {per_rank(agreed)}); "
             "at least one rank must pass rows"
         )
     assert isinstance(first, Tensor)
-    values: list[Tensor | float] = list(scalars.values())  # type: ignore[arg-type]
+    if not checked:
+        own = [_scalar_tensor(v, first) for v in values]
+    assert own is not None  # an error anywhere was raised by the exchange
     if small and replicates(sum(agreed), _row_elements(embeddings), first.element_size(), limit):
         # every rank computes the whole loss: no agreement collective here (losses/replicated.py)
-        own = [_scalar_tensor(v, first) for v in values]
         return Prepared(
-            sizes=agreed, scalars=own, grad_factor=_factor(first, str(grad_reduction), w),
+            sizes=agreed, scalars=own, grad_factor=1.0 / w if grad_reduction == "sum" else 1.0,
             replicated=True, checked=checked, carried_WC=table.carried_WC if checked else None,
         )  # fmt: skip
     if checked:  # the exchange found every scalar and the reduction equal on every rank
-        vals, factor = _replicated(first, values, str(grad_reduction), w, group)
+        vals, factor = _replicated(first, own, str(grad_reduction), w, group)
     else:
         vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
@@ -413,23 +423,18 @@ def _row(
     return row
 
 
-def _exchange(
+def _exchange_done(
     op: str,
-    embeddings: Mapping[str, object],
-    scalars: Mapping[str, object],
-    grad_reduction: object,
-    sizes: object,
-    options: Mapping[str, tuple[float, str]],
+    pending: PendingRows,
+    options: int,
+    scalars: int,
     err: Problem | None,
     group: ProcessGroup | None,
-    carry: Tensor | None = None,
-    room: int = 0,
 ) -> Rows:
-    """One all-gather of every rank's named row (and `room` bytes of `carry`); a local problem
+    """The exchange's table once every rank's row arrived (`start_rows`); a local problem
     anywhere is raised on every rank."""
-    row = _row(embeddings, scalars, grad_reduction, sizes, options, err)
-    rows = agree_rows(row, group=group, carry=carry, carry_bytes=room)
-    assert rows.table_WF.shape[1] == exchange_row_elements(len(options), len(scalars)), "row"
+    rows = pending.wait()
+    assert rows.table_WF.shape[1] == exchange_row_elements(options, scalars), "row"
     flagged = rows.ranks_where("error")
     if flagged:
         marks = [q in flagged for q in range(rows.world_size)]
@@ -450,6 +455,7 @@ _HEADER_CHECKS: tuple[tuple[str, str, str, Callable[[float], object], bool], ...
     ("grad_reduction", "grad_reduction", "pass the same grad_reduction on every rank",
      lambda v: _REDUCTIONS[int(v)], False),
 )  # fmt: skip
+_HEADER_FIELDS = tuple(check[0] for check in _HEADER_CHECKS)
 
 
 def _check_table(
@@ -460,16 +466,24 @@ def _check_table(
     options: Mapping[str, tuple[float, str]],
 ) -> list[int]:
     """Raise the same error on every rank if anything that must agree does not; return the sizes."""
-    checks = [
-        (field, what, fix or f"every rank's {'/'.join(names)} must have the same dim", shown, typ)
-        for field, what, fix, shown, typ in _HEADER_CHECKS
-    ]
-    checks += [(_option(n), n, fix, int, False) for n, (_, fix) in options.items()]
-    checks += [(_scalar(n), n, _REPLICATED_FIX, _same_value, False) for n in scalar_names]
-    for field, what, fix, shown, type_error in checks:
-        if not rows.same(field):
-            vals = per_rank([shown(v) for v in rows[field]])
-            Problem(f"{what} differs across ranks {vals}; {fix}", type_error).raise_for(op)
+    fields = itertools.chain(_HEADER_FIELDS, map(_option, options), map(_scalar, scalar_names))
+    if not rows.same_all(fields):  # name the first that differs
+        checks = [
+            (
+                field,
+                what,
+                fix or f"every rank's {'/'.join(names)} must have the same dim",
+                shown,
+                typ,
+            )
+            for field, what, fix, shown, typ in _HEADER_CHECKS
+        ]
+        checks += [(_option(n), n, fix, int, False) for n, (_, fix) in options.items()]
+        checks += [(_scalar(n), n, _REPLICATED_FIX, _same_value, False) for n in scalar_names]
+        for field, what, fix, shown, type_error in checks:
+            if not rows.same(field):
+                vals = per_rank([shown(v) for v in rows[field]])
+                Problem(f"{what} differs across ranks {vals}; {fix}", type_error).raise_for(op)
     counts = list(rows.ints("rows"))
     want = sizes_fingerprint(counts)
     given, prints = rows["sizes given"], rows["sizes fingerprint"]
@@ -502,7 +516,7 @@ class _Replicated(torch.autograd.Function):
 
 
 def _replicated(
-    like: Tensor, values: list[Tensor | float], grad_reduction: str, w: int, group: Any
+    like: Tensor, values: Sequence[Tensor | float], grad_reduction: str, w: int, group: Any
 ) -> tuple[list[Tensor], Tensor]:
     """`_agree` once the exchange has checked the values equal: no forward collective; the
     backward sends every rank the mean of the scalars' gradients (one all-reduce)."""
@@ -545,35 +559,16 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * factor.to(grad.dtype), None
 
 
-class _MeanUpstream(torch.autograd.Function):
-    """Forward: L as is; backward: the mean over ranks of every rank's upstream gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, group: ProcessGroup | None) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        return all_reduce(grad.contiguous(), "mean", group=ctx.group, check=False), None
-
-
 def whole(local: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
     """L = sum over ranks of each rank's share, the same on every rank.
 
     Backward: all-reduce (sum) of every rank's upstream gradient, so with each
     rank back-propagating L every share gets W: after DDP's mean, exactly dL.
     With ``grad_reduction="sum"`` the gradient is divided by W instead, so a sum
-    over ranks gives exactly dL. On the small path (`prep.replicated`) every rank's
-    `local` is already L, its gradients scaled by `wholebatch.losses.replicated`: returned as
-    is, its backward the mean over ranks of every rank's upstream gradient (one all-reduce of
-    one number), so a rank's rows get every rank's upstream, as through the sum above.
+    over ranks gives exactly dL. (The small path, `wholebatch.losses.replicated`, has its own.)
     """
     if get_world_size(group) == 1:
         return local
-    if prep.replicated:  # the small path: `local` is L already; its upstream gradient agreed
-        same: Tensor = _MeanUpstream.apply(local, group)  # type: ignore[no-untyped-call]
-        return same
     total = all_reduce(local, "sum", group=group, check=False)
     if isinstance(prep.grad_factor, Tensor):
         out: Tensor = _ScaleGrad.apply(total, prep.grad_factor)  # type: ignore[no-untyped-call]

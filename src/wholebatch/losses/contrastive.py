@@ -132,7 +132,7 @@ def clip_loss(
         options={name: (strategy_code(strategy), fix)}, error=strategy_problem(spec, strategy),
     )  # fmt: skip
     if prep.replicated:
-        return replicated.clip(image_BD, text_BD, prep, logit_bias is not None, group)
+        return replicated.clip(image_BD, text_BD, prep, group)
     rank, n = get_rank(group), sum(prep.sizes)
     offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
     acc = compute_dtype(image_BD.dtype)

@@ -21,6 +21,7 @@ negatives), C = N·J candidate documents, D embedding dim, T tile size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -158,17 +159,34 @@ def info_nce_loss(
         strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
         group=group, mesh=mesh, batch_dims=batch_dims,
     )  # fmt: skip
+    rows = partial(
+        _row_losses, partition_mode=partition_mode, doc_to_query="doc_to_query" in directions
+    )
+    wanted: set[str] = set(directions)
+    args = (query_BD, document_BD, negatives_BKD, wanted, rows)
+    if prep.replicated:  # every rank all N rows (losses/replicated.py)
+        return replicated.info_nce(*args, prep, group)
+    gathered = sum(prep.sizes) * (1 + k) * query_BD.shape[1] * query_BD.element_size()
+    return _tiled(*args, resolve_strategy(strategy, gathered) == "ring", prep, tile_size, group)
+
+
+def _tiled(
+    query_BD: Tensor,
+    document_BD: Tensor,
+    negatives_BKD: Tensor | None,
+    wanted: set[str],
+    row_losses: Any,
+    ring: bool,
+    prep: Prepared,
+    tile_size: int | None,
+    group: ProcessGroup | None,
+) -> Tensor:
+    """The gathered or ring forms: each rank its B rows' terms, then the whole-batch sum."""
     s = prep.scalars[0]
     pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
-    gathered = sum(prep.sizes) * (1 + k) * query_BD.shape[1] * query_BD.element_size()
-    terms = _ring_terms if resolve_strategy(strategy, gathered) == "ring" else _direction_terms
-    if prep.replicated:  # every rank all N rows (losses/replicated.py); `whole` adds nothing
-        terms = replicated.info_nce_terms
-    parts = terms(
-        query_BD, document_BD, negatives_BKD, s, pos_B, set(directions), prep, tile_size, group
-    )
-    per_row_B = _row_losses(parts, partition_mode, "doc_to_query" in directions)
-    return whole(per_row_B.sum() / sum(prep.sizes), prep, group)
+    terms = _ring_terms if ring else _direction_terms
+    parts = terms(query_BD, document_BD, negatives_BKD, s, pos_B, wanted, prep, tile_size, group)
+    return whole(row_losses(parts).sum() / sum(prep.sizes), prep, group)
 
 
 def _prepare(

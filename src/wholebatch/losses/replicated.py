@@ -10,27 +10,32 @@ default, and the gathered rows within 16 MiB) each loss instead:
 1. runs the exchange as always (`common.prepare`: every check, the same error on
    every rank), unless `sizes=` is given with the checks off;
 2. gathers every rank's rows of ALL its embeddings: with the exchange, they
-   ride in its all-gather while every rank's fit `sizing.carry_bytes(W)`
-   (256 KiB at W = 2: 64 rows of two 512-dim float32 towers), else ONE more
-   all-gather (raw bytes, uneven rows and empty ranks included); without the
-   exchange, each rank's scalars and reduction code ride in that all-gather
-   (one float64 row after its rows) and every rank agrees on their maximum,
-   as `common.prepare`'s agreement would;
-3. computes the whole loss L with plain tensor ops on the N rows: every rank the
-   same value, with no whole-batch sum.
+   ride in its all-gather while every rank's fit the exchange's room (the
+   same on every rank, fitted to the rows of the group's last calls:
+   `wholebatch.losses.room`; at most `sizing.carry_bytes(W)`, 256 KiB at W = 2:
+   64 rows of two 512-dim float32 towers), else ONE more all-gather (raw bytes,
+   uneven rows and empty ranks included); without the exchange, each rank's
+   scalars and reduction code ride in that all-gather (one float64 row after
+   its rows) and every rank agrees on their maximum, as `common.prepare`'s
+   agreement would;
+3. computes the whole loss L on the N rows in one autograd node (`run`, a
+   kernel: `clip`, `siglip` in closed form, `nt_xent`, `info_nce` by autograd
+   through their formula): every rank the same value, with no whole-batch sum.
 
 The backward needs one collective of one number: the other ranks' rows are
-constants here, so autograd gives this rank dL/d(its own rows) from the full
-logits, and every rank already holds the whole dL/ds of each replicated scalar;
-only the upstream gradient of L is agreed (`common.whole`: its mean over ranks),
-so a rank's rows receive every rank's upstream gradient, as through the tiled
-forms' whole-batch sum, whatever each rank back-propagates. The gradient
-conventions (DESIGN.md, "gradient conventions"; `wholebatch.conventions`) are
-met by scaling: with grad_reduction="mean" this rank's rows get W·dL/dx (DDP's
-mean over ranks then gives dL/dθ) and its copy of a scalar gets dL/ds (the mean
-of W equal copies); with "sum", dL/dx and dL/ds / W. Without the exchange a
-scalar's gradient goes, W-fold, to the ranks holding the agreed maximum, split
-among ties (every rank when they agree, as the caller promises).
+constants here, so the kernel gives this rank dL/d(its own rows) (CLIP and
+SigLIP: dL/dz in closed form, then B x N products instead of autograd's
+N x N), and every rank already holds the whole dL/ds of each replicated
+scalar; only the upstream gradient of L is agreed (its mean over ranks, one
+all-reduce), so a rank's rows receive every rank's upstream gradient, as
+through the tiled forms' whole-batch sum, whatever each rank back-propagates.
+The gradient conventions (DESIGN.md, "gradient conventions";
+`wholebatch.conventions`) are met by scaling: with grad_reduction="mean" this
+rank's rows get W·dL/dx (DDP's mean over ranks then gives dL/dθ) and its copy
+of a scalar gets dL/ds (the mean of W equal copies); with "sum", dL/dx and
+dL/ds / W. Without the exchange a scalar's gradient goes, W-fold, to the ranks
+holding the agreed maximum, split among ties (every rank when they agree, as
+the caller promises).
 
 `wholebatch.losses.sizing.set_small_rows(0)` (or ``WHOLEBATCH_SMALL_ROWS=0``)
 turns the small path off.
@@ -48,103 +53,84 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.collectives import all_gather
+from wholebatch.comm.collectives import all_gather, all_reduce
 from wholebatch.comm.groups import get_rank, get_world_size
-from wholebatch.losses.common import Prepared, rows_as_bytes, whole as whole_loss
+from wholebatch.losses.common import Prepared, rows_as_bytes
 from wholebatch.losses.tiles import compute_dtype, softplus
 
-__all__ = ["Whole", "clip", "gather_whole", "info_nce_terms", "nt_xent", "siglip"]
+__all__ = ["clip", "info_nce", "nt_xent", "siglip"]
+
+# A kernel computes the whole loss on the whole batch (every rank the same, no
+# collective) and, in the backward, the gradient of ONLY this rank's rows:
+#   forward(rows, scalars, need_grad) -> (L, state);
+#   backward(state, dL, (lo, hi)) -> (per embedding its rows [lo:hi] of dL/d(rows),
+#                                    per scalar dL/ds)
+Kernel = tuple[
+    Callable[[list[Tensor], list[Tensor], bool], tuple[Tensor, Any]],
+    Callable[[Any, Tensor, tuple[int, int]], tuple[list[Tensor], list[Tensor]]],
+]
 
 
 @dataclasses.dataclass(frozen=True)
-class Whole:
-    """The whole batch on this rank, in the compute dtype, ready for a plain formula."""
+class _Gathered:
+    """Every rank's rows of every embedding, and how their gradients go home."""
 
-    rows: list[Tensor]
-    """Per embedding, every rank's rows in rank order (N, ...): this rank's slice carries its
-    gradient (scaled by the convention), the others are constants."""
-    scalars: list[Tensor]
-    """The agreed replicated scalars (0-d); their gradient reaches this rank's own copies."""
-    n: int
-    """N."""
-
-
-class _Scaled(torch.autograd.Function):
-    """Forward: `value` (a copy); backward: the gradient times `factor`, sent to `x`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, value: Tensor, factor: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(factor)
-        return value.detach().clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        (factor,) = ctx.saved_tensors
-        return grad * factor.to(grad.dtype), None, None
+    all_NR: Tensor
+    """(N, R) in the embeddings' dtype: every rank's rows side by side, in rank order."""
+    values: list[Tensor]
+    """The agreed scalars (0-d, compute dtype): what the formula uses on every rank."""
+    shares: list[Tensor | float]
+    """What this rank's copy of each scalar gets of dL/ds (the convention, ties)."""
+    row_factor: Tensor | float
+    """What this rank's rows get of dL/dx: W ("mean") or 1 ("sum")."""
+    span: tuple[int, int]
+    """This rank's rows among the N."""
 
 
-def _scaled(x: Tensor, value: Tensor, factor: Tensor) -> Tensor:
-    out: Tensor = _Scaled.apply(x, value, factor)  # type: ignore[no-untyped-call]
-    return out
-
-
-def gather_whole(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | None) -> Whole:
-    """Every rank's rows of every tensor in `tensors` (each (B, ...), one dtype) by one all-gather.
-
-    Every rank of `group` must call it, after `common.prepare` chose the small
-    path. Backward: none across ranks; this rank's slice of each returned
-    tensor sends its gradient, times W (grad_reduction "mean") or 1 ("sum"),
-    to the input it came from; see the module docstring for the scalars.
-    """
+def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | None) -> _Gathered:
+    """Every rank's rows of every tensor in `tensors` (each (B, ...), one dtype): carried by
+    the exchange when they fit its room, else by one all-gather (raw bytes, uneven rows and
+    empty ranks included); without the exchange, with each rank's agreement row after its
+    rows. Every rank of `group` must call it, after `common.prepare` chose the small path."""
     w, r = get_world_size(group), get_rank(group)
-    sizes, b = prep.sizes, prep.sizes[r]
-    first = tensors[0]
-    dtype, acc, elem = first.dtype, compute_dtype(first.dtype), first.element_size()
-    shapes = [tuple(t.shape[1:]) for t in tensors]
-    width = sum(math.prod(shape) for shape in shapes)
+    sizes, first = prep.sizes, tensors[0]
+    dtype, elem = first.dtype, first.element_size()
+    width = sum(math.prod(t.shape[1:]) for t in tensors)
     head = 0 if prep.checked else 8 * (len(prep.scalars) + 1)
     byte_sizes = [q * width * elem + head for q in sizes]
     carried = prep.carried_WC
     if carried is not None and max(byte_sizes) <= carried.shape[1]:
         # every rank's rows came with the exchange: no second collective
-        got = torch.cat([carried[q, :nb] for q, nb in enumerate(byte_sizes)]).to(first.device)
+        if len(set(byte_sizes)) == 1:  # every rank the same rows: one copy
+            got = carried[:, : byte_sizes[0]].reshape(-1)
+        else:
+            got = torch.cat([row[:nb] for row, nb in zip(carried, byte_sizes, strict=True)])
+        got = got if got.device == first.device else got.to(first.device)
     else:
         got = all_gather(_payload(tensors, prep), sizes=byte_sizes, group=group, check=False)
-    n = sum(sizes)
-    if head:
-        starts = [sum(byte_sizes[:q]) for q in range(w)]
-        body = [got[o : o + q * width * elem] for o, q in zip(starts, sizes, strict=True)]
-        rows_bytes = torch.cat(body)  # a fresh, aligned buffer
-        table_WS = torch.cat([got[o + q * width * elem : o + byte_sizes[i]]
-                              for i, (o, q) in enumerate(zip(starts, sizes, strict=True))])  # fmt: skip
-        scalars, factor = _agreed(table_WS.view(torch.float64).view(w, -1), prep, r, w, acc)
-    else:
-        rows_bytes = got
-        factor = torch.as_tensor(prep.grad_factor, dtype=acc, device=first.device)
-        scalars = [_scaled(s, s, factor) for s in prep.scalars]
-    all_NR = rows_bytes.view(dtype).view(n, width)
     offset = sum(sizes[:r])
-    rows = _own_rows(all_NR, shapes, (offset, offset + b), acc, factor * w, tensors)
-    return Whole(rows=rows, scalars=scalars, n=n)
-
-
-def _own_rows(
-    all_NR: Tensor,
-    shapes: list[tuple[int, ...]],
-    span: tuple[int, int],
-    acc: torch.dtype,
-    factor: Tensor,
-    tensors: Sequence[Tensor],
-) -> list[Tensor]:
-    """`_Rows`: the whole batch per embedding; this rank's rows' gradient, times `factor`, home."""
-    return list(_Rows.apply(all_NR, shapes, span, acc, factor, *tensors))  # type: ignore[no-untyped-call]
+    span = (offset, offset + sizes[r])
+    if not head:  # the exchange found the scalars and the reduction equal on every rank
+        factor = prep.grad_factor
+        all_NR = got.view(dtype).view(sum(sizes), width)
+        return _Gathered(all_NR, prep.scalars, [factor] * len(prep.scalars), factor * w, span)
+    starts = [sum(byte_sizes[:q]) for q in range(w)]
+    body = [got[o : o + q * width * elem] for o, q in zip(starts, sizes, strict=True)]
+    rows_bytes = torch.cat(body)  # a fresh, aligned buffer
+    table_WS = torch.cat([got[o + q * width * elem : o + byte_sizes[i]]
+                          for i, (o, q) in enumerate(zip(starts, sizes, strict=True))])  # fmt: skip
+    acc = compute_dtype(dtype)
+    values_S, shares_S, agreed = _agreed(table_WS.view(torch.float64).view(w, -1), r, w, acc)
+    all_NR = rows_bytes.view(dtype).view(sum(sizes), width)
+    return _Gathered(all_NR, list(values_S.unbind()), list(shares_S.unbind()), agreed * w, span)
 
 
 def _payload(tensors: Sequence[Tensor], prep: Prepared) -> Tensor:
@@ -159,54 +145,99 @@ def _payload(tensors: Sequence[Tensor], prep: Prepared) -> Tensor:
     return torch.cat([payload, row_S1.view(torch.uint8)])
 
 
-class _Rows(torch.autograd.Function):
-    """Forward: the whole batch per embedding, from `all_NR` (where this rank's rows are its
-    inputs, bit for bit), in the compute dtype; backward: this rank's rows of each output's
-    gradient, times `factor`, to the input they came from (nothing to the other ranks' rows)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        all_NR: Tensor,
-        shapes: list[tuple[int, ...]],
-        span: tuple[int, int],
-        acc: torch.dtype,
-        factor: Tensor,
-        *own: Tensor,
-    ) -> tuple[Tensor, ...]:
-        ctx.save_for_backward(factor)
-        ctx.span, ctx.dtypes = span, [t.dtype for t in own]
-        whole_NR = all_NR.to(acc, copy=True)
-        n = whole_NR.shape[0]
-        parts = torch.split(whole_NR, [math.prod(shape) for shape in shapes], 1)
-        return tuple(p.reshape(n, *shape) for p, shape in zip(parts, shapes, strict=True))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        (factor,) = ctx.saved_tensors
-        lo, hi = ctx.span
-        own = [
-            None if g is None else (g[lo:hi] * factor.to(g.dtype)).to(dt)
-            for g, dt in zip(grads, ctx.dtypes, strict=True)
-        ]
-        return (None, None, None, None, None, *own)
-
-
-def _agreed(
-    table_WS: Tensor, prep: Prepared, r: int, w: int, acc: torch.dtype
-) -> tuple[list[Tensor], Tensor]:
-    """The scalars and the reduction agreed from every rank's row (their maximum), on the device.
-
-    A scalar's gradient goes to the ranks holding the maximum, W-fold split among ties.
-    """
+def _agreed(table_WS: Tensor, r: int, w: int, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(the agreed scalars, this rank's shares of their gradients, the reduction's factor), from
+    every rank's row: the maximum of each; a scalar's gradient goes to the ranks holding the
+    maximum, W-fold split among ties."""
     max_S = table_WS.max(0).values
     ties_S = (table_WS == max_S).sum(0)
     mine_S = (table_WS[r] == max_S).to(torch.float64)
     one = torch.ones((), dtype=torch.float64, device=table_WS.device)
     factor = torch.where(max_S[-1] > 0.5, one / w, one)  # "sum" anywhere: every rank sums
     share_S = factor * w * mine_S / ties_S
-    scalars = [_scaled(s, max_S[k].to(acc), share_S[k].to(acc)) for k, s in enumerate(prep.scalars)]
-    return scalars, factor.to(acc)
+    return max_S[:-1].to(acc), share_S[:-1].to(acc), factor.to(acc)
+
+
+def run(
+    kernel: Kernel, tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | None
+) -> Tensor:
+    """The whole loss L of `tensors` (this rank's rows of each embedding) by `kernel`: the
+    same value on every rank, one collective forward at most (`_gather`).
+
+    Every rank of `group` must call it. Backward: all-reduce (mean) of the upstream
+    gradient of L (one number), then `kernel`'s gradient of this rank's rows, times
+    W ("mean") or 1 ("sum"), and of each scalar, times this rank's share.
+    """
+    g = _gather(tensors, prep, group)
+    inputs = [*tensors, *prep.scalars]
+    need = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    shapes = [tuple(t.shape[1:]) for t in tensors]
+    loss: Tensor = _WholeLoss.apply(kernel, need, g, shapes, group, *inputs)  # type: ignore[no-untyped-call]
+    return loss
+
+
+class _WholeLoss(torch.autograd.Function):
+    """Forward: `kernel`'s L on the gathered rows (no autograd graph of its own unless the
+    kernel keeps one); backward: see `run`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        kernel: Kernel,
+        need: bool,
+        g: _Gathered,
+        shapes: list[tuple[int, ...]],
+        group: ProcessGroup | None,
+        *inputs: Tensor,
+    ) -> Tensor:
+        acc = compute_dtype(g.all_NR.dtype)  # a fresh buffer: used as it is in that dtype
+        whole_NR = g.all_NR if g.all_NR.dtype == acc else g.all_NR.to(acc)
+        n = whole_NR.shape[0]
+        parts = torch.split(whole_NR, [math.prod(shape) for shape in shapes], 1)
+        rows = [p if p.shape[1:] == shape else p.reshape(n, *shape)
+                for p, shape in zip(parts, shapes, strict=True)]  # fmt: skip
+        loss, state = kernel[0](rows, g.values, need)
+        if need:
+            ctx.kernel, ctx.state, ctx.g, ctx.group = kernel, state, g, group
+            ctx.dtypes = [t.dtype for t in inputs]
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if get_world_size(ctx.group) > 1:  # every rank's upstream gradient, to every rank's rows
+            grad = all_reduce(grad.contiguous(), "mean", group=ctx.group, check=False)
+        g: _Gathered = ctx.g
+        rows, scalars = ctx.kernel[1](ctx.state, grad.to(compute_dtype(g.all_NR.dtype)), g.span)
+        ctx.state = None  # the kernel's buffers go now, not with the graph
+        own = [x * g.row_factor for x in rows]
+        grads = own + [x * share for x, share in zip(scalars, g.shares, strict=True)]
+        wanted = ctx.needs_input_grad[5:]
+        out = [gr.to(dt) if want else None
+               for gr, dt, want in zip(grads, ctx.dtypes, wanted, strict=True)]  # fmt: skip
+        return (None, None, None, None, None, *out)
+
+
+def by_autograd(formula: Callable[[list[Tensor], list[Tensor]], Tensor]) -> Kernel:
+    """A kernel from a plain formula L(rows, scalars): its backward is autograd's through
+    the formula's own graph (kept from the forward), this rank's rows sliced from it."""
+
+    def forward(rows: list[Tensor], scalars: list[Tensor], need: bool) -> tuple[Tensor, Any]:
+        if not need:
+            return formula(rows, scalars), None
+        leaves = [x.detach().requires_grad_() for x in [*rows, *scalars]]
+        with torch.enable_grad():
+            loss = formula(leaves[: len(rows)], leaves[len(rows) :])
+        return loss.detach(), (loss, leaves, len(rows))
+
+    def backward(
+        state: Any, grad: Tensor, span: tuple[int, int]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        loss, leaves, k = state
+        got = torch.autograd.grad(loss, leaves, grad, allow_unused=True)
+        full = [torch.zeros_like(x) if d is None else d for d, x in zip(got, leaves, strict=True)]
+        return [d[span[0] : span[1]] for d in full[:k]], full[k:]
+
+    return forward, backward
 
 
 # ---------------------------------------------------------------------------
@@ -224,70 +255,129 @@ def _eye(n: int, device: torch.device) -> Tensor:
     return torch.eye(n, dtype=torch.bool, device=device)
 
 
-def clip(
-    image_BD: Tensor, text_BD: Tensor, prep: Prepared, bias: bool, group: ProcessGroup | None
-) -> Tensor:
-    """`clip_loss` on the small path: L = (Σᵢ softplus(lse_{j≠i} zᵢⱼ − zᵢᵢ) + the same over columns) / 2N."""
-    whole = gather_whole([image_BD, text_BD], prep, group)
-    i_ND, t_ND = whole.rows
-    s, n = whole.scalars[0], whole.n
-    neg_NN = _masked(s * (i_ND @ t_ND.T), _eye(n, i_ND.device))
-    pos_N = s * (i_ND * t_ND).sum(1)
-    rows = softplus(torch.logsumexp(neg_NN, 1) - pos_N).sum()
-    cols = softplus(torch.logsumexp(neg_NN, 0) - pos_N).sum()
-    loss = (rows + cols) / (2 * n)
-    if bias:
-        loss = loss + 0.0 * whole.scalars[1]  # no effect on the loss; gradient exactly 0
-    return whole_loss(loss, prep, group)
+def _own_gradients(
+    g_NN: Tensor, i_ND: Tensor, t_ND: Tensor, s: Tensor, span: tuple[int, int]
+) -> list[Tensor]:
+    """dL/d(this rank's rows of I and of T) for logits z = s·I·Tᵀ (+ b) with dL/dz = `g_NN`:
+    s·G[own, :]·T and s·G[:, own]ᵀ·I (B x N products, not N x N)."""
+    lo, hi = span
+    return [s * (g_NN[lo:hi] @ t_ND), s * (g_NN[:, lo:hi].T @ i_ND)]
+
+
+def _clip_forward(rows: list[Tensor], scalars: list[Tensor], need: bool) -> tuple[Tensor, Any]:
+    i_ND, t_ND = rows
+    s, n = scalars[0], i_ND.shape[0]
+    u_NN = i_ND @ t_ND.T
+    pos_N = s * u_NN.diagonal()
+    neg_NN = s * u_NN
+    neg_NN.diagonal().fill_(torch.finfo(neg_NN.dtype).min)  # exp() of it is 0: no positive
+    lse_rows_N, lse_cols_N = torch.logsumexp(neg_NN, 1), torch.logsumexp(neg_NN, 0)
+    # softplus(a) = −log σ(−a), a = lse − positive
+    minus_a_N, minus_c_N = pos_N - lse_rows_N, pos_N - lse_cols_N
+    loss = (F.logsigmoid(minus_a_N).sum() + F.logsigmoid(minus_c_N).sum()) / (-2 * n)
+    if len(scalars) > 1:
+        loss = loss + 0.0 * scalars[1]  # a bias has no effect on the loss; gradient exactly 0
+    state = (i_ND, t_ND, s, u_NN, neg_NN, lse_rows_N, lse_cols_N, minus_a_N, minus_c_N)
+    return loss, (state, len(scalars)) if need else None
+
+
+def _clip_backward(
+    state: Any, grad: Tensor, span: tuple[int, int]
+) -> tuple[list[Tensor], list[Tensor]]:
+    (i_ND, t_ND, s, u_NN, neg_NN, lse_rows_N, lse_cols_N, minus_a_N, minus_c_N), k = state
+    n = i_ND.shape[0]
+    w_rows_N = torch.sigmoid(-minus_a_N) * (grad / (2 * n))  # dL/da = σ(a)/2N
+    w_cols_N = torch.sigmoid(-minus_c_N) * (grad / (2 * n))
+    # dL/dz: each row's softmax over its negatives times its weight, and each column's
+    g_NN = torch.exp(neg_NN - lse_rows_N[:, None]).mul_(w_rows_N[:, None])
+    g_NN.add_(torch.exp(neg_NN - lse_cols_N[None, :]).mul_(w_cols_N[None, :]))
+    g_NN.diagonal().copy_(-(w_rows_N + w_cols_N))  # the positives (both directions)
+    scalars = [(g_NN * u_NN).sum()] + [grad * 0.0] * (k - 1)
+    return _own_gradients(g_NN, i_ND, t_ND, s, span), scalars
+
+
+def clip(image_BD: Tensor, text_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
+    """`clip_loss` on the small path: L = (Σᵢ softplus(lse_{j≠i} zᵢⱼ − zᵢᵢ) + the same over
+    columns) / 2N, z = s·I·Tᵀ; its gradient in closed form (only this rank's rows)."""
+    return run((_clip_forward, _clip_backward), [image_BD, text_BD], prep, group)
+
+
+def _siglip_forward(rows: list[Tensor], scalars: list[Tensor], need: bool) -> tuple[Tensor, Any]:
+    i_ND, t_ND = rows
+    s, b = scalars
+    u_NN = i_ND @ t_ND.T
+    z_NN = torch.addcmul(b, s, u_NN)  # s·u + b
+    n = z_NN.shape[0]
+    # softplus(z) = −log σ(−z) for the negatives, softplus(−z) = −log σ(z) for the positives
+    neg = F.logsigmoid(-z_NN).masked_fill_(_eye(n, z_NN.device), 0.0).sum()
+    loss = (neg + F.logsigmoid(z_NN.diagonal()).sum()) / -n
+    return loss, (i_ND, t_ND, s, u_NN, z_NN) if need else None
+
+
+def _siglip_backward(
+    state: Any, grad: Tensor, span: tuple[int, int]
+) -> tuple[list[Tensor], list[Tensor]]:
+    i_ND, t_ND, s, u_NN, z_NN = state
+    scale = grad / z_NN.shape[0]
+    g_NN = torch.sigmoid(z_NN).mul_(scale)  # d softplus(z)/dz, the negatives
+    g_NN.diagonal().copy_(-torch.sigmoid(-z_NN.diagonal()) * scale)  # d softplus(−z)/dz
+    return _own_gradients(g_NN, i_ND, t_ND, s, span), [(g_NN * u_NN).sum(), g_NN.sum()]
 
 
 def siglip(image_BD: Tensor, text_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
-    """`siglip_loss` on the small path: (Σ_{i≠j} softplus(zᵢⱼ) + Σᵢ softplus(−zᵢᵢ)) / N."""
-    whole = gather_whole([image_BD, text_BD], prep, group)
-    i_ND, t_ND = whole.rows
-    (s, b), n = whole.scalars, whole.n
-    neg = softplus(s * (i_ND @ t_ND.T) + b).masked_fill(_eye(n, i_ND.device), 0.0).sum()
-    pos = softplus(-(s * (i_ND * t_ND).sum(1) + b)).sum()
-    return whole_loss((neg + pos) / n, prep, group)
+    """`siglip_loss` on the small path: (Σ_{i≠j} softplus(zᵢⱼ) + Σᵢ softplus(−zᵢᵢ)) / N,
+    z = s·I·Tᵀ + b; its gradient in closed form (only this rank's rows)."""
+    return run((_siglip_forward, _siglip_backward), [image_BD, text_BD], prep, group)
 
 
-def nt_xent(z1_BD: Tensor, z2_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
-    """`nt_xent_loss` on the small path: Z = [Z1; Z2], each row's softplus(lse over its negatives − its positive)."""
-    whole = gather_whole([z1_BD, z2_BD], prep, group)
-    z1_ND, z2_ND = whole.rows
-    n = whole.n
-    inv_tau = 1.0 / whole.scalars[0]
+def _nt_xent(rows: list[Tensor], scalars: list[Tensor]) -> Tensor:
+    """Z = [Z1; Z2], each row's softplus(lse over its negatives − its positive), mean over 2N."""
+    z1_ND, z2_ND = rows
+    n = z1_ND.shape[0]
+    inv_tau = 1.0 / scalars[0]
     z_MD = torch.cat([z1_ND, z2_ND])  # M = 2N
     eye = _eye(n, z_MD.device)
     pair_MM = torch.cat([torch.cat([eye, eye], 1)] * 2)  # itself and its other view
     neg_MM = _masked(inv_tau * (z_MD @ z_MD.T), pair_MM)
     pos_N = inv_tau * (z1_ND * z2_ND).sum(1)
-    loss = softplus(torch.logsumexp(neg_MM, 1) - torch.cat([pos_N, pos_N])).sum() / (2 * n)
-    return whole_loss(loss, prep, group)
+    return softplus(torch.logsumexp(neg_MM, 1) - torch.cat([pos_N, pos_N])).sum() / (2 * n)
 
 
-def info_nce_terms(
+_NT_XENT = by_autograd(_nt_xent)
+
+
+def nt_xent(z1_BD: Tensor, z2_BD: Tensor, prep: Prepared, group: ProcessGroup | None) -> Tensor:
+    """`nt_xent_loss` on the small path (`_nt_xent`; the gradient by autograd through it)."""
+    return run(_NT_XENT, [z1_BD, z2_BD], prep, group)
+
+
+def info_nce(
     query_BD: Tensor,
     document_BD: Tensor,
     negatives_BKD: Tensor | None,
-    s: Tensor,
-    pos_B: Tensor,
     wanted: set[str],
+    row_losses: Callable[[list[Tensor]], Tensor],
     prep: Prepared,
-    tile_size: int | None,
     group: ProcessGroup | None,
-) -> list[Tensor]:
-    """`info_nce_loss`'s per-direction a_i = lse over its negatives − s·qᵢ·dᵢ for ALL N rows
-    (query_to_doc, doc_to_query, query_to_query, doc_to_doc: those in `wanted`, in that order).
+) -> Tensor:
+    """`info_nce_loss` on the small path: `row_losses` of every row's per-direction terms
+    (query_to_doc, doc_to_query, query_to_query, doc_to_doc: those in `wanted`, in that
+    order), mean over the N rows; the gradient by autograd through it."""
 
-    The signature of the tiled forms' terms (info_nce.py); `s`, `pos_B` and
-    `tile_size` are theirs and unused: the scalar is the agreed one, here."""
+    def formula(rows: list[Tensor], scalars: list[Tensor]) -> Tensor:
+        parts = _info_nce_terms(rows, scalars[0], wanted)
+        return row_losses(parts).sum() / rows[0].shape[0]
+
     parts_in = [query_BD, document_BD] + ([] if negatives_BKD is None else [negatives_BKD])
-    whole = gather_whole(parts_in, prep, group)
-    q_ND, d_ND = whole.rows[:2]
-    s, n = whole.scalars[0], whole.n  # the agreed scale (the argument `s` is this rank's own)
+    return run(by_autograd(formula), parts_in, prep, group)
+
+
+def _info_nce_terms(rows: list[Tensor], s: Tensor, wanted: set[str]) -> list[Tensor]:
+    """Per direction a_i = lse over its negatives − s·qᵢ·dᵢ for ALL N rows."""
+    q_ND, d_ND = rows[:2]
+    n = q_ND.shape[0]
     # candidates [all documents; all first negatives; ...]: the negatives of row g at t·N + g
-    cand_CD = d_ND if negatives_BKD is None else torch.cat([d_ND, *whole.rows[2].unbind(1)])
+    cand_CD = d_ND if len(rows) == 2 else torch.cat([d_ND, *rows[2].unbind(1)])
     c = cand_CD.shape[0]
     pos_N = s * (q_ND * d_ND).sum(1)
     eye_NC = torch.zeros(n, c, dtype=torch.bool, device=q_ND.device)

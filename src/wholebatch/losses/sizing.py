@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
@@ -21,6 +21,7 @@ __all__ = [
     "CARRY_BYTES",
     "CPU_TILE",
     "EXCHANGE_HEADER",
+    "ROOM_HISTORY",
     "SMALL_GATHER_BYTES",
     "SMALL_ROWS",
     "STATS_GATHER_BYTES",
@@ -28,6 +29,7 @@ __all__ = [
     "auto_strategy",
     "carry_bytes",
     "exchange_row_elements",
+    "fitted_room",
     "replicates",
     "set_small_rows",
     "sizes_fingerprint",
@@ -84,15 +86,33 @@ _small_override: int | None = None
 
 
 # With the checks on, the exchange's all-gather also carries each rank's rows of
-# every embedding, up to `carry_bytes(W)` bytes per rank (zero-padded): when every
-# rank's fit, the small path needs no second collective. Every call pays the room,
-# fitted or not: (W - 1)·carry_bytes(W) <= CARRY_BYTES received per rank.
+# every embedding in a zero-padded room: when every rank's fit, the small path
+# needs no second collective. The room is the same on every rank and is fitted to
+# the rows the last calls on the group carried (`fitted_room`; the state in
+# `wholebatch.losses.room`): the first call on a group gets `carry_bytes(W)`, a
+# batch past it none. At 8 rows a room of 256 KiB measured ~0.1 ms more per call
+# than a fitted one on 2 CPU ranks (benchmarks/RESULTS.md, "small batches").
 CARRY_BYTES = 2**18  # 256 KiB: 64 rows of two 512-dim float32 towers at W = 2
+ROOM_HISTORY = 8  # calls on a group whose rows the room is fitted to
+_ROOM_FLOOR = 1024
 
 
 def carry_bytes(world: int) -> int:
-    """Bytes of rows each rank carries in the losses' exchange at W = `world` (a multiple of 8)."""
+    """The most bytes of rows each rank carries in the losses' exchange at W = `world` (a
+    multiple of 8), and the room of the first call on a group: (W - 1)·carry_bytes(W) <=
+    `CARRY_BYTES` received per rank."""
     return CARRY_BYTES // max(world - 1, 1) // 8 * 8
+
+
+def fitted_room(needed: Sequence[int], world: int) -> int:
+    """The exchange's room after calls whose largest rank carried `needed` bytes of rows
+    each (the last `ROOM_HISTORY` on the group, every rank the same list): the smallest
+    power of two (>= 1 KiB) holding each that fits `carry_bytes(world)`, their maximum;
+    0 when none fits (a large batch pays no room). Pure: the losses and `wholebatch plan`
+    decide with it."""
+    cap = carry_bytes(world)
+    fits = [max(_ROOM_FLOOR, 1 << max(x - 1, 0).bit_length()) for x in needed]
+    return max([x if x <= cap else 0 for x in fits], default=cap)
 
 
 def set_small_rows(rows: int | None) -> None:
