@@ -128,9 +128,15 @@ def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | Non
     table_WS = torch.cat([got[o + q * width * elem : o + byte_sizes[i]]
                           for i, (o, q) in enumerate(zip(starts, sizes, strict=True))])  # fmt: skip
     acc = compute_dtype(dtype)
-    values_S, shares_S, agreed = _agreed(table_WS.view(torch.float64).view(w, -1), r, w, acc)
+    table_WS = table_WS.view(torch.float64).view(w, -1)
+    agreed: Tensor | float
+    if table_WS.device.type == "cpu":  # on the host already: the same rule in plain numbers
+        values, shares, agreed = _agreed_here(table_WS.tolist(), r, w, acc, first.device)
+    else:
+        values_S, shares_S, agreed = _agreed(table_WS, r, w, acc)
+        values, shares = list(values_S.unbind()), list(shares_S.unbind())
     all_NR = rows_bytes.view(dtype).view(sum(sizes), width)
-    return _Gathered(all_NR, list(values_S.unbind()), list(shares_S.unbind()), agreed * w, span)
+    return _Gathered(all_NR, values, shares, agreed * w, span)
 
 
 def _payload(tensors: Sequence[Tensor], prep: Prepared) -> Tensor:
@@ -156,6 +162,21 @@ def _agreed(table_WS: Tensor, r: int, w: int, acc: torch.dtype) -> tuple[Tensor,
     factor = torch.where(max_S[-1] > 0.5, one / w, one)  # "sum" anywhere: every rank sums
     share_S = factor * w * mine_S / ties_S
     return max_S[:-1].to(acc), share_S[:-1].to(acc), factor.to(acc)
+
+
+def _agreed_here(
+    table: list[list[float]], r: int, w: int, acc: torch.dtype, device: torch.device
+) -> tuple[list[Tensor], list[Tensor | float], float]:
+    """`_agreed` of a table on the host: the same maxima, shares and factor, as numbers (the
+    scalars as 0-d tensors of `acc` on `device`)."""
+    max_S = [math.nan if any(map(math.isnan, c)) else max(c) for c in zip(*table, strict=True)]
+    factor = 1.0 / w if max_S[-1] > 0.5 else 1.0  # "sum" anywhere: every rank sums
+    shares: list[Tensor | float] = []
+    for k, m in enumerate(max_S[:-1]):
+        ties = sum(row[k] == m for row in table)  # 0 for a NaN: its gradient NaN, as on a device
+        shares.append(factor * w * (table[r][k] == m) / ties if ties else math.nan)
+    values = list(torch.tensor(max_S[:-1], dtype=torch.float64).to(acc).to(device).unbind())
+    return values, shares, factor
 
 
 def run(
@@ -309,7 +330,9 @@ def _siglip_forward(rows: list[Tensor], scalars: list[Tensor], need: bool) -> tu
     z_NN = torch.addcmul(b, s, u_NN)  # s·u + b
     n = z_NN.shape[0]
     # softplus(z) = −log σ(−z) for the negatives, softplus(−z) = −log σ(z) for the positives
-    neg = F.logsigmoid(-z_NN).masked_fill_(_eye(n, z_NN.device), 0.0).sum()
+    neg_NN = F.logsigmoid(-z_NN)
+    neg_NN.diagonal().zero_()  # the positives are not negatives
+    neg = neg_NN.sum()
     loss = (neg + F.logsigmoid(z_NN.diagonal()).sum()) / -n
     return loss, (i_ND, t_ND, s, u_NN, z_NN) if need else None
 
