@@ -201,17 +201,17 @@ def _rows_copied(dim: int) -> int:
     import wholebatch.comm.agree as agree
 
     calls = []
-    original = agree._write_rows
+    original = agree.write_rows
 
     def counted(room: Tensor, carry: Any) -> None:
         calls.extend([1] if carry else [])
         original(room, carry)
 
-    agree._write_rows = counted  # type: ignore[assignment]
+    agree.write_rows = counted  # type: ignore[assignment]
     try:
         _step("clip", None, LOSSES["clip"][1], dim)
     finally:
-        agree._write_rows = original  # type: ignore[assignment]
+        agree.write_rows = original  # type: ignore[assignment]
     return len(calls)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "per_rank",
     "ranks_text",
     "start_rows",
+    "write_rows",
 ]
 
 _MSG_BYTES = 480
@@ -244,7 +245,7 @@ def start_rows(
     for start, value in tensors:  # stays on its device: no host sync
         mine_F[start : start + value.numel()].copy_(value.detach().reshape(-1))
     if carry_bytes and carry:
-        _write_rows(mine[row_bytes:], carry)
+        write_rows(mine[row_bytes:], carry)
     send = mine if carry_bytes else mine_F
     if not distributed:
         return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
@@ -257,8 +258,9 @@ def start_rows(
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may communicate)
 
 
-def _write_rows(room: Tensor, carry: Sequence[Tensor]) -> None:
-    """`carry`'s rows side by side ((B, R) in their dtype) at the start of `room` (bytes)."""
+def write_rows(room: Tensor, carry: Sequence[Tensor]) -> None:
+    """`carry`'s rows side by side ((B, R) in their dtype) at the start of `room` (a 1-D
+    uint8 tensor, long enough): tensors of one dtype and one row count B."""
     b = carry[0].shape[0]
     parts = [x.detach().reshape(b, math.prod(x.shape[1:])) for x in carry]
     width = sum(x.shape[1] for x in parts)

@@ -31,7 +31,15 @@ from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.comm.sizes import gather_splits, reduce_scatter_splits, shift_splits
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter", "ring_shift"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather_rows",
+    "reduce_scatter",
+    "ring_shift",
+]
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
@@ -149,8 +157,12 @@ def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _gather_rows(x_BR: Tensor, sizes: Sequence[int], group: ProcessGroup | None) -> Tensor:
-    """Concatenate every rank's rows; equal sizes ride the native all-gather, uneven an all-to-all."""
+def gather_rows(x_BR: Tensor, sizes: Sequence[int], group: ProcessGroup | None) -> Tensor:
+    """Concatenate every rank's rows; equal sizes ride the native all-gather, uneven an all-to-all.
+
+    The raw move under `all_gather`: no checks, no autograd. Every rank of `group` must
+    call it with the same `sizes` (every rank's rows, agreed already).
+    """
     world_size = len(sizes)
     out_NR = x_BR.new_empty((sum(sizes), *x_BR.shape[1:]))
     if out_NR.numel() == 0:
@@ -258,7 +270,7 @@ class _AllGather(torch.autograd.Function):
     ) -> Tensor:
         ctx.dim, ctx.sizes, ctx.wire, ctx.group = dim, sizes, wire, group
         ctx.rank = get_rank(group)
-        out_NR = _gather_rows(_cast(_front(x, dim), wire), sizes, group)
+        out_NR = gather_rows(_cast(_front(x, dim), wire), sizes, group)
         return _back(out_NR.to(x.dtype), dim)
 
     @staticmethod
@@ -284,7 +296,7 @@ class _ReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # backward: all-gather of every rank's output gradient, with the same split.
         arrive("reduce_scatter backward", grad, ctx.group)
-        g_NR = _gather_rows(_cast(_front(grad, ctx.dim), ctx.wire), ctx.sizes, ctx.group)
+        g_NR = gather_rows(_cast(_front(grad, ctx.dim), ctx.wire), ctx.sizes, ctx.group)
         return _back(g_NR.to(grad.dtype), ctx.dim), None, None, None, None
 
 

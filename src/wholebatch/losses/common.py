@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -71,7 +71,6 @@ __all__ = [
     "prepare",
     "resolve_strategy",
     "resolve_tile",
-    "rows_as_bytes",
     "whole",
 ]
 
@@ -357,15 +356,6 @@ def prepare(
     else:
         vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
-
-
-def rows_as_bytes(embeddings: Iterable[object]) -> Tensor:
-    """This rank's rows of every embedding (the tensors among `embeddings`), side by side
-    ((B, R) in their one dtype), as bytes."""
-    parts = [x for x in embeddings if isinstance(x, Tensor)]
-    b = parts[0].shape[0]
-    both_BR = torch.cat([x.detach().reshape(b, math.prod(x.shape[1:])) for x in parts], 1)
-    return both_BR.reshape(-1).view(torch.uint8)
 
 
 def _row_elements(embeddings: Mapping[str, object]) -> int:

@@ -61,9 +61,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.collectives import all_gather, all_reduce
+from wholebatch.comm.agree import write_rows
+from wholebatch.comm.collectives import all_reduce, gather_rows
+from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import get_rank, get_world_size
-from wholebatch.losses.common import Prepared, rows_as_bytes
+from wholebatch.losses.common import Prepared
 from wholebatch.losses.tiles import compute_dtype, softplus
 
 __all__ = ["clip", "info_nce", "nt_xent", "siglip"]
@@ -115,7 +117,8 @@ def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | Non
             got = torch.cat([row[:nb] for row, nb in zip(carried, byte_sizes, strict=True)])
         got = got if got.device == first.device else got.to(first.device)
     else:
-        got = all_gather(_payload(tensors, prep), sizes=byte_sizes, group=group, check=False)
+        arrive("small path rows", first, group)  # debug mode: every rank checks in first
+        got = gather_rows(_payload(tensors, prep, byte_sizes[r]), byte_sizes, group)
     offset = sum(sizes[:r])
     span = (offset, offset + sizes[r])
     if not head:  # the exchange found the scalars and the reduction equal on every rank
@@ -139,16 +142,19 @@ def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | Non
     return _Gathered(all_NR, values, shares, agreed * w, span)
 
 
-def _payload(tensors: Sequence[Tensor], prep: Prepared) -> Tensor:
-    """This rank's rows as bytes; without the exchange, its agreement row after them."""
-    payload = rows_as_bytes(tensors)
-    if prep.checked:
-        return payload
-    # the agreement's row rides along: S scalars and the reduction code, float64
-    factor = torch.as_tensor(prep.grad_factor, dtype=torch.float64, device=payload.device)
-    code = (factor != 1.0).to(torch.float64).reshape(1)
-    row_S1 = torch.cat([*[s.detach().to(torch.float64).reshape(1) for s in prep.scalars], code])
-    return torch.cat([payload, row_S1.view(torch.uint8)])
+def _payload(tensors: Sequence[Tensor], prep: Prepared, nbytes: int) -> Tensor:
+    """This rank's rows as bytes (`nbytes` in all); without the exchange, its agreement row
+    after them (S scalars and the reduction code, float64)."""
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    rows = nbytes - (0 if prep.checked else 8 * (len(prep.scalars) + 1))
+    write_rows(payload[:rows], tensors)
+    if not prep.checked:
+        code = torch.full((1,), float(prep.grad_factor != 1.0), dtype=torch.float64)
+        row_S1 = torch.cat(
+            [torch.stack(prep.scalars).detach().to(torch.float64), code.to(payload.device)]
+        )
+        payload[rows:].copy_(row_S1.view(torch.uint8))
+    return payload
 
 
 def _agreed(table_WS: Tensor, r: int, w: int, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
