@@ -16,7 +16,6 @@ rank per step) are counted on a real step too (FSDP2 on dp, tensor parallel on t
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from tests.distributed.test_mesh_dist import TIMEOUT, TP, W
 from tests.support.harness import run_ranks
-from tests.support.plan_cases import Case, call, inputs, planned
+from tests.support.plan_cases import Case, by_primitive, call, inputs, planned
 from tests.support.plan_counting import Counter, count_collectives
 from wholebatch.planner import PlanConfig, plan
 
@@ -87,19 +86,6 @@ def _config(case: Case, **kw: Any) -> PlanConfig:
     )  # fmt: skip
 
 
-def _by_primitive(rows: Any) -> PerPhase:
-    out: PerPhase = {}
-    for phase in ("forward", "backward"):
-        sent: dict[str, int] = defaultdict(int)
-        recv: dict[str, int] = defaultdict(int)
-        for c in rows:
-            if c.phase == phase:
-                sent[c.primitive] += c.sent
-                recv[c.primitive] += c.received
-        out[phase] = (_nonzero(sent), _nonzero(recv))
-    return out
-
-
 @pytest.fixture(scope="module")
 def counted() -> list[list[PerPhase]]:
     """[rank][case] counts, in one call on the shared world."""
@@ -116,11 +102,11 @@ def test_planned_mesh_bytes_equal_counted_bytes_on_every_rank(
     for rank in range(W):
         shard = rank // 2  # mesh [[0, 1], [2, 3]] over (dp, tp)
         assert counted[rank][i] == planned(case, shard), (rank, counted[rank][i])
-    busiest = _by_primitive(p.collectives)
+    busiest = by_primitive(p.collectives)
     assert any(busiest == counted[2 * s][i] for s in p.ranks_counted), busiest
     # The mutation: the tp replicas taken for data shards (a flat world of 4).
     flat = plan(_config(case, world=4), sizes=(*case.sizes, 0, 0))
-    assert all(_by_primitive(flat.collectives) != got[i] for got in counted)
+    assert all(by_primitive(flat.collectives) != got[i] for got in counted)
 
 
 def _count_accumulator_rows() -> dict[str, int]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from wholebatch.losses.sizing import using_small_rows
 
-__all__ = ["DTYPES", "Case", "call", "inputs", "planned"]
+__all__ = ["DTYPES", "Case", "by_primitive", "call", "inputs", "planned"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Replicated scalars, learnable (so the agreement's backward runs, as in training).
@@ -122,6 +122,12 @@ def planned(case: Case, rank: int) -> dict[str, tuple[dict[str, int], dict[str, 
         directions=case.directions, exchange=not case.known_sizes,
         strategy="ring" if case.loss == "siglip" else case.strategy, small=case.small,
     )  # fmt: skip
+    return by_primitive(rows)
+
+
+def by_primitive(rows: Any) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    """Planned collectives (`Collective` rows) summed per phase into (sent, received) bytes by
+    primitive, the zeros left out: the shape `Counter` counts in."""
     out = {}
     for phase in ("forward", "backward"):
         sent: dict[str, int] = defaultdict(int)
