@@ -327,7 +327,7 @@ def prepare(
         table = _exchange_done(op, pending, len(options), len(scalars), err, group)
         agreed = _check_table(op, table, list(embeddings), list(scalars), options)
         if carry:  # agreed numbers only: every rank records the same
-            room.record(group, w, max(agreed) * _row_elements(embeddings) * elem)
+            room.record(group, max(agreed) * _row_elements(embeddings) * elem)
         limit = min(table.ints("small rows"))
     elif err is not None:
         # Nothing is exchanged (sizes given, checks off): a local error is raised here,

@@ -28,8 +28,6 @@ __all__ = ["forget", "record", "room"]
 _history: weakref.WeakKeyDictionary[ProcessGroup, collections.deque[int]] = (
     weakref.WeakKeyDictionary()
 )
-_rooms: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, int]] = weakref.WeakKeyDictionary()
-"""(W, the room) per group, from its history: `fitted_room` once per call, not per read."""
 
 
 def _key(group: ProcessGroup | None) -> ProcessGroup | None:
@@ -39,13 +37,13 @@ def _key(group: ProcessGroup | None) -> ProcessGroup | None:
 def room(group: ProcessGroup | None, world: int) -> int:
     """The room (bytes per rank) of the next exchange on `group`; the same on every rank."""
     key = _key(group)
-    got = _rooms.get(key) if key is not None else None
-    return got[1] if got is not None and got[0] == world else carry_bytes(world)
+    seen = _history.get(key) if key is not None else None
+    return fitted_room(list(seen), world) if seen else carry_bytes(world)
 
 
-def record(group: ProcessGroup | None, world: int, needed: int) -> None:
-    """After an exchange on `group` (of `world` ranks) whose checks passed: its largest
-    rank's rows were `needed` bytes (agreed numbers only, so every rank records the same)."""
+def record(group: ProcessGroup | None, needed: int) -> None:
+    """After an exchange on `group` whose checks passed: its largest rank's rows were
+    `needed` bytes (agreed numbers only, so every rank records the same)."""
     key = _key(group)
     if key is None:
         return
@@ -53,10 +51,8 @@ def record(group: ProcessGroup | None, world: int, needed: int) -> None:
     if seen is None:
         seen = _history[key] = collections.deque(maxlen=ROOM_HISTORY)
     seen.append(needed)
-    _rooms[key] = (world, fitted_room(list(seen), world))
 
 
 def forget() -> None:
     """Every group's history gone: the next call on each gets `sizing.carry_bytes(W)` (tests)."""
     _history.clear()
-    _rooms.clear()
