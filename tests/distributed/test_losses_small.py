@@ -201,17 +201,17 @@ def _rows_copied(dim: int) -> int:
     import wholebatch.comm.agree as agree
 
     calls = []
-    original = agree.write_rows
+    original = agree._with_carry
 
-    def counted(room: Tensor, carry: Any) -> None:
+    def counted(mine_F: Tensor, carry: Any, carry_bytes: int) -> Tensor:
         calls.extend([1] if carry else [])
-        original(room, carry)
+        return original(mine_F, carry, carry_bytes)
 
-    agree.write_rows = counted  # type: ignore[assignment]
+    agree._with_carry = counted  # type: ignore[assignment]
     try:
         _step("clip", None, LOSSES["clip"][1], dim)
     finally:
-        agree.write_rows = original  # type: ignore[assignment]
+        agree._with_carry = original  # type: ignore[assignment]
     return len(calls)
 
 

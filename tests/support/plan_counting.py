@@ -6,7 +6,10 @@ receives from OTHER ranks, by primitive:
 
 - all-to-all: the input/output split sizes, less this rank's own chunk;
 - point-to-point (`batch_isend_irecv`, the ring shifts): each isend / irecv;
-- all-gather (c10d's, equal sizes): (W - 1) x the input, what its ring sends;
+- all-gather of raw bytes (`comm.direct.gather_flat`: on gloo direct sends to every
+  peer, else c10d's all-gather or all-to-all): (W - 1) x the input sent, N - B
+  received, counted as the primitive it stands for on other backends
+  ("all_gather" for equal sizes, "all_to_all" for uneven), as the planner names it;
 - all-reduce: 2 (W - 1) / W of the tensor, the ring algorithm's volume.
 
 `wchar()` reads the bytes this process wrote to sockets (gloo's TCP transport):
@@ -25,8 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import wholebatch.comm._c10d as _c10d
-import wholebatch.comm.collectives as collectives
+import wholebatch.comm.direct as direct
 
 __all__ = ["Counter", "count_collectives", "wchar"]
 
@@ -70,8 +72,7 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
     """
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
-    real_ar, real_ag = dist.all_reduce, getattr(collectives, "all_gather_single")  # noqa: B009
-    real_c10d = getattr(_c10d, "all_gather_single")  # noqa: B009
+    real_ar, real_flat = dist.all_reduce, direct.gather_flat
 
     def a2a(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, **kw: Any) -> Any:  # fmt: skip
@@ -98,19 +99,18 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
         counter.add("all_reduce", moved, moved)
         return real_ar(t, *args, **kw)
 
-    def all_gather(out: torch.Tensor, inp: torch.Tensor, **kw: Any) -> Any:
-        moved = (w - 1) * inp.numel() * inp.element_size()
-        counter.add("all_gather", moved, moved)
-        return real_ag(out, inp, **kw)
+    def gather_flat(out: torch.Tensor, inp: torch.Tensor, sizes: Any, on: Any, **kw: Any) -> Any:
+        elem, mine = inp.element_size(), sizes[dist.get_rank(on)]  # the call's own group
+        primitive = "all_to_all" if len(set(sizes)) > 1 else "all_gather"
+        counter.add(primitive, (len(sizes) - 1) * mine * elem, (sum(sizes) - mine) * elem)
+        return real_flat(out, inp, sizes, on, **kw)
 
     dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p  # type: ignore[assignment]
     dist.all_reduce = all_reduce  # type: ignore[assignment]
-    setattr(collectives, "all_gather_single", all_gather)  # noqa: B010
-    setattr(_c10d, "all_gather_single", all_gather)  # noqa: B010 (agree_rows' gather)
+    direct.gather_flat = gather_flat  # type: ignore[assignment]
     try:
         yield counter
     finally:
         dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_p2p
         dist.all_reduce = real_ar
-        setattr(collectives, "all_gather_single", real_ag)  # noqa: B010
-        setattr(_c10d, "all_gather_single", real_c10d)  # noqa: B010
+        direct.gather_flat = real_flat  # type: ignore[assignment]

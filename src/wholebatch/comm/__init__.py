@@ -3,7 +3,7 @@
 The lowest layer of wholebatch (DESIGN.md, "Layers"): it knows no loss, no
 engine and no CLI. `collectives` holds the autograd collectives, `groups` the
 process-group helpers ("not initialised" is a world of one), `checks` the
-cross-rank fingerprint exchange, `debug` the store check-in, `mesh` the batch split over a device mesh (`shape` its text form, torch-free), `launch` local
+cross-rank fingerprint exchange, `direct` the raw all-gather by direct sends on gloo, `debug` the store check-in, `mesh` the batch split over a device mesh (`shape` its text form, torch-free), `launch` local
 launch through torchrun's launcher API, and `_c10d` the shim over c10d names.
 """
 

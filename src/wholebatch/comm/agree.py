@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm import direct
 from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
 
@@ -216,10 +217,8 @@ def start_rows(
     as bytes, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
     would otherwise need a second collective.
     """
-    from wholebatch.comm._c10d import all_gather_single
-
     distributed = is_distributed(group)
-    device = comm_device(group) if distributed else torch.device("cpu")
+    device = comm_device(group) if distributed else _CPU
     layout: dict[str, tuple[int, int]] = {}
     numbers: list[float] = []  # every field's numbers; a tensor field's are written after
     tensors: list[tuple[int, Tensor]] = []
@@ -238,23 +237,40 @@ def start_rows(
             tensors.append((len(numbers), torch.tensor(list(value), dtype=dtype)))
         layout[name] = (len(numbers), n)
         numbers.extend([0.0] * n)
-    row_bytes = len(numbers) * dtype.itemsize
-    mine = torch.zeros(row_bytes + carry_bytes, dtype=torch.uint8, device=device)
-    mine_F = mine[:row_bytes].view(dtype)
-    mine_F.copy_(torch.tensor(numbers, dtype=dtype))  # one copy to the device
+    mine_F = torch.tensor(numbers, dtype=dtype)
+    if device.type != "cpu":
+        mine_F = mine_F.to(device)  # one copy to the device
     for start, value in tensors:  # stays on its device: no host sync
         mine_F[start : start + value.numel()].copy_(value.detach().reshape(-1))
-    if carry_bytes and carry:
-        write_rows(mine[row_bytes:], carry)
-    send = mine if carry_bytes else mine_F
+    send = _with_carry(mine_F, carry, carry_bytes) if carry_bytes else mine_F
     if not distributed:
         return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
     table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
-    work = all_gather_single(table, send, group=group, async_op=True)
+    work = direct.gather_flat(table, send, [send.numel()] * w, group, async_op=True)
     return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
 
 
+def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:
+    """The row's bytes, then `carry`'s rows side by side ((B, R) as bytes), zero-padded to
+    `carry_bytes`: one buffer, written by one concatenation."""
+    parts = [mine_F.view(torch.uint8)]
+    used = 0
+    if carry:
+        b = carry[0].shape[0]
+        rows = torch.cat([x.detach().reshape(b, math.prod(x.shape[1:])) for x in carry], 1)
+        parts.append(rows.view(torch.uint8).view(-1))
+        used = parts[-1].numel()
+    if used > carry_bytes:
+        raise ValueError(
+            f"start_rows: the carried rows are {used} bytes, past carry_bytes={carry_bytes}"
+        )
+    if used < carry_bytes:
+        parts.append(mine_F.new_zeros(carry_bytes - used, dtype=torch.uint8))
+    return torch.cat(parts)
+
+
+_CPU = torch.device("cpu")
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may communicate)
 
 
@@ -299,8 +315,6 @@ def exchange_text(
 
     Text travels as a fixed-size uint8 tensor: no pickle (unlike `all_gather_object`).
     """
-    from wholebatch.comm._c10d import all_gather_single
-
     world_size = get_world_size(group)
     if world_size == 1:
         return [msg.encode("utf-8")[:max_bytes].decode("utf-8", "ignore")]
@@ -310,7 +324,7 @@ def exchange_text(
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.empty(world_size * max_bytes, dtype=torch.uint8, device=device)
-    all_gather_single(out, buf.to(device), group=group)
+    direct.gather_flat(out, buf.to(device), [max_bytes] * world_size, group)
     raw = bytes(out.cpu().tolist())
     return [
         raw[r * max_bytes : (r + 1) * max_bytes].rstrip(b"\0").decode("utf-8", "ignore")

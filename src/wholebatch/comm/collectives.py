@@ -16,6 +16,7 @@ ranks, R the remaining dims.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -24,11 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import checks
-from wholebatch.comm._c10d import all_gather_single, global_rank, reduce_scatter_single
+from wholebatch.comm import checks, direct
+from wholebatch.comm._c10d import global_rank, reduce_scatter_single
 from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
-from wholebatch.comm.sizes import gather_splits, reduce_scatter_splits, shift_splits
+from wholebatch.comm.sizes import reduce_scatter_splits, shift_splits
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
@@ -158,26 +159,19 @@ def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 
 def gather_rows(x_BR: Tensor, sizes: Sequence[int], group: ProcessGroup | None) -> Tensor:
-    """Concatenate every rank's rows; equal sizes ride the native all-gather, uneven an all-to-all.
+    """Concatenate every rank's rows (`comm.direct.gather_flat`: on gloo by direct sends, else
+    the native all-gather for equal sizes, an all-to-all for uneven).
 
     The raw move under `all_gather`: no checks, no autograd. Every rank of `group` must
-    call it with the same `sizes` (every rank's rows, agreed already).
+    call it with the same `sizes` (every rank's rows, agreed already). Each rank sends
+    its B rows to every peer: (W-1)·B sent, N-B received, the ring minimum, where
+    padding to the largest B would move W·max.
     """
-    world_size = len(sizes)
     out_NR = x_BR.new_empty((sum(sizes), *x_BR.shape[1:]))
     if out_NR.numel() == 0:
         return out_NR
-    if len(set(sizes)) == 1:
-        all_gather_single(out_NR, x_BR, group=group)
-    else:
-        # Each rank sends its B rows to every peer: (W-1)·B sent, N-B received,
-        # the ring minimum, where padding to the largest B would move W·max.
-        send = x_BR.repeat(world_size, *([1] * (x_BR.dim() - 1)))
-        splits = gather_splits(sizes, x_BR.shape[0])
-        dist.all_to_all_single(
-            out_NR, send, output_split_sizes=list(splits.recv),
-            input_split_sizes=list(splits.send), group=group,
-        )  # fmt: skip
+    row = math.prod(x_BR.shape[1:])
+    direct.gather_flat(out_NR.view(-1), x_BR.contiguous().view(-1), [q * row for q in sizes], group)
     return out_NR
 
 
@@ -194,7 +188,7 @@ def _reduce_scatter_rows(
     rest = x_NR.shape[1:]
     if x_NR.numel() == 0:
         return x_NR.new_zeros((b, *rest), dtype=out_dtype)
-    if len(set(sizes)) == 1 and x_NR.dtype == out_dtype and not _is_gloo(group, x_NR.device):
+    if len(set(sizes)) == 1 and x_NR.dtype == out_dtype and not direct.is_gloo(group, x_NR.device):
         out_BR = x_NR.new_empty((b, *rest))
         reduce_scatter_single(out_BR, x_NR, group=group)
         return out_BR
@@ -211,15 +205,6 @@ def _reduce_scatter_rows(
         group=group,
     )  # fmt: skip
     return recv.view(world_size, b, *rest).to(out_dtype).sum(0)
-
-
-def _is_gloo(group: ProcessGroup | None, device: torch.device) -> bool:
-    """Whether c10d routes tensors on `device` through gloo in `group` ("gloo" or "cpu:gloo,cuda:nccl")."""
-    backend = str(dist.get_backend(group)).lower()
-    if ":" not in backend:
-        return backend == "gloo"
-    routes = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-    return routes.get(device.type) == "gloo"
 
 
 def _all_to_all_rows(

@@ -7,6 +7,7 @@ one process (rank 0 of 1), so code written for W ranks runs unchanged on one.
 from __future__ import annotations
 
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -30,23 +31,51 @@ _CHECKS_ENV = "WHOLEBATCH_CHECKS"
 _checks_override: bool | None = None
 
 
+# Per group, what never changes once it exists: (world size, rank). torch.distributed
+# resolves both through several Python calls each time; a loss call asks ~10 times.
+_SHAPE: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _shape(group: ProcessGroup | None) -> tuple[int, int]:
+    """(world size, rank) of `group`; (1, 0) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    key = dist.group.WORLD if group is None else group
+    got = _SHAPE.get(key) if key is not None else None
+    if got is None:
+        got = (dist.get_world_size(group), dist.get_rank(group))
+        if key is not None:
+            _SHAPE[key] = got
+    return got
+
+
 def is_distributed(group: ProcessGroup | None = None) -> bool:
     """True when torch.distributed is initialised and `group` holds more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return _shape(group)[0] > 1
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """Ranks in `group` (default: the world); 1 when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    return 1
+    return _shape(group)[0]
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank within `group`; 0 when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group)
-    return 0
+    return _shape(group)[1]
+
+
+def backend_of(group: ProcessGroup | None = None) -> str:
+    """`group`'s backend in lower case ("gloo", "nccl", "cpu:gloo,cuda:nccl"); read once per group."""
+    key = dist.group.WORLD if group is None else group
+    got = _BACKEND.get(key) if key is not None else None
+    if got is None:
+        got = str(dist.get_backend(group)).lower()
+        if key is not None:
+            _BACKEND[key] = got
+    return got
+
+
+_BACKEND: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
 
 
 def comm_device(group: ProcessGroup | None = None) -> torch.device:
@@ -57,12 +86,15 @@ def comm_device(group: ProcessGroup | None = None) -> torch.device:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
+    backend = backend_of(group)
     if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
+        return _CPU
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _CPU
+
+
+_CPU = torch.device("cpu")
 
 
 def set_checks(enabled: bool | None) -> None:
