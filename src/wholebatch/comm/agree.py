@@ -213,8 +213,8 @@ def start_rows(
 
     With `carry_bytes` > 0 (the same on every rank; float64 rows only) the same
     all-gather also carries up to that many bytes of this rank's `carry` (tensors of
-    one dtype and one row count B, on the row's device: their rows side by side, (B, R)
-    as bytes, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
+    one dtype and one row count B, on the row's device: each tensor's bytes in turn,
+    `write_rows`, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
     would otherwise need a second collective.
     """
     distributed = is_distributed(group)
@@ -252,22 +252,20 @@ def start_rows(
 
 
 def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:
-    """The row's bytes, then `carry`'s rows side by side ((B, R) as bytes), zero-padded to
-    `carry_bytes`: one buffer, written by one concatenation."""
-    parts = [mine_F.view(torch.uint8)]
-    used = 0
-    if carry:
-        b = carry[0].shape[0]
-        rows = torch.cat([x.detach().reshape(b, math.prod(x.shape[1:])) for x in carry], 1)
-        parts.append(rows.view(torch.uint8).view(-1))
-        used = parts[-1].numel()
+    """The row's bytes, then each of `carry`'s tensors' bytes in turn (`carry_bytes(carry)`
+    in all), zero-padded to `carry_bytes`: one buffer, written by one concatenation."""
+    parts = [mine_F.view(torch.uint8), *(_bytes(x) for x in carry or ())]
+    used = sum(p.numel() for p in parts) - parts[0].numel()
     if used > carry_bytes:
-        raise ValueError(
-            f"start_rows: the carried rows are {used} bytes, past carry_bytes={carry_bytes}"
-        )
+        raise ValueError(f"start_rows: the carried rows are {used} bytes, past {carry_bytes=}")
     if used < carry_bytes:
         parts.append(mine_F.new_zeros(carry_bytes - used, dtype=torch.uint8))
     return torch.cat(parts)
+
+
+def _bytes(x: Tensor) -> Tensor:
+    """`x`'s elements in row-major order as a 1-D uint8 tensor (a view when `x` is contiguous)."""
+    return x.detach().reshape(-1).view(torch.uint8)
 
 
 _CPU = torch.device("cpu")
@@ -275,13 +273,10 @@ _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may 
 
 
 def write_rows(room: Tensor, carry: Sequence[Tensor]) -> None:
-    """`carry`'s rows side by side ((B, R) in their dtype) at the start of `room` (a 1-D
-    uint8 tensor, long enough): tensors of one dtype and one row count B."""
-    b = carry[0].shape[0]
-    parts = [x.detach().reshape(b, math.prod(x.shape[1:])) for x in carry]
-    width = sum(x.shape[1] for x in parts)
-    used = b * width * carry[0].element_size()
-    torch.cat(parts, 1, out=room[:used].view(carry[0].dtype).view(b, width))
+    """Each of `carry`'s tensors' bytes in turn, row-major, at the start of `room` (a 1-D
+    uint8 tensor, long enough): how `start_rows` carries rows (a reader finds a rank's
+    rows of tensor k after its rows of tensors 0 .. k-1)."""
+    torch.cat([_bytes(x) for x in carry], out=room[: sum(x.nbytes for x in carry)])
 
 
 def agree_rows(

@@ -85,8 +85,8 @@ Kernel = tuple[
 class _Gathered:
     """Every rank's rows of every embedding, and how their gradients go home."""
 
-    all_NR: Tensor
-    """(N, R) in the embeddings' dtype: every rank's rows side by side, in rank order."""
+    rows: list[Tensor]
+    """Per embedding, (N, ...) in its dtype: every rank's rows in rank order (fresh buffers)."""
     values: list[Tensor]
     """The agreed scalars (0-d, compute dtype): what the formula uses on every rank."""
     shares: list[Tensor | float]
@@ -104,33 +104,27 @@ def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | Non
     rows. Every rank of `group` must call it, after `common.prepare` chose the small path."""
     w, r = get_world_size(group), get_rank(group)
     sizes, first = prep.sizes, tensors[0]
-    dtype, elem = first.dtype, first.element_size()
-    width = sum(math.prod(t.shape[1:]) for t in tensors)
+    elem = first.element_size()
+    widths = [math.prod(t.shape[1:]) for t in tensors]
     head = 0 if prep.checked else 8 * (len(prep.scalars) + 1)
-    byte_sizes = [q * width * elem + head for q in sizes]
+    byte_sizes = [q * sum(widths) * elem + head for q in sizes]
     carried = prep.carried_WC
     if carried is not None and max(byte_sizes) <= carried.shape[1]:
-        # every rank's rows came with the exchange: no second collective
-        if len(set(byte_sizes)) == 1:  # every rank the same rows: one copy
-            got = carried[:, : byte_sizes[0]].reshape(-1)
-        else:
-            got = torch.cat([row[:nb] for row, nb in zip(carried, byte_sizes, strict=True)])
-        got = got if got.device == first.device else got.to(first.device)
+        got_WC = carried  # every rank's rows came with the exchange: no second collective
     else:
         arrive("small path rows", first, group)  # debug mode: every rank checks in first
-        got = gather_rows(_payload(tensors, prep, byte_sizes[r]), byte_sizes, group)
+        got_WC = gather_rows(_payload(tensors, prep, byte_sizes[r]), byte_sizes, group)
     offset = sum(sizes[:r])
     span = (offset, offset + sizes[r])
+    rows = _rows(got_WC, tensors, sizes, widths, byte_sizes)
     if not head:  # the exchange found the scalars and the reduction equal on every rank
         factor = prep.grad_factor
-        all_NR = got.view(dtype).view(sum(sizes), width)
-        return _Gathered(all_NR, prep.scalars, [factor] * len(prep.scalars), factor * w, span)
+        return _Gathered(rows, prep.scalars, [factor] * len(prep.scalars), factor * w, span)
     starts = [sum(byte_sizes[:q]) for q in range(w)]
-    body = [got[o : o + q * width * elem] for o, q in zip(starts, sizes, strict=True)]
-    rows_bytes = torch.cat(body)  # a fresh, aligned buffer
-    table_WS = torch.cat([got[o + q * width * elem : o + byte_sizes[i]]
-                          for i, (o, q) in enumerate(zip(starts, sizes, strict=True))])  # fmt: skip
-    acc = compute_dtype(dtype)
+    table_WS = torch.cat(
+        [got_WC[o + nb - head : o + nb] for o, nb in zip(starts, byte_sizes, strict=True)]
+    )
+    acc = compute_dtype(first.dtype)
     table_WS = table_WS.view(torch.float64).view(w, -1)
     agreed: Tensor | float
     if table_WS.device.type == "cpu":  # on the host already: the same rule in plain numbers
@@ -138,13 +132,42 @@ def _gather(tensors: Sequence[Tensor], prep: Prepared, group: ProcessGroup | Non
     else:
         values_S, shares_S, agreed = _agreed(table_WS, r, w, acc)
         values, shares = list(values_S.unbind()), list(shares_S.unbind())
-    all_NR = rows_bytes.view(dtype).view(sum(sizes), width)
-    return _Gathered(all_NR, values, shares, agreed * w, span)
+    return _Gathered(rows, values, shares, agreed * w, span)
+
+
+def _rows(
+    got: Tensor,
+    tensors: Sequence[Tensor],
+    sizes: list[int],
+    widths: list[int],
+    byte_sizes: list[int],
+) -> list[Tensor]:
+    """Per tensor, every rank's rows (N, ...) out of the received bytes: `got` is (W, C),
+    rank p's bytes in row p (the exchange's room), or 1-D with rank p's `byte_sizes[p]` bytes
+    in turn (an all-gather of raw bytes); each rank's tensors in turn (`write_rows`)."""
+    n, elem, dtype = sum(sizes), tensors[0].element_size(), tensors[0].dtype
+    if got.dim() == 1:
+        starts = [sum(byte_sizes[:q]) for q in range(len(sizes))]
+    out = []
+    for k, x in enumerate(tensors):
+        before = sum(widths[:k])
+        if got.dim() == 2 and len(set(sizes)) == 1:  # equal rows: one strided copy
+            at, length = sizes[0] * before * elem, sizes[0] * widths[k] * elem
+            flat = got[:, at : at + length].reshape(-1)
+        elif got.dim() == 2:
+            flat = torch.cat([got[p, q * before * elem : q * (before + widths[k]) * elem]
+                              for p, q in enumerate(sizes)])  # fmt: skip
+        else:
+            flat = torch.cat([got[o + q * before * elem : o + q * (before + widths[k]) * elem]
+                              for o, q in zip(starts, sizes, strict=True)])  # fmt: skip
+        out.append(flat.view(dtype).view(n, *x.shape[1:]))
+    return out
 
 
 def _payload(tensors: Sequence[Tensor], prep: Prepared, nbytes: int) -> Tensor:
-    """This rank's rows as bytes (`nbytes` in all); without the exchange, its agreement row
-    after them (S scalars and the reduction code, float64)."""
+    """This rank's rows as bytes (`nbytes` in all, each tensor's in turn: `write_rows`);
+    without the exchange, its agreement row after them (S scalars and the reduction code,
+    float64)."""
     payload = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
     rows = nbytes - (0 if prep.checked else 8 * (len(prep.scalars) + 1))
     write_rows(payload[:rows], tensors)
@@ -198,8 +221,7 @@ def run(
     g = _gather(tensors, prep, group)
     inputs = [*tensors, *prep.scalars]
     need = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    shapes = [tuple(t.shape[1:]) for t in tensors]
-    loss: Tensor = _WholeLoss.apply(kernel, need, g, shapes, group, *inputs)  # type: ignore[no-untyped-call]
+    loss: Tensor = _WholeLoss.apply(kernel, need, g, group, *inputs)  # type: ignore[no-untyped-call]
     return loss
 
 
@@ -213,16 +235,11 @@ class _WholeLoss(torch.autograd.Function):
         kernel: Kernel,
         need: bool,
         g: _Gathered,
-        shapes: list[tuple[int, ...]],
         group: ProcessGroup | None,
         *inputs: Tensor,
     ) -> Tensor:
-        acc = compute_dtype(g.all_NR.dtype)  # a fresh buffer: used as it is in that dtype
-        whole_NR = g.all_NR if g.all_NR.dtype == acc else g.all_NR.to(acc)
-        n = whole_NR.shape[0]
-        parts = torch.split(whole_NR, [math.prod(shape) for shape in shapes], 1)
-        rows = [p if p.shape[1:] == shape else p.reshape(n, *shape)
-                for p, shape in zip(parts, shapes, strict=True)]  # fmt: skip
+        acc = compute_dtype(g.rows[0].dtype)  # fresh buffers: used as they are in that dtype
+        rows = [x if x.dtype == acc else x.to(acc) for x in g.rows]
         loss, state = kernel[0](rows, g.values, need)
         if need:
             ctx.kernel, ctx.state, ctx.g, ctx.group = kernel, state, g, group
@@ -234,14 +251,14 @@ class _WholeLoss(torch.autograd.Function):
         if get_world_size(ctx.group) > 1:  # every rank's upstream gradient, to every rank's rows
             grad = all_reduce(grad.contiguous(), "mean", group=ctx.group, check=False)
         g: _Gathered = ctx.g
-        rows, scalars = ctx.kernel[1](ctx.state, grad.to(compute_dtype(g.all_NR.dtype)), g.span)
+        rows, scalars = ctx.kernel[1](ctx.state, grad.to(compute_dtype(g.rows[0].dtype)), g.span)
         ctx.state = None  # the kernel's buffers go now, not with the graph
         own = [x * g.row_factor for x in rows]
         grads = own + [x * share for x, share in zip(scalars, g.shares, strict=True)]
-        wanted = ctx.needs_input_grad[5:]
+        wanted = ctx.needs_input_grad[4:]
         out = [gr.to(dt) if want else None
                for gr, dt, want in zip(grads, ctx.dtypes, wanted, strict=True)]  # fmt: skip
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 def by_autograd(formula: Callable[[list[Tensor], list[Tensor]], Tensor]) -> Kernel:
