@@ -86,3 +86,32 @@ def _rank_subgroup() -> bool | None:
 
 def test_gather_flat_on_a_subgroup() -> None:
     assert run_ranks(3, _rank_subgroup) == [True, None, True]
+
+
+def _rank_expected(carry_rows: int) -> tuple[bool, bool]:
+    """`expect_rows` posted before the row exists, then `start_rows(expected=...)`: the
+    same table and carried bytes as `agree_rows`; a row of another length is refused."""
+    from wholebatch.comm.agree import agree_rows, expect_rows, start_rows
+
+    r = dist.get_rank()
+    row = {"rank": float(r), "rows": carry_rows + r, "scale": torch.tensor(2.5 + r)}
+    carry = [torch.arange((carry_rows + r) * 3, dtype=torch.float32).reshape(-1, 3) + 100 * r]
+    room = 4 * 3 * (carry_rows + 2)
+    expected = expect_rows(3, carry_bytes=room)
+    early = start_rows(row, carry=carry, carry_bytes=room, expected=expected).wait()
+    plain = agree_rows(row, carry=carry, carry_bytes=room)
+    assert early.carried_WC is not None and plain.carried_WC is not None
+    same = early["scale"] == plain["scale"] and torch.equal(early.carried_WC, plain.carried_WC)
+    refused = False
+    wrong = expect_rows(2)
+    try:
+        start_rows(row, expected=wrong)
+    except ValueError:
+        refused = True
+        assert wrong is not None
+        wrong.receives.send(torch.zeros(2, dtype=torch.float64))  # complete the posted receives
+    return bool(same), refused
+
+
+def test_receives_posted_before_the_row() -> None:
+    assert run_ranks(3, _rank_expected, 2) == [(True, True)] * 3

@@ -6,9 +6,9 @@ receives from OTHER ranks, by primitive:
 
 - all-to-all: the input/output split sizes, less this rank's own chunk;
 - point-to-point (`batch_isend_irecv`, the ring shifts): each isend / irecv;
-- all-gather of raw bytes (`comm.direct.gather_flat`: on gloo direct sends to every
-  peer, else c10d's all-gather or all-to-all): (W - 1) x the input sent, N - B
-  received, counted as the primitive it stands for on other backends
+- all-gather of raw bytes (`comm.direct`, counted when a rank sends: on gloo direct
+  sends to every peer, else c10d's all-gather or all-to-all): (W - 1) x the input
+  sent, N - B received, counted as the primitive it stands for on other backends
   ("all_gather" for equal sizes, "all_to_all" for uneven), as the planner names it;
 - all-reduce: 2 (W - 1) / W of the tensor, the ring algorithm's volume.
 
@@ -72,7 +72,7 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
     """
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
-    real_ar, real_flat = dist.all_reduce, direct.gather_flat
+    real_ar, real_send = dist.all_reduce, direct.Expected.send
 
     def a2a(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, **kw: Any) -> Any:  # fmt: skip
@@ -99,18 +99,19 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
         counter.add("all_reduce", moved, moved)
         return real_ar(t, *args, **kw)
 
-    def gather_flat(out: torch.Tensor, inp: torch.Tensor, sizes: Any, on: Any, **kw: Any) -> Any:
-        elem, mine = inp.element_size(), sizes[dist.get_rank(on)]  # the call's own group
+    def send(self: direct.Expected, x_B: torch.Tensor, **kw: Any) -> Any:
+        sizes, elem = self.sizes, x_B.element_size()
+        mine = sizes[dist.get_rank(self.group)]  # the call's own group
         primitive = "all_to_all" if len(set(sizes)) > 1 else "all_gather"
         counter.add(primitive, (len(sizes) - 1) * mine * elem, (sum(sizes) - mine) * elem)
-        return real_flat(out, inp, sizes, on, **kw)
+        return real_send(self, x_B, **kw)
 
     dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p  # type: ignore[assignment]
     dist.all_reduce = all_reduce  # type: ignore[assignment]
-    direct.gather_flat = gather_flat  # type: ignore[assignment]
+    direct.Expected.send = send  # type: ignore[method-assign]
     try:
         yield counter
     finally:
         dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_p2p
         dist.all_reduce = real_ar
-        direct.gather_flat = real_flat  # type: ignore[assignment]
+        direct.Expected.send = real_send  # type: ignore[method-assign]

@@ -37,12 +37,14 @@ from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
 
 __all__ = [
+    "ExpectedRows",
     "Field",
     "PendingRows",
     "Rows",
     "agree_rows",
     "errors_text",
     "exchange_text",
+    "expect_rows",
     "gather_errors",
     "per_rank",
     "ranks_text",
@@ -205,6 +207,7 @@ def start_rows(
     dtype: torch.dtype = torch.float64,
     carry: Sequence[Tensor] | None = None,
     carry_bytes: int = 0,
+    expected: ExpectedRows | None = None,
 ) -> PendingRows:
     """`agree_rows` without waiting: the all-gather runs while the caller computes.
 
@@ -216,6 +219,10 @@ def start_rows(
     one dtype and one row count B, on the row's device: each tensor's bytes in turn,
     `write_rows`, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
     would otherwise need a second collective.
+
+    `expected`: this exchange's receives, posted earlier by `expect_rows` (with the same
+    `group`, `dtype`, `carry_bytes` and the row's length): peers' rows then arrive as soon
+    as they are sent, while this rank still builds its own.
     """
     distributed = is_distributed(group)
     device = comm_device(group) if distributed else _CPU
@@ -246,9 +253,44 @@ def start_rows(
     if not distributed:
         return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
-    table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
-    work = direct.gather_flat(table, send, [send.numel()] * w, group, async_op=True)
-    return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
+    if expected is None:
+        expected = expect_rows(len(numbers), group=group, dtype=dtype, carry_bytes=carry_bytes)
+    elif expected.numel != send.numel() or expected.table.dtype != send.dtype:
+        raise ValueError(
+            f"start_rows: the receives expected {expected.numel} {expected.table.dtype} per "
+            f"rank, the row is {send.numel()} {send.dtype}"
+        )
+    assert expected is not None
+    work = expected.receives.send(send, async_op=True)
+    return PendingRows(expected.table.view(w, -1), layout, group, work, carry_bytes)
+
+
+class ExpectedRows:
+    """The receives of a `start_rows` on `group`, posted ahead (`expect_rows`)."""
+
+    def __init__(self, table: Tensor, receives: direct.Expected, numel: int) -> None:
+        self.table, self.receives, self.numel = table, receives, numel
+
+
+def expect_rows(
+    elements: int,
+    *,
+    group: ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float64,
+    carry_bytes: int = 0,
+) -> ExpectedRows | None:
+    """Post the receives of this rank's next `start_rows` on `group` (a row of `elements`
+    numbers, `carry_bytes` of room): pass the result to it as `expected`. None on one
+    process. Every rank must then call `start_rows` before any other collective on `group`.
+    """
+    if not is_distributed(group):
+        return None
+    device = comm_device(group)
+    numel = elements * dtype.itemsize + carry_bytes if carry_bytes else elements
+    wire = torch.uint8 if carry_bytes else dtype
+    w = get_world_size(group)
+    table = torch.empty(w * numel, dtype=wire, device=device)
+    return ExpectedRows(table, direct.expect_flat(table, [numel] * w, group, device), numel)
 
 
 def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:

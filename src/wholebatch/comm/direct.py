@@ -34,7 +34,7 @@ from wholebatch.comm._c10d import all_gather_single, global_rank
 from wholebatch.comm.groups import backend_of, get_rank
 from wholebatch.comm.sizes import gather_splits
 
-__all__ = ["TAG", "DirectWork", "gather_flat", "is_gloo"]
+__all__ = ["TAG", "DirectWork", "Expected", "expect_flat", "gather_flat", "is_gloo"]
 
 TAG = 0x7762
 """The point-to-point tag of every direct all-gather (not c10d's default 0)."""
@@ -77,31 +77,75 @@ def gather_flat(
     with `async_op`, wait on the result before its next collective on `group` and
     before reading `out_N`. No checks, no autograd: the raw move under the
     exchange and the small path. Returns the work to wait on (`async_op`), else None.
+    `expect_flat` then `Expected.send` is the same move with the receives posted early.
     """
+    return expect_flat(out_N, sizes, group, x_B.device).send(x_B, async_op=async_op)
+
+
+class Expected:
+    """The receives of a direct all-gather, posted before this rank's bytes exist
+    (`expect_flat`): `send` completes the move. On gloo a peer's bytes then go out the
+    moment the peer sends them; each rank must `send` once, before its next collective."""
+
+    def __init__(
+        self,
+        out_N: Tensor,
+        sizes: Sequence[int],
+        group: ProcessGroup | None,
+        works: list[Any] | None,
+    ) -> None:
+        self.out_N, self.sizes, self.group = out_N, list(sizes), group
+        self._works = works  # None: not gloo, the whole move happens in `send`
+
+    def send(self, x_B: Tensor, *, async_op: bool = False) -> DirectWork | Any | None:
+        """Send this rank's `x_B` (`sizes[rank]` elements) to every peer: see `gather_flat`."""
+        sizes, group, out_N = self.sizes, self.group, self.out_N
+        w, r = len(sizes), get_rank(group)
+        if x_B.numel() != sizes[r]:
+            raise ValueError(f"gather_flat: {x_B.numel()} elements sent, {sizes[r]} expected")
+        if self._works is None:
+            return _c10d_gather(out_N, x_B, sizes, r, group, async_op)
+        works, self._works = self._works, []
+        if sizes[r]:
+            for k in range(1, w):
+                dst = global_rank(group, (r + k) % w)
+                works.append(dist.isend(x_B, dst, group=group, tag=TAG))
+            start = sum(sizes[:r])
+            out_N[start : start + sizes[r]].copy_(x_B)
+        work = DirectWork(works)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+def expect_flat(
+    out_N: Tensor, sizes: Sequence[int], group: ProcessGroup | None, device: torch.device
+) -> Expected:
+    """Post the receives of a `gather_flat` into `out_N` of bytes on `device` (gloo only;
+    elsewhere nothing happens until `Expected.send`). Every rank of `group` must then
+    `send`, in the same order as every rank's other collectives."""
+    if not is_gloo(group, device):
+        return Expected(out_N, sizes, group, None)
     w, r = len(sizes), get_rank(group)
     starts = [sum(sizes[:q]) for q in range(w)]
-    if not is_gloo(group, x_B.device):
-        if len(set(sizes)) == 1:
-            return all_gather_single(out_N, x_B, group=group, async_op=async_op)  # type: ignore[no-any-return]
-        splits = gather_splits(sizes, sizes[r])
-        return dist.all_to_all_single(
-            out_N, x_B.repeat(w), output_split_sizes=list(splits.recv),
-            input_split_sizes=list(splits.send), group=group, async_op=async_op,
-        )  # fmt: skip
     works = []
-    # receives first: a send whose receive is posted already goes out at once
     for k in range(1, w):
         src = (r - k) % w
         if sizes[src]:
             part = out_N[starts[src] : starts[src] + sizes[src]]
             works.append(dist.irecv(part, global_rank(group, src), group=group, tag=TAG))
-    if sizes[r]:
-        for k in range(1, w):
-            dst = global_rank(group, (r + k) % w)
-            works.append(dist.isend(x_B, dst, group=group, tag=TAG))
-        out_N[starts[r] : starts[r] + sizes[r]].copy_(x_B)
-    work = DirectWork(works)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return Expected(out_N, sizes, group, works)
+
+
+def _c10d_gather(
+    out_N: Tensor, x_B: Tensor, sizes: list[int], r: int, group: ProcessGroup | None, async_op: bool
+) -> Any:
+    """c10d's all-gather (equal sizes) or all-to-all (uneven) of the same bytes."""
+    if len(set(sizes)) == 1:
+        return all_gather_single(out_N, x_B, group=group, async_op=async_op)
+    splits = gather_splits(sizes, sizes[r])
+    return dist.all_to_all_single(
+        out_N, x_B.repeat(len(sizes)), output_split_sizes=list(splits.recv),
+        input_split_sizes=list(splits.send), group=group, async_op=async_op,
+    )  # fmt: skip

@@ -49,7 +49,14 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.agree import Field, PendingRows, Rows, start_rows
+from wholebatch.comm.agree import (
+    ExpectedRows,
+    Field,
+    PendingRows,
+    Rows,
+    expect_rows,
+    start_rows,
+)
 from wholebatch.comm.checks import errors_text, gather_errors, per_rank
 from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
@@ -302,6 +309,8 @@ def prepare(
     """
     options = options or {}
     w, r = get_world_size(group), get_rank(group)
+    checked = sizes is None or checks_enabled(check)
+    rows_bytes, expected = _receives(group, w, len(options), len(scalars), carry, checked)
     b, err = _local_problem(embeddings, scalars, grad_reduction, tile_size, sizes, error, w, r)
     first = next(x for x in embeddings.values() if x is not None)
     if w == 1:
@@ -312,16 +321,16 @@ def prepare(
         assert isinstance(first, Tensor)
         vals = [_scalar_tensor(v, first) for v in scalars.values()]  # type: ignore[arg-type]
         return Prepared(sizes=[b], scalars=vals, grad_factor=1.0)
-    checked = sizes is None or checks_enabled(check)
     values: list[Tensor | float] = list(scalars.values())  # type: ignore[arg-type]
     if checked:
-        rows_bytes = room.room(group, w) if carry else 0
         elem = first.element_size() if isinstance(first, Tensor) else 0
         fits = err is None and b * _row_elements(embeddings) * elem <= rows_bytes
         # only rows that fit the room are copied (a large batch is never copied)
         data = [x for x in embeddings.values() if isinstance(x, Tensor)] if fits else None
         row = _row(embeddings, scalars, grad_reduction, sizes, options, err)
-        pending = start_rows(row, group=group, carry=data, carry_bytes=rows_bytes)
+        pending = start_rows(
+            row, group=group, carry=data, carry_bytes=rows_bytes, expected=expected
+        )
         # while the exchange is in flight: what the call needs whatever the table says
         own = None if err is not None else [_scalar_tensor(v, first) for v in values]  # type: ignore[arg-type]
         table = _exchange_done(op, pending, len(options), len(scalars), err, group)
@@ -356,6 +365,21 @@ def prepare(
     else:
         vals, factor = _agree(first, values, str(grad_reduction), w, group)
     return Prepared(sizes=agreed, scalars=vals, grad_factor=factor)
+
+
+def _receives(
+    group: ProcessGroup | None, w: int, options: int, scalars: int, carry: bool, checked: bool
+) -> tuple[int, ExpectedRows | None]:
+    """(the exchange's room for rows, its receives posted now, or None without it).
+
+    The receives go out first: a peer's row then moves the moment the peer sends it,
+    while this rank still checks and builds its own (`comm.direct`: on 2 CPU ranks
+    most of a loss call's wait). The room is the group's, the same on every rank."""
+    if not checked or w == 1:
+        return 0, None
+    rows_bytes = room.room(group, w) if carry else 0
+    row = exchange_row_elements(options, scalars)
+    return rows_bytes, expect_rows(row, group=group, carry_bytes=rows_bytes)
 
 
 def _row_elements(embeddings: Mapping[str, object]) -> int:
