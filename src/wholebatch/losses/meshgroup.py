@@ -63,6 +63,8 @@ def prepare_on(
             are checked, as they decide whether the exchange runs).
     """
     group, split = resolve_group(group, mesh, batch_dims, op)
+    if split is None:  # a flat world: no replicas to check
+        return prepare(op, embeddings, scalars, group=group, **kwargs), group
     checked = kwargs.get("sizes") is None or checks_enabled(kwargs.get("check"))
     with replicas_agree(op, split, embeddings, enabled=checked):
         return prepare(op, embeddings, scalars, group=group, **kwargs), group
