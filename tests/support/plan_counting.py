@@ -72,7 +72,7 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
     """
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
-    real_ar, real_send = dist.all_reduce, direct.Expected.send
+    real_ar, real_send, real_flat = dist.all_reduce, direct.Expected.send, direct.gather_flat
 
     def a2a(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, **kw: Any) -> Any:  # fmt: skip
@@ -99,19 +99,27 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
         counter.add("all_reduce", moved, moved)
         return real_ar(t, *args, **kw)
 
-    def send(self: direct.Expected, x_B: torch.Tensor, **kw: Any) -> Any:
-        sizes, elem = self.sizes, x_B.element_size()
-        mine = sizes[dist.get_rank(self.group)]  # the call's own group
+    def count(sizes: Any, elem: int, on: Any) -> None:
+        mine = sizes[dist.get_rank(on)]  # the call's own group
         primitive = "all_to_all" if len(set(sizes)) > 1 else "all_gather"
         counter.add(primitive, (len(sizes) - 1) * mine * elem, (sum(sizes) - mine) * elem)
+
+    def send(self: direct.Expected, x_B: torch.Tensor, **kw: Any) -> Any:
+        count(self.sizes, x_B.element_size(), self.group)
         return real_send(self, x_B, **kw)
+
+    def gather_flat(out: torch.Tensor, x_B: torch.Tensor, sizes: Any, on: Any, **kw: Any) -> Any:
+        count(sizes, x_B.element_size(), on)
+        return real_flat(out, x_B, sizes, on, **kw)
 
     dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p  # type: ignore[assignment]
     dist.all_reduce = all_reduce  # type: ignore[assignment]
     direct.Expected.send = send  # type: ignore[method-assign]
+    direct.gather_flat = gather_flat  # type: ignore[assignment]
     try:
         yield counter
     finally:
         dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_p2p
         dist.all_reduce = real_ar
         direct.Expected.send = real_send  # type: ignore[method-assign]
+        direct.gather_flat = real_flat  # type: ignore[assignment]

@@ -254,13 +254,14 @@ def start_rows(
         return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
     w = get_world_size(group)
     if expected is None:
-        expected = expect_rows(len(numbers), group=group, dtype=dtype, carry_bytes=carry_bytes)
-    elif expected.numel != send.numel() or expected.table.dtype != send.dtype:
+        table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
+        work = direct.gather_flat(table, send, [send.numel()] * w, group, async_op=True)
+        return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
+    if expected.numel != send.numel() or expected.table.dtype != send.dtype:
         raise ValueError(
             f"start_rows: the receives expected {expected.numel} {expected.table.dtype} per "
             f"rank, the row is {send.numel()} {send.dtype}"
         )
-    assert expected is not None
     work = expected.receives.send(send, async_op=True)
     return PendingRows(expected.table.view(w, -1), layout, group, work, carry_bytes)
 

@@ -3,15 +3,21 @@
 gloo runs a collective on its worker thread and its all-gather as a ring of
 W − 1 steps, one after another; a send or a receive is posted from the
 caller's thread at once. For the moves whose cost is latency (every loss
-call's exchange, `agree_rows`, the small path's rows) each rank here posts a
-receive from every peer and a send of its bytes to every peer, all at once:
-one step whatever W, and the same bytes as the ring ((W − 1) x its own bytes
-sent by every rank, N − B received). Where the bytes go through another backend
-(NCCL), c10d's all-gather (equal sizes) or all-to-all (uneven) moves them.
+call's exchange, `agree_rows`, the small path's rows, `all_gather`'s rows) each
+rank here posts its bytes to every peer and a receive from every peer, all at
+once: one step whatever W, and the same bytes as the ring ((W − 1) x its own
+bytes sent by every rank, N − B received). Where the bytes go through another
+backend (NCCL), c10d's all-gather (equal sizes) or all-to-all (uneven) moves them.
 
-Measured on 2 CPU ranks after a barrier (benchmarks/RESULTS.md, "The exchange by
-direct sends"): 33 KiB 0.13 ms against c10d's async all-gather's 0.22 ms, 264
-KiB 0.19 against 0.31.
+`expect_flat` posts the receives before this rank's bytes exist (`Expected.send`
+then sends them): a loss call posts its exchange's receives before its checks,
+so a peer's row moves the moment the peer sends it.
+
+Measured after a barrier (benchmarks/exchange_direct.py, medians, the slower
+rank; RESULTS.md, "The exchange by direct sends"): 0.77-0.90x c10d's all-gather
+on 2 CPU ranks at 1 KiB to 264 KiB, 0.5-0.6x on 3; two moves in a row 0.85-0.90x
+and 0.25-0.53x. Sends go first: with each receive posted just before its send,
+two moves of 264 KiB in a row once took 1.6 ms against c10d's 0.63.
 
 The sends use their own tag (`TAG`), so they never pair with a caller's own
 point-to-point messages on the same group; every rank posts them in the same
@@ -79,7 +85,26 @@ def gather_flat(
     exchange and the small path. Returns the work to wait on (`async_op`), else None.
     `expect_flat` then `Expected.send` is the same move with the receives posted early.
     """
-    return expect_flat(out_N, sizes, group, x_B.device).send(x_B, async_op=async_op)
+    w, r = len(sizes), get_rank(group)
+    if not is_gloo(group, x_B.device):
+        return _c10d_gather(out_N, x_B, list(sizes), r, group, async_op)
+    # Sends first, then receives: with each receive posted just before its send, two
+    # moves of 256 KiB in a row took ~2 ms on 2 CPU ranks against ~0.5 ms this way
+    # (benchmarks/exchange_direct.py, "two in a row"; RESULTS.md).
+    works = []
+    if sizes[r]:
+        for k in range(1, w):
+            dst = global_rank(group, (r + k) % w)
+            works.append(dist.isend(x_B, dst, group=group, tag=TAG))
+    works += _receives(out_N, sizes, r, group)
+    if sizes[r]:
+        start = sum(sizes[:r])
+        out_N[start : start + sizes[r]].copy_(x_B)
+    work = DirectWork(works)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 class Expected:
@@ -127,7 +152,12 @@ def expect_flat(
     `send`, in the same order as every rank's other collectives."""
     if not is_gloo(group, device):
         return Expected(out_N, sizes, group, None)
-    w, r = len(sizes), get_rank(group)
+    return Expected(out_N, sizes, group, _receives(out_N, sizes, get_rank(group), group))
+
+
+def _receives(out_N: Tensor, sizes: Sequence[int], r: int, group: ProcessGroup | None) -> list[Any]:
+    """Every peer's bytes posted to arrive in their place in `out_N`."""
+    w = len(sizes)
     starts = [sum(sizes[:q]) for q in range(w)]
     works = []
     for k in range(1, w):
@@ -135,7 +165,7 @@ def expect_flat(
         if sizes[src]:
             part = out_N[starts[src] : starts[src] + sizes[src]]
             works.append(dist.irecv(part, global_rank(group, src), group=group, tag=TAG))
-    return Expected(out_N, sizes, group, works)
+    return works
 
 
 def _c10d_gather(
