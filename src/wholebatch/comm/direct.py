@@ -85,26 +85,14 @@ def gather_flat(
     exchange and the small path. Returns the work to wait on (`async_op`), else None.
     `expect_flat` then `Expected.send` is the same move with the receives posted early.
     """
-    w, r = len(sizes), get_rank(group)
+    r = get_rank(group)
     if not is_gloo(group, x_B.device):
         return _c10d_gather(out_N, x_B, list(sizes), r, group, async_op)
     # Sends first, then receives: with each receive posted just before its send, two
     # moves of 256 KiB in a row took ~2 ms on 2 CPU ranks against ~0.5 ms this way
     # (benchmarks/exchange_direct.py, "two in a row"; RESULTS.md).
-    works = []
-    if sizes[r]:
-        for k in range(1, w):
-            dst = global_rank(group, (r + k) % w)
-            works.append(dist.isend(x_B, dst, group=group, tag=TAG))
-    works += _receives(out_N, sizes, r, group)
-    if sizes[r]:
-        start = sum(sizes[:r])
-        out_N[start : start + sizes[r]].copy_(x_B)
-    work = DirectWork(works)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    works = _sends(x_B, sizes, r, group) + _receives(out_N, sizes, r, group)
+    return _own(out_N, x_B, sizes, r, works, async_op)
 
 
 class Expected:
@@ -125,23 +113,13 @@ class Expected:
     def send(self, x_B: Tensor, *, async_op: bool = False) -> DirectWork | Any | None:
         """Send this rank's `x_B` (`sizes[rank]` elements) to every peer: see `gather_flat`."""
         sizes, group, out_N = self.sizes, self.group, self.out_N
-        w, r = len(sizes), get_rank(group)
+        r = get_rank(group)
         if x_B.numel() != sizes[r]:
             raise ValueError(f"gather_flat: {x_B.numel()} elements sent, {sizes[r]} expected")
         if self._works is None:
             return _c10d_gather(out_N, x_B, sizes, r, group, async_op)
-        works, self._works = self._works, []
-        if sizes[r]:
-            for k in range(1, w):
-                dst = global_rank(group, (r + k) % w)
-                works.append(dist.isend(x_B, dst, group=group, tag=TAG))
-            start = sum(sizes[:r])
-            out_N[start : start + sizes[r]].copy_(x_B)
-        work = DirectWork(works)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        works, self._works = self._works + _sends(x_B, sizes, r, group), []
+        return _own(out_N, x_B, sizes, r, works, async_op)
 
 
 def expect_flat(
@@ -153,6 +131,29 @@ def expect_flat(
     if not is_gloo(group, device):
         return Expected(out_N, sizes, group, None)
     return Expected(out_N, sizes, group, _receives(out_N, sizes, get_rank(group), group))
+
+
+def _sends(x_B: Tensor, sizes: Sequence[int], r: int, group: ProcessGroup | None) -> list[Any]:
+    """This rank's bytes posted to every peer (none when it has none)."""
+    w = len(sizes)
+    if not sizes[r]:
+        return []
+    return [dist.isend(x_B, global_rank(group, (r + k) % w), group=group, tag=TAG)
+            for k in range(1, w)]  # fmt: skip
+
+
+def _own(
+    out_N: Tensor, x_B: Tensor, sizes: Sequence[int], r: int, works: list[Any], async_op: bool
+) -> DirectWork | None:
+    """This rank's bytes into their own place in `out_N`; then the move's work, or its end."""
+    if sizes[r]:
+        start = sum(sizes[:r])
+        out_N[start : start + sizes[r]].copy_(x_B)
+    work = DirectWork(works)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _receives(out_N: Tensor, sizes: Sequence[int], r: int, group: ProcessGroup | None) -> list[Any]:
