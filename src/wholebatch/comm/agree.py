@@ -295,9 +295,11 @@ def expect_rows(
 
 
 def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:
-    """The row's bytes, then each of `carry`'s tensors' bytes in turn (`carry_bytes(carry)`
-    in all), zero-padded to `carry_bytes`: one buffer, written by one concatenation."""
-    parts = [mine_F.view(torch.uint8), *(_bytes(x) for x in carry or ())]
+    """The row's bytes, then each of `carry`'s tensors' bytes in turn (`write_rows`),
+    zero-padded to `carry_bytes`: one buffer, written by one concatenation."""
+    parts = [mine_F.view(torch.uint8)]
+    for x in carry or ():  # rows on another device than the wire's move there (gloo, CUDA rows)
+        parts.append(_bytes(x) if x.device == mine_F.device else _bytes(x).to(mine_F.device))
     used = sum(p.numel() for p in parts) - parts[0].numel()
     if used > carry_bytes:
         raise ValueError(f"start_rows: the carried rows are {used} bytes, past {carry_bytes=}")

@@ -373,8 +373,8 @@ def _receives(
     """(the exchange's room for rows, its receives posted now, or None without it).
 
     The receives go out first: a peer's row then moves the moment the peer sends it,
-    while this rank still checks and builds its own (`comm.direct`: on 2 CPU ranks
-    most of a loss call's wait). The room is the group's, the same on every rank."""
+    while this rank still checks and builds its own (`comm.direct.expect_flat`). The
+    room is the group's, the same on every rank."""
     if not checked or w == 1:
         return 0, None
     rows_bytes = room.room(group, w) if carry else 0

@@ -160,6 +160,7 @@ def _rows(
         else:
             flat = torch.cat([got[o + q * before * elem : o + q * (before + widths[k]) * elem]
                               for o, q in zip(starts, sizes, strict=True)])  # fmt: skip
+        flat = flat if flat.device == x.device else flat.to(x.device)  # the wire's device: gloo
         out.append(flat.view(dtype).view(n, *x.shape[1:]))
     return out
 
