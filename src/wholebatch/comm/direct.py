@@ -16,8 +16,10 @@ so a peer's row moves the moment the peer sends it.
 Measured after a barrier (benchmarks/exchange_direct.py, medians, the slower
 rank; RESULTS.md, "The exchange by direct sends"): 0.77-0.90x c10d's all-gather
 on 2 CPU ranks at 1 KiB to 264 KiB, 0.5-0.6x on 3; two moves in a row 0.85-0.90x
-and 0.25-0.53x. Sends go first: with each receive posted just before its send,
-two moves of 264 KiB in a row once took 1.6 ms against c10d's 0.63.
+and 0.25-0.53x. `gather_flat` sends first: with each receive posted just before
+its send, two moves of 264 KiB in a row once took 1.6 ms against c10d's 0.63.
+A loss call's exchange posts its receives early all the same (`expect_flat`),
+~0.1 ms before its send: there it measured faster (`benchmarks/losses_small.py`).
 
 The sends use their own tag (`TAG`), so they never pair with a caller's own
 point-to-point messages on the same group; every rank posts them in the same
