@@ -1,4 +1,4 @@
-"""What the benchmarks share: a free port, peak-RSS growth, interleaved timing."""
+"""What the benchmarks share: a free port, spawned ranks, peak-RSS growth, interleaved timing."""
 
 from __future__ import annotations
 
@@ -17,6 +17,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def spawn_ranks(
+    target: Callable[..., None], world: int, cfg: Any, timeout: float
+) -> dict[int, Any]:
+    """Run `target(rank, world, port, cfg, queue)` in `world` fresh (spawned) processes on
+    one free port; each puts `(rank, result)` on the queue: {rank: result}."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, cfg, q)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    got = dict(q.get(timeout=timeout) for _ in procs)
+    for pr in procs:
+        pr.join(timeout=30)
+    return got
 
 
 def status_kib(field: str) -> int:

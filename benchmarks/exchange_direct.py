@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -34,8 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks._common import spawn_ranks
 from wholebatch.comm import direct
 from wholebatch.comm._c10d import all_gather_single
 
@@ -134,17 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="1024,33880,262232", help="bytes per rank")
     a = p.parse_args(argv)
     cfg = dict(sizes=[int(x) for x in a.sizes.split(",")], rounds=a.rounds)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.world, port, cfg, q)) for r in range(a.world)]
-    for pr in procs:
-        pr.start()
-    got = dict(q.get(timeout=1200) for _ in procs)
-    for pr in procs:
-        pr.join(timeout=30)
+    got = spawn_ranks(_rank, a.world, cfg, timeout=1200)
     load = os.getloadavg()
     print(f"W = {a.world} gloo ranks, median of {a.rounds - 5} rounds (ms; the slower rank)")
     print(f"load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -23,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks._common import spawn_ranks
 from tests.support.plan_memprobe import peak_growth
 
 
@@ -101,17 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     # the spawned ranks start fresh: glibc reads these there, so RSS follows live memory
     os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     cfg = dict(n=a.n, d=a.d, k=a.k, tile=a.tile, rounds=a.rounds, losses=a.losses.split(","))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.world, port, cfg, q)) for r in range(a.world)]
-    for pr in procs:
-        pr.start()
-    got = dict(q.get(timeout=3600) for _ in procs)
-    for pr in procs:
-        pr.join(timeout=30)
+    got = spawn_ranks(_rank, a.world, cfg, timeout=3600)
     print(
         f"W = {a.world}, N = {a.n:,}, D = {a.d}, tile {a.tile}, k = {a.k}, {a.rounds} round(s), float32"
     )

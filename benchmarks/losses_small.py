@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -27,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from benchmarks._common import spawn_ranks
 
 
 def _impls(b: int, w: int) -> dict[str, Any]:
@@ -140,17 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     w = 2
     cfg = dict(rows=[int(x) for x in a.rows.split(",")], d=a.d, calls=a.calls, profile=a.profile)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, w, port, cfg, q)) for r in range(w)]
-    for pr in procs:
-        pr.start()
-    got = dict(q.get(timeout=1200) for _ in procs)
-    for pr in procs:
-        pr.join(timeout=30)
+    got = spawn_ranks(_rank, w, cfg, timeout=1200)
     load = os.getloadavg()
     print(f"W = 2 CPU ranks, D = {a.d}, median of {a.calls - 2} calls (ms; the slower rank)")
     print(f"load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
