@@ -109,7 +109,7 @@ def _rank_expected(carry_rows: int) -> tuple[bool, bool]:
     except ValueError:
         refused = True
         assert wrong is not None
-        wrong.receives.send(torch.zeros(2, dtype=torch.float64))  # complete the posted receives
+        wrong.send(torch.zeros(2, dtype=torch.float64))  # complete the posted receives
     return bool(same), refused
 
 

@@ -37,7 +37,6 @@ from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
 
 __all__ = [
-    "ExpectedRows",
     "Field",
     "PendingRows",
     "Rows",
@@ -207,7 +206,7 @@ def start_rows(
     dtype: torch.dtype = torch.float64,
     carry: Sequence[Tensor] | None = None,
     carry_bytes: int = 0,
-    expected: ExpectedRows | None = None,
+    expected: direct.Expected | None = None,
 ) -> PendingRows:
     """`agree_rows` without waiting: the all-gather runs while the caller computes.
 
@@ -257,20 +256,10 @@ def start_rows(
         table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
         work = direct.gather_flat(table, send, [send.numel()] * w, group, async_op=True)
         return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
-    if expected.numel != send.numel() or expected.table.dtype != send.dtype:
-        raise ValueError(
-            f"start_rows: the receives expected {expected.numel} {expected.table.dtype} per "
-            f"rank, the row is {send.numel()} {send.dtype}"
-        )
-    work = expected.receives.send(send, async_op=True)
-    return PendingRows(expected.table.view(w, -1), layout, group, work, carry_bytes)
-
-
-class ExpectedRows:
-    """The receives of a `start_rows` on `group`, posted ahead (`expect_rows`)."""
-
-    def __init__(self, table: Tensor, receives: direct.Expected, numel: int) -> None:
-        self.table, self.receives, self.numel = table, receives, numel
+    if expected.out_N.dtype != send.dtype:
+        raise ValueError(f"start_rows: receives of {expected.out_N.dtype}, a row of {send.dtype}")
+    work = expected.send(send, async_op=True)  # refuses a row of another length
+    return PendingRows(expected.out_N.view(w, -1), layout, group, work, carry_bytes)
 
 
 def expect_rows(
@@ -279,7 +268,7 @@ def expect_rows(
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
     carry_bytes: int = 0,
-) -> ExpectedRows | None:
+) -> direct.Expected | None:
     """Post the receives of this rank's next `start_rows` on `group` (a row of `elements`
     numbers, `carry_bytes` of room): pass the result to it as `expected`. None on one
     process. Every rank must then call `start_rows` before any other collective on `group`.
@@ -291,7 +280,7 @@ def expect_rows(
     wire = torch.uint8 if carry_bytes else dtype
     w = get_world_size(group)
     table = torch.empty(w * numel, dtype=wire, device=device)
-    return ExpectedRows(table, direct.expect_flat(table, [numel] * w, group, device), numel)
+    return direct.expect_flat(table, [numel] * w, group, device)
 
 
 def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:

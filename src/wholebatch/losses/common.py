@@ -49,14 +49,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm.agree import (
-    ExpectedRows,
-    Field,
-    PendingRows,
-    Rows,
-    expect_rows,
-    start_rows,
-)
+from wholebatch.comm import direct
+from wholebatch.comm.agree import Field, PendingRows, Rows, expect_rows, start_rows
 from wholebatch.comm.checks import errors_text, gather_errors, per_rank
 from wholebatch.comm.collectives import all_reduce
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
@@ -369,7 +363,7 @@ def prepare(
 
 def _receives(
     group: ProcessGroup | None, w: int, options: int, scalars: int, carry: bool, checked: bool
-) -> tuple[int, ExpectedRows | None]:
+) -> tuple[int, direct.Expected | None]:
     """(the exchange's room for rows, its receives posted now, or None without it).
 
     The receives go out first: a peer's row then moves the moment the peer sends it,
