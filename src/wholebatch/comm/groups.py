@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,22 +33,34 @@ _CHECKS_ENV = "WHOLEBATCH_CHECKS"
 _checks_override: bool | None = None
 
 
-# Per group, what never changes once it exists: (world size, rank). torch.distributed
-# resolves both through several Python calls each time; a loss call asks ~10 times.
+# Per group, what never changes once it exists: (world size, rank) and the backend.
+# torch.distributed resolves them through several Python calls each time; a loss call
+# asks ~10 times. Weak keys: a destroyed group takes its entries with it.
 _SHAPE: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, int]] = weakref.WeakKeyDictionary()
+_BACKEND: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
+_T = TypeVar("_T")
+
+
+def _once(
+    cache: weakref.WeakKeyDictionary[ProcessGroup, _T],
+    group: ProcessGroup | None,
+    read: Callable[[], _T],
+) -> _T:
+    """`read()` for `group` (None: the world), the first time only."""
+    key = dist.group.WORLD if group is None else group
+    got = cache.get(key) if key is not None else None
+    if got is None:
+        got = read()
+        if key is not None:
+            cache[key] = got
+    return got
 
 
 def _shape(group: ProcessGroup | None) -> tuple[int, int]:
     """(world size, rank) of `group`; (1, 0) when torch.distributed is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
-    key = dist.group.WORLD if group is None else group
-    got = _SHAPE.get(key) if key is not None else None
-    if got is None:
-        got = (dist.get_world_size(group), dist.get_rank(group))
-        if key is not None:
-            _SHAPE[key] = got
-    return got
+    return _once(_SHAPE, group, lambda: (dist.get_world_size(group), dist.get_rank(group)))
 
 
 def is_distributed(group: ProcessGroup | None = None) -> bool:
@@ -66,16 +80,7 @@ def get_rank(group: ProcessGroup | None = None) -> int:
 
 def backend_of(group: ProcessGroup | None = None) -> str:
     """`group`'s backend in lower case ("gloo", "nccl", "cpu:gloo,cuda:nccl"); read once per group."""
-    key = dist.group.WORLD if group is None else group
-    got = _BACKEND.get(key) if key is not None else None
-    if got is None:
-        got = str(dist.get_backend(group)).lower()
-        if key is not None:
-            _BACKEND[key] = got
-    return got
-
-
-_BACKEND: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
+    return _once(_BACKEND, group, lambda: str(dist.get_backend(group)).lower())
 
 
 def comm_device(group: ProcessGroup | None = None) -> torch.device:
