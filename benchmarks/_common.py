@@ -19,23 +19,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn_ranks(
-    target: Callable[..., None], world: int, cfg: Any, timeout: float
-) -> dict[int, Any]:
-    """Run `target(rank, world, port, cfg, queue)` in `world` fresh (spawned) processes on
-    one free port; each puts `(rank, result)` on the queue: {rank: result}."""
+def spawn_ranks(target: Callable[..., Any], world: int, cfg: Any, timeout: float) -> dict[int, Any]:
+    """`target(rank, world, cfg)` on `world` fresh (spawned) gloo ranks on loopback, one
+    thread each: {rank: what it returned}. `timeout` seconds bound the whole run and
+    each collective."""
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, cfg, q)) for r in range(world)]
+    args = (target, world, port, cfg, q, timeout)
+    procs = [ctx.Process(target=_ranked, args=(r, *args)) for r in range(world)]
     for pr in procs:
         pr.start()
     got = dict(q.get(timeout=timeout) for _ in procs)
     for pr in procs:
         pr.join(timeout=30)
     return got
+
+
+def _ranked(
+    rank: int, target: Callable[..., Any], world: int, port: int, cfg: Any, q: Any, timeout: float
+) -> None:
+    """One rank of `spawn_ranks`."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )  # fmt: skip
+    q.put((rank, target(rank, world, cfg)))
+    dist.destroy_process_group()
 
 
 def status_kib(field: str) -> int:

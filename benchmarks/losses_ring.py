@@ -17,14 +17,13 @@ import argparse
 import os
 import statistics
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks._common import spawn_ranks
+from benchmarks._common import FIXED_MALLOC, spawn_ranks
 from tests.support.plan_memprobe import peak_growth
 
 
@@ -50,12 +49,7 @@ def _call(loss: str, strategy: str, xs: list[torch.Tensor], tile: int) -> torch.
     return info_nce_loss(xs[0], xs[1], s, negatives_BKD=negs, strategy=strategy, tile_size=tile)  # type: ignore[arg-type]
 
 
-def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=w,
-        timeout=timedelta(seconds=1800),
-    )  # fmt: skip
+def _rank(rank: int, w: int, cfg: dict[str, Any]) -> Any:
     b = cfg["n"] // w
     rows = []
     for loss in cfg["losses"]:
@@ -72,8 +66,7 @@ def _rank(rank: int, w: int, port: int, cfg: dict[str, Any], out: Any) -> None:
                 peak = peak_growth(lambda: _call(loss, strategy, xs, cfg["tile"]).backward())  # noqa: B023
                 dist.barrier()
                 rows.append((loss, strategy, peak, time.perf_counter() - t0))
-    out.put((rank, rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def _planned(loss: str, strategy: str, n: int, w: int, d: int, k: int, tile: int) -> int:
@@ -98,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--losses", default="clip", help="comma-separated: clip,info_nce")
     a = p.parse_args(argv)
     # the spawned ranks start fresh: glibc reads these there, so RSS follows live memory
-    os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    os.environ.update(FIXED_MALLOC)
     cfg = dict(n=a.n, d=a.d, k=a.k, tile=a.tile, rounds=a.rounds, losses=a.losses.split(","))
     got = spawn_ranks(_rank, a.world, cfg, timeout=3600)
     print(
