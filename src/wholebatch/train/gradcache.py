@@ -147,13 +147,18 @@ def _agree(
 def _loss_leaves(loss: Tensor, stop: object) -> list[Tensor]:
     """Leaf tensors requiring grad that `loss` reaches without passing through the node `stop`."""
     leaves: list[Tensor] = []
-    seen: set[int] = set()
+    # Each visited node is held here for the walk: a node's Python wrapper lives only as long
+    # as something references it, and a freed wrapper's id() is handed to the next one, so a
+    # set of bare ids stops the walk early and finds no leaves (issue 36: `logit_scale` went
+    # unaveraged across ranks on torch 2.4 and 2.8). Held, each wrapper is the node's own
+    # cached one, so identity is the node's.
+    seen: dict[int, object] = {}
     stack = [loss.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or fn is stop or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         variable = getattr(fn, "variable", None)
         if isinstance(variable, Tensor):
             leaves.append(variable)
