@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.support.harness import RankError, run_ranks, run_ranks_outcomes
 from tests.support.mesh_cases import (
@@ -29,6 +30,7 @@ from tests.support.mesh_cases import (
     ragged_steps,
     reference,
     run_fsdp,
+    run_misfed,
     run_pipeline,
 )
 
@@ -115,6 +117,42 @@ def test_dp_tp_replicas_fed_different_rows_is_an_error_on_every_rank() -> None:
     wrong = dataclasses.replace(TP, replica_differs=True)  # rank 1 (tp 1 of dp 0) misfed
     outcomes = run_ranks_outcomes(W, run_fsdp, wrong, timeout=TIMEOUT)
     same_error_everywhere(outcomes, "replicate the same rows", "('tp',)", "ranks [0, 1]")
+
+
+def test_dp_tp_replicas_fed_other_ids_with_the_same_labels_are_refused_before_any_forward() -> None:
+    # tp rank 1 of each data shard reads (ids + 1) % V with the same labels: the Rowwise
+    # all-reduce hands both replicas the same loss and count, so only the inputs can tell.
+    misfed = dataclasses.replace(TP, feed="shifted_ids")
+    got = run_ranks(W, run_misfed, misfed, timeout=TIMEOUT)
+    errors = {g["error"] for g in got}
+    assert len(errors) == 1 and None not in errors, errors  # the same error on every rank
+    message = got[0]["error"]
+    for needle in (
+        "Accumulator.step: ranks [0, 1] replicate the same rows",
+        "were fed different inputs: micro_batches[0][0] (int64, shape (",
+        "has sums {0: ",
+        "shard the data by the mesh's dp coordinate",
+    ):
+        assert needle in message, message
+    assert all(g["forwards"] == 0 and g["unchanged"] for g in got)  # refused before any forward
+    # The mutation: the fingerprint off, the step runs with the same loss and count on every
+    # rank, is not the whole batch's, and the replicas' copies of the embedding drift apart.
+    blind = dataclasses.replace(misfed, check_inputs=False)
+    results = run_ranks(W, run_fsdp, blind, timeout=TIMEOUT)
+    assert len({(tuple(r.losses), tuple(r.items)) for r in results}) == 1
+    assert_rejected(results, reference(TP))
+    assert not torch.equal(results[0].params["emb.weight"], results[1].params["emb.weight"])
+
+
+def test_dp_tp_replica_rows_of_another_shape_are_refused_without_an_abort() -> None:
+    # Without the fingerprint tensor parallel's own all-reduce aborts the process (gloo:
+    # "Received data size doesn't match"); now every rank raises before any forward.
+    got = run_ranks(W, run_misfed, dataclasses.replace(TP, feed="wider"), timeout=TIMEOUT)
+    assert len({g["error"] for g in got}) == 1
+    message = got[0]["error"]
+    assert "ranks [0, 1] replicate the same rows" in message, message
+    assert "micro_batches[0][0] has shapes {0: (1, 8), 1: (1, 9)}" in message, message
+    assert all(g["forwards"] == 0 and g["unchanged"] for g in got)
 
 
 def test_hsdp_two_batch_dims_matches_whole_batch() -> None:
@@ -233,8 +271,6 @@ def test_split_shape_factors_and_errors() -> None:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_cached_step_on_a_mesh_matches_whole_batch(k: int) -> None:
-    import torch
-
     from tests.distributed.test_cache import F64, _batches, _reference
     from tests.support.mesh_cases import run_cached
 
@@ -253,6 +289,33 @@ def test_cached_step_on_a_mesh_rejects_misfed_replicas_and_tp_as_a_batch_dim() -
     from tests.support.mesh_cases import run_cached
 
     outcomes = run_ranks_outcomes(W, run_cached, 3, ("dp",), True, timeout=TIMEOUT)
-    same_error_everywhere(outcomes, "replicate the same rows", "('tp',)")
+    same_error_everywhere(
+        outcomes, "CachedStep.step: ranks [0, 1] replicate the same rows", "('tp',)",
+        "were fed different inputs: micro_batches[0][0] (float64",
+    )  # fmt: skip
     outcomes = run_ranks_outcomes(W, run_cached, 3, ("dp", "tp"), False, timeout=TIMEOUT)
     same_error_everywhere(outcomes, "batch dims ['tp']")
+
+
+def test_grad_cache_on_a_mesh_refuses_misfed_replicas_before_any_forward() -> None:
+    from tests.support.mesh_cases import run_gradcache_misfed
+
+    got = run_ranks(W, run_gradcache_misfed, timeout=TIMEOUT)
+    assert len({g["error"] for g in got}) == 1
+    message = got[0]["error"]
+    assert "GradCache: ranks [0, 1] replicate the same rows" in message, message
+    assert "were fed different inputs: micro_batches[0][0] (float64" in message, message
+    assert all(g["forwards"] == 0 for g in got)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a bare loss sees only its embeddings; with tensor-parallel towers the Rowwise "
+    "all-reduce makes replicas' embeddings equal whatever they were fed (the engines "
+    "fingerprint the inputs; a loss called in the user's own loop does not see them)",
+)
+def test_a_loss_on_a_mesh_refuses_replicas_fed_different_inputs() -> None:
+    from tests.support.mesh_cases import run_tp_loss_misfed
+
+    errors = run_ranks(W, run_tp_loss_misfed, timeout=TIMEOUT)
+    assert all(e is not None and "replicate the same rows" in e for e in errors), errors

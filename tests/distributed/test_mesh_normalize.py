@@ -86,7 +86,12 @@ def test_a_table_agreed_over_the_wrong_dims_is_caught(mesh: str) -> None:
 
 def test_tp_replicas_with_different_tables_are_an_error_on_every_rank() -> None:
     wrong = dataclasses.replace(TP, replica_differs=True)  # rank 1 reads other sequence ids
+    # The inputs' fingerprint sees it first (before the counting pass); without it the
+    # tables' own check still refuses, in the counting pass before any forward.
     outcomes = run_ranks_outcomes(W, run_modes, wrong, ("sequence",), timeout=TIMEOUT)
+    same_error_everywhere(outcomes, "were fed different inputs: micro_batches[0]")
+    blind = dataclasses.replace(wrong, check_inputs=False)
+    outcomes = run_ranks_outcomes(W, run_modes, blind, ("sequence",), timeout=TIMEOUT)
     same_error_everywhere(
         outcomes, "normalize: ranks [0, 1] replicate the same rows", "('tp',)", "tables"
     )

@@ -34,6 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.support.models import (
     IGNORE,
+    PAD,
+    VOCAB,
     MicroBatch,
     TinyLM,
     lm_loss_sum,
@@ -71,6 +73,12 @@ class MeshCase:
     lr: float = 0.5
     max_grad_norm: float | None = None
     replica_differs: bool = False  # mutation: rank 1 (a tp/cp replica) gets other rows
+    feed: str = "same"
+    """What tp rank 1 of every data shard is fed (ranks 1 and 3): "same"; "shifted_ids":
+    (ids + 1) % V with the same labels (an augmentation seeded by the global rank: the
+    Rowwise all-reduce then hands both replicas the same loss and count); "wider": one
+    more padding column in micro-batch 0 (rows of another shape)."""
+    check_inputs: bool = True  # False: the mutation that turns the replicas' fingerprint off
     count_reductions: bool = False
     seconds: bool = False  # time each step (bench)
 
@@ -149,7 +157,7 @@ def reference(case: MeshCase) -> MeshResult:
         )
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         items.append(float(n))
         norms.append(float(norm))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -193,6 +201,14 @@ def _my_batch(case: MeshCase, mesh: DeviceMesh, s: int) -> list[MicroBatch]:
         seqs = _sequences(case, s, seed=7)
     width = _width(case, s)
     mbs = [micro_batch(mb, width=width) for mb in seqs[shard]]
+    if case.feed != "same" and split.coordinate().get("tp") == 1:
+        if case.feed == "shifted_ids":
+            mbs = [((t + 1) % VOCAB, y) for t, y in mbs]
+        elif case.feed == "wider":
+            t, y = mbs[0]
+            mbs[0] = (F.pad(t, (0, 1), value=PAD), F.pad(y, (0, 1), value=IGNORE))
+        else:
+            raise ValueError(f"MeshCase.feed={case.feed!r}")
     if "cp" in split.sizes:
         cp, c = split.sizes["cp"], coord["cp"]
         part = width // cp
@@ -248,7 +264,12 @@ def run_fsdp(case: MeshCase) -> MeshResult:
     acc = None
     if case.engine == "accumulator":
         acc = Accumulator(
-            model, opt, mesh=mesh, batch_dims=case.batch_dims, max_grad_norm=case.max_grad_norm
+            model,
+            opt,
+            mesh=mesh,
+            batch_dims=case.batch_dims,
+            max_grad_norm=case.max_grad_norm,
+            check_inputs=case.check_inputs,
         )
     losses, items, norms, reductions, seconds = [], [], [], [], []
     for s in range(len(case.steps)):
@@ -267,6 +288,31 @@ def run_fsdp(case: MeshCase) -> MeshResult:
         seconds.append(time.perf_counter() - t0)
         reductions.append(counter.calls - before)
     return MeshResult(_full_params(model), losses, items, norms, reductions, seconds)
+
+
+def run_misfed(case: MeshCase) -> dict[str, Any]:
+    """The first step of `case` on the Accumulator: its error (None if it stepped), how many
+    forwards ran, and whether the parameters are still the initial ones."""
+    from wholebatch.errors import WholebatchError
+    from wholebatch.train.accumulate import Accumulator
+
+    mesh = get_mesh(case.shape)
+    model, _ = _fsdp_model(case, mesh)
+    before = _full_params(model)
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=case.lr)
+    acc = Accumulator(
+        model, opt, mesh=mesh, batch_dims=case.batch_dims, check_inputs=case.check_inputs
+    )
+    error = None
+    try:
+        acc.step(_my_batch(case, mesh, 0), lm_loss_sum)
+    except WholebatchError as e:
+        error = str(e)
+    after = _full_params(model)
+    unchanged = all(torch.equal(after[k], before[k]) for k in before)
+    return {"error": error, "forwards": len(forwards), "unchanged": unchanged}
 
 
 def _hand_step(
@@ -573,3 +619,89 @@ def run_cached(
     finally:
         del step, wrapped, opt  # leave no DDP reducer behind in the reused worker
         gc.collect()
+
+
+def run_gradcache_misfed() -> dict[str, Any]:
+    """`GradCache(mesh=, batch_dims=("dp",))` (DDP on dp, CLIP over dp) where tp rank 1 of
+    dp 0 is fed other pairs of the same shapes: its error, and how many forwards ran."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.distributed.test_cache import _batches, _build, embed
+    from wholebatch.comm.mesh import MeshSplit
+    from wholebatch.errors import WholebatchError
+    from wholebatch.losses.contrastive import clip_loss
+    from wholebatch.train.gradcache import GradCache
+
+    mesh = get_mesh((("dp", 2), ("tp", 2)))
+    dp = MeshSplit(mesh=mesh, batch_dims=("dp",)).coordinate()["dp"]
+    model, scale = _build("inside")
+    wrapped = DDP(model, process_group=mesh["dp"].get_group())
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    cache = GradCache(wrapped, embed, mesh=mesh, batch_dims=("dp",))
+    mine = _batches(2, 3)[dp]
+    if dist.get_rank() == 1:
+        mine = [(a + 0.25, b) for a, b in mine]  # the images of an augmentation seeded by rank
+    error = None
+    try:
+        loss = cache(mine, lambda i, t: clip_loss(i, t, scale, mesh=mesh, batch_dims=("dp",)))
+        loss.backward()
+    except WholebatchError as e:
+        error = str(e)
+    finally:
+        del cache, wrapped  # leave no DDP reducer behind in the reused worker
+        gc.collect()
+    return {"error": error, "forwards": len(forwards)}
+
+
+class _TPEncoder(nn.Module):
+    """Two linear layers, tensor parallel (Colwise, Rowwise): replicas' outputs are summed."""
+
+    def __init__(self, d_in: int, d_out: int, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.up = nn.Linear(d_in, 8).double()
+        self.down = nn.Linear(8, d_out).double()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+
+    def forward(self, x_BD: Tensor) -> Tensor:
+        return F.normalize(self.down(torch.tanh(self.up(x_BD))), dim=-1)
+
+
+def run_tp_loss_misfed() -> str | None:
+    """A bare `clip_loss(mesh=, batch_dims=("dp",))` on tensor-parallel towers (dp2 x tp2)
+    where tp rank 1 of each dp shard is fed other image inputs (same text): the loss's
+    replica check sees only the embeddings, which the Rowwise all-reduce makes equal.
+    Returns the error the loss raised, or None."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from wholebatch.comm.mesh import MeshSplit
+    from wholebatch.errors import WholebatchError
+    from wholebatch.losses.contrastive import clip_loss
+
+    mesh = get_mesh((("dp", 2), ("tp", 2)))
+    coord = MeshSplit(mesh=mesh, batch_dims=("dp",)).coordinate()
+    towers = []
+    for seed in (1, 2):
+        tower = _TPEncoder(4, 3, seed)
+        parallelize_module(tower, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        towers.append(tower)
+    gen = torch.Generator().manual_seed(10 + coord["dp"])
+    image = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    text = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    if coord["tp"] == 1:
+        image = image + 0.5  # an augmentation seeded by the global rank
+    scale = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    try:
+        clip_loss(towers[0](image), towers[1](text), scale, mesh=mesh, batch_dims=("dp",))
+    except WholebatchError as e:
+        return str(e)
+    return None

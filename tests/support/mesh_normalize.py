@@ -134,7 +134,7 @@ def _run_modes(
         model, _ = _fsdp_model(case, mesh)
         opt = torch.optim.SGD(model.parameters(), lr=case.lr)
         cls = Accumulator if table_dims is None else Mutated
-        acc = cls(model, opt, mesh=mesh, batch_dims=case.batch_dims)
+        acc = cls(model, opt, mesh=mesh, batch_dims=case.batch_dims, check_inputs=case.check_inputs)
         losses, items = [], []
         for s in range(len(case.steps)):
             shift = case.replica_differs and dist.get_rank() == 1

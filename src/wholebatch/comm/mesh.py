@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank, ranks_text
+from wholebatch.comm.agree import Field, Rows, agree_rows, exchange_text, per_rank, ranks_text
 from wholebatch.comm.groups import get_world_size, is_distributed
 from wholebatch.comm.shape import parse_mesh_shape
 from wholebatch.errors import WholebatchError, WholebatchTypeError
@@ -249,6 +249,22 @@ class MeshSplit:
         index = tuple(slice(None) if d in free else coord[d] for d in self.dims)
         return frozenset(int(r) for r in self.mesh.mesh[index].flatten().tolist())
 
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The sets of ranks that must be fed alike: the same coordinate on every batch dim
+        and on the pipeline dim (they differ only on replica dims), each in rank order,
+        groups ordered by their first rank; only groups of more than one rank."""
+        keep = [i for i, d in enumerate(self.dims) if d not in self.replica_dims]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for flat, rank in enumerate(self.mesh.mesh.flatten().tolist()):
+            coord = []
+            for d in reversed(self.dims):  # row-major, as the mesh tensor is laid out
+                coord.append(flat % self.sizes[d])
+                flat //= self.sizes[d]
+            coord.reverse()
+            groups.setdefault(tuple(coord[i] for i in keep), []).append(int(rank))
+        found = [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
+        return tuple(sorted(found))
+
     def dims_of(self, ranks: Iterable[int], rank: int | None = None) -> tuple[str, ...] | None:
         """The dims whose sub-grid through `rank` is exactly `ranks`; None when no set of dims is.
 
@@ -316,12 +332,11 @@ class MeshSplit:
         splits, when a data shard has no rank that computed its loss, or when
         replicas (same batch coordinates) report different item counts or losses.
         """
-        layouts = rows["mesh_layout"]
-        if len(set(layouts)) > 1:
+        if not rows.same("mesh_layout"):  # every rank sees it: all name the splits together
             raise WholebatchError(
-                f"{op}: ranks describe the mesh split differently (layout checksums "
-                f"{per_rank([int(x) for x in layouts])}); build MeshSplit with the same "
-                "mesh, batch_dims and pipeline_dim on every rank"
+                f"{op}: ranks describe the mesh split differently "
+                f"{per_rank(exchange_text(self.describe(), rows.group))}; build MeshSplit "
+                "with the same mesh, batch_dims and pipeline_dim on every rank"
             )
         shards = rows.ints("mesh_shard")
         counted = rows["mesh_counted"]

@@ -58,6 +58,7 @@ from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
+from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.normalize import (
     ItemIds,
     LocalRows,
@@ -171,6 +172,11 @@ class Accumulator:
             same items and loss (else the same error on every rank).
         batch_dims: with `mesh`, the dims that split the batch (data and context
             parallel); every other dim replicates it (tensor parallel).
+        check_inputs: on a mesh with replica dims, prove before the first forward that
+            the ranks replicating the batch were fed the same micro-batches (a
+            fingerprint of their tensors rides in the agreement of K: no extra
+            collective; `wholebatch.train.feeds`). False: trust it (a module that
+            slices its own part of the shard, so the inputs differ by design).
         config: a whole `AccumulatorConfig`, instead of the keyword arguments above.
     """
 
@@ -189,6 +195,7 @@ class Accumulator:
         group: ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         batch_dims: Sequence[str] | None = None,
+        check_inputs: bool = True,
         config: AccumulatorConfig | None = None,
     ) -> None:
         if config is None:
@@ -205,6 +212,7 @@ class Accumulator:
         self.optimizer = optimizer
         split = MeshSplit.from_args("Accumulator", mesh, batch_dims, group=group)
         self.split = split
+        self.check_inputs = bool(check_inputs)
         self.finisher = StepFinisher(
             model, optimizer, scaler=scaler, config=config.step_config(), group=group, split=split
         )
@@ -307,7 +315,8 @@ class Accumulator:
                 on W > 1 ranks without `rank_local=True`; with `normalize`, when a rank's
                 ids are bad, ranks disagree on the mode, a group has no item, a loss's
                 shape is not its mask's, or (on a mesh) replicas report different tables
-                (nothing is stepped).
+                (nothing is stepped); on a mesh, when ranks that replicate the batch were
+                fed different micro-batches (before any forward, naming the tensor).
             NonFiniteStepError: on every rank, with on_nonfinite="raise".
         """
         if normalize is not None and not isinstance(normalize, Normalize):
@@ -366,7 +375,11 @@ class Accumulator:
             if error is None and norm.needs_table:
                 mine = local_rows(norm, ids)
         extra = begin_fields(norm, mine, error)
+        fed = self.split if self.check_inputs else None
+        fed_with = {"micro_batches": mbs}
+        extra.update(feed_fields(fed, fed_with))  # replicas fed alike: in the same all-gather
         rows = self.finisher.begin(len(mbs), op=op, extra=extra)
+        check_feeds(op, fed, rows, fed_with)
         check_agreed(rows, op, error)
         if norm is None or not norm.weighted:
             return None

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchTypeError
+from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.gradcache import EmbedFn, GradCache, LossFn
 from wholebatch.train.stepping import (
     OnNonFinite,
@@ -88,6 +89,9 @@ class CachedStep:
             `group=MeshSplit(...).batch_group()`), and ranks that replicate the batch must
             report the same rows and loss (else the same error on every rank).
         batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        check_inputs: on a mesh with replica dims, prove before the first forward that
+            replicas were fed the same micro-batches (`wholebatch.train.feeds`: a
+            fingerprint in the agreement of K, no extra collective). False: trust it.
     """
 
     # Tests turn this off to show that replaying the RNG is what makes pass 2 exact.
@@ -108,6 +112,7 @@ class CachedStep:
         group: Any = None,
         mesh: DeviceMesh | None = None,
         batch_dims: Sequence[str] | None = None,
+        check_inputs: bool = True,
     ) -> None:
         for name, fn in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -122,6 +127,7 @@ class CachedStep:
         )
         split = MeshSplit.from_args("CachedStep", mesh, batch_dims, group=group)
         self.split = split
+        self.fed = split if check_inputs else None  # whose inputs are fingerprinted
         self.finisher = StepFinisher(
             model, optimizer, scaler=scaler, config=config, group=group, split=split
         )
@@ -152,7 +158,10 @@ class CachedStep:
         if not isinstance(micro_batches, Sequence):
             micro_batches = list(micro_batches)
         k = len(micro_batches)
-        self.finisher.begin(k, op="CachedStep.step")
+        op = "CachedStep.step"
+        fed_with = {"micro_batches": micro_batches}
+        agreed = self.finisher.begin(k, op=op, extra=feed_fields(self.fed, fed_with))
+        check_feeds(op, self.fed, agreed, fed_with)
         loss, rows = self._forward_backward(micro_batches)
         w = self.world_size
         mean = self.finisher.config.grad_reduction == "mean"

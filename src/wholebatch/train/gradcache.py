@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +55,7 @@ from wholebatch.comm.mesh import MeshSplit
 from wholebatch.comm.meshgroup import check_replicas, fingerprint_fields, resolve_split
 from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.meshstep import MeshReduction
 from wholebatch.train.wrappers import (
     ddp_of,
@@ -118,6 +119,7 @@ def _agree(
     k: int | None = None,
     split: MeshSplit | None = None,
     parts: list[Embeddings] | None = None,
+    inputs: Mapping[str, object] | None = None,
 ) -> None:
     """Raise the same `WholebatchError` on every rank if any rank has an `error` (one small all-gather).
 
@@ -125,9 +127,13 @@ def _agree(
     parameters in every forward (and DDP may broadcast buffers), so every rank
     must run as many forwards as every other. With `split` and `parts` (pass 1's
     embeddings), also if ranks that replicate the batch embedded different rows
-    (their fingerprints travel in the same all-gather, `comm.meshgroup`).
+    (their fingerprints travel in the same all-gather, `comm.meshgroup`). With `split`
+    and `inputs` (the micro-batches, before the first forward), also if those ranks
+    were fed different micro-batches (`wholebatch.train.feeds`).
     """
     row: dict[str, Field] = {"error": error is not None, "micro_batches": -1 if k is None else k}
+    if inputs is not None:
+        row.update(feed_fields(split, inputs))
     if split is not None and parts is not None:
         outputs = [list(p) for p in parts]  # one list per micro-batch: its outputs in order
         row.update(fingerprint_fields(split, {"embeddings": [t for p in outputs for t in p]}))
@@ -140,6 +146,8 @@ def _agree(
             "every rank). Give a short rank micro-batches of 0 rows"
         )
     rows.error(op, error)
+    if inputs is not None:
+        check_feeds(op, split, rows, inputs)
     if split is not None and parts is not None:
         check_replicas(op, split, rows, ["embeddings"])
 
@@ -269,6 +277,12 @@ class GradCache:
             rescales: 1, nothing done, for a mean over the batch dims. Pass the loss
             the same mesh and batch dims (`clip_loss(..., mesh=, batch_dims=)`).
         batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        check_inputs: on a mesh with replica dims, prove in the agreement before the
+            first forward that replicas were fed the same micro-batches (a fingerprint
+            of their tensors, `wholebatch.train.feeds`; no extra collective). With a
+            tensor-parallel encoder the replicas' embeddings agree even when their
+            inputs do not (the Rowwise all-reduce), so the embeddings' check alone
+            cannot see it. False: trust it.
     """
 
     _replay_rng: bool = True  # tests turn these off to show what each is for
@@ -286,6 +300,7 @@ class GradCache:
         keep_last: bool = True,
         mesh: DeviceMesh | None = None,
         batch_dims: Sequence[str] | None = None,
+        check_inputs: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -302,6 +317,7 @@ class GradCache:
         self.rank_local = bool(rank_local)
         self.group = group
         self._reuse_last = bool(keep_last)
+        self.check_inputs = bool(check_inputs)
         found = resolve_split("GradCache", group, mesh, batch_dims)
         self.split: MeshSplit | None = None if found is None else found[0]
         self._batch_group: ProcessGroup | None = None if found is None else found[1]
@@ -350,7 +366,14 @@ class GradCache:
         group = self._group(model)
         if self.split is not None:
             self._mesh_reduction(model, op)  # the wrapper reduces every batch dim (or raises)
-        _agree(op, self._static_error(model, k, group), self._agree_group(model), k=k)
+        _agree(
+            op,
+            self._static_error(model, k, group),
+            self._agree_group(model),
+            k=k,
+            split=self.split if self.check_inputs else None,
+            inputs={"micro_batches": mbs},
+        )
         grad = torch.is_grad_enabled()
         ddp = ddp_of(model)
         fsdp = fsdp_modules(model)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.stepping import OnNonFinite, StepConfig, StepFinisher, StepStats
 
 if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
@@ -173,7 +174,10 @@ class PipelineAccumulator:
             `StepStats` (identical on every rank): whole-batch loss, N, grad norm.
         """
         k = self.n_microbatches
-        self.finisher.begin(k, op="PipelineAccumulator.step")
+        op = "PipelineAccumulator.step"
+        fed = {"inputs": list(inputs), "target": target}  # first stage's inputs, last's targets
+        rows = self.finisher.begin(k, op=op, extra=feed_fields(self.split, fed))
+        check_feeds(op, self.split, rows, fed)
         self._scale = self.backward_scale()
         self._parts = []
         kwargs: dict[str, Any] = {}
