@@ -319,3 +319,36 @@ def test_a_loss_on_a_mesh_refuses_replicas_fed_different_inputs() -> None:
 
     errors = run_ranks(W, run_tp_loss_misfed, timeout=TIMEOUT)
     assert all(e is not None and "replicate the same rows" in e for e in errors), errors
+
+
+# ---------------------------------------------------------------------------
+# Modules on their own data-parallel dims: encoder dp = 4 beside an LM on dp2 x tp2
+# ---------------------------------------------------------------------------
+
+
+def test_modules_on_their_own_dims_match_whole_batch_and_one_set_of_dims_does_not() -> None:
+    from tests.support import mesh_modules as mm
+
+    ref = mm.reference()
+    for engine in ("accumulator", "hand"):
+        results = run_ranks(W, mm.run_accumulator, engine, timeout=TIMEOUT)
+        for r, got in enumerate(results):
+            assert params_close(got.params, ref.params, TOL) == [], (engine, r)
+            assert got.items == ref.items, (engine, r)
+            for a, b in zip(got.losses + got.grad_norms, ref.losses + ref.grad_norms, strict=True):
+                assert abs(a - b) <= TOL * max(1.0, abs(b)), (engine, r, a, b)
+    # The mutation: the encoder scaled as if its data were split over dp only (its gradient
+    # half the whole batch's; through clipping and the second step every parameter moves).
+    wrong = run_ranks(W, mm.run_accumulator, "accumulator", ("dp",), timeout=TIMEOUT)
+    assert "encoder.proj.weight" in params_close(wrong[0].params, ref.params, TOL)
+    assert wrong[0].grad_norms[0] != pytest.approx(ref.grad_norms[0], rel=1e-6)
+
+
+def test_cached_step_with_modules_on_their_own_dims_matches_whole_batch() -> None:
+    from tests.support import mesh_modules as mm
+
+    ref = mm.cached_reference()
+    for r, got in enumerate(run_ranks(W, mm.run_cached, timeout=TIMEOUT)):
+        assert params_close(got, ref, TOL) == [], r
+    wrong = run_ranks(W, mm.run_cached, ("dp",), timeout=TIMEOUT)
+    assert params_close(wrong[0], ref, TOL), "one set of dims for both must fail"

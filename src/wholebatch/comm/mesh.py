@@ -89,7 +89,8 @@ class MeshSplit:
 
     batch_dims: Sequence[str]
     """The dims whose ranks hold different items: data parallel (replicate and
-    shard) and context parallel. Items are counted over these only."""
+    shard) and context parallel. Items are counted over these only. A flattened dim
+    of the mesh (`mesh["dp", "tp"]._flatten("dp_enc")`) names the dims it flattens."""
 
     pipeline_dim: str | None = None
     """The pipeline-parallel dim, if any: its ranks are stages of one schedule;
@@ -114,6 +115,7 @@ class MeshSplit:
                 f"MeshSplit: batch_dims={self.batch_dims!r} is a string; pass a tuple of dim "
                 f"names, e.g. batch_dims=({self.batch_dims!r},)"
             )
+        dims = _resolve_flattened(self.mesh, dims)
         object.__setattr__(self, "batch_dims", dims)
         if not dims:
             raise WholebatchError(
@@ -398,6 +400,43 @@ class MeshSplit:
         row = self.count_fields(items=items, loss=loss, counted=counted)
         row.update(extra or {})
         return self.read_counts(op, agree_rows(row, group=None))
+
+
+def _resolve_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> tuple[str, ...]:
+    """`dims` with each flattened dim (a name `mesh[name]` resolves but that is no dim of
+    the mesh) replaced by the mesh dims it flattens, in mesh order. Unknown names are
+    kept, for `__post_init__`'s error. The same on every rank (a flatten is of whole dims)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    out: list[str] = []
+    for d in dims:
+        if d in names or not names:
+            out.append(d)
+            continue
+        try:
+            sub = mesh[d]
+        except (KeyError, RuntimeError, ValueError):
+            out.append(d)
+            continue
+        want = frozenset(int(r) for r in sub.mesh.flatten().tolist())
+        spanned = _dims_through(mesh, want)
+        out.extend([d] if spanned is None else [x for x in spanned if x not in out])
+    return tuple(out)
+
+
+def _dims_through(mesh: DeviceMesh, ranks: frozenset[int]) -> tuple[str, ...] | None:
+    """The dims of `mesh` whose sub-grid through the first of `ranks` is exactly `ranks`."""
+    names = tuple(mesh.mesh_dim_names or ())
+    grid = mesh.mesh
+    where = (grid == min(ranks)).nonzero()
+    if where.numel() == 0:
+        return None
+    coord = [int(c) for c in where[0].tolist()]
+    for n in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), n):
+            index = tuple(slice(None) if i in subset else coord[i] for i in range(len(names)))
+            if frozenset(int(r) for r in grid[index].flatten().tolist()) == ranks:
+                return tuple(names[i] for i in subset)
+    return None
 
 
 def _close(a: float, b: float) -> bool:

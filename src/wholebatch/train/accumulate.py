@@ -59,6 +59,7 @@ from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
 from wholebatch.train.feeds import check_feeds, feed_fields
+from wholebatch.train.meshstep import ModuleDims
 from wholebatch.train.normalize import (
     ItemIds,
     LocalRows,
@@ -172,6 +173,12 @@ class Accumulator:
             same items and loss (else the same error on every rank).
         batch_dims: with `mesh`, the dims that split the batch (data and context
             parallel); every other dim replicates it (tensor parallel).
+        module_batch_dims: with `mesh`, submodules (or their names) whose data is split
+            over other dims than `batch_dims`, e.g. `{model.encoder: ("dp_enc",)}` for a
+            vision encoder data-parallel over every rank (a flattened dp x tp dim) beside
+            a language model on dp x tp. Each module's gradient is rescaled by its own
+            wrapper's reduction over its own dims (docs/mesh.md, "Modules on their own
+            data-parallel dims"); N stays the loss's, counted over `batch_dims`.
         check_inputs: on a mesh with replica dims, prove before the first forward that
             the ranks replicating the batch were fed the same micro-batches (a
             fingerprint of their tensors rides in the agreement of K: no extra
@@ -195,6 +202,7 @@ class Accumulator:
         group: ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         batch_dims: Sequence[str] | None = None,
+        module_batch_dims: ModuleDims | None = None,
         check_inputs: bool = True,
         config: AccumulatorConfig | None = None,
     ) -> None:
@@ -214,7 +222,13 @@ class Accumulator:
         self.split = split
         self.check_inputs = bool(check_inputs)
         self.finisher = StepFinisher(
-            model, optimizer, scaler=scaler, config=config.step_config(), group=group, split=split
+            model,
+            optimizer,
+            scaler=scaler,
+            config=config.step_config(),
+            group=group,
+            split=split,
+            module_dims=module_batch_dims,
         )
         self.scaler = self.finisher.scaler
         spec = GradCompression.parse(config.grad_compression)

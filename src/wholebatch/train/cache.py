@@ -30,6 +30,7 @@ from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchTypeError
 from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.gradcache import EmbedFn, GradCache, LossFn
+from wholebatch.train.meshstep import ModuleDims
 from wholebatch.train.stepping import (
     OnNonFinite,
     StepConfig,
@@ -89,6 +90,12 @@ class CachedStep:
             `group=MeshSplit(...).batch_group()`), and ranks that replicate the batch must
             report the same rows and loss (else the same error on every rank).
         batch_dims: with `mesh`, the dims that split the batch; the others replicate it.
+        module_batch_dims: with `mesh`, submodules (or their names) whose data is split
+            over other dims than `batch_dims`, e.g. `{model.encoder: ("dp_enc",)}` for a
+            vision encoder data-parallel over every rank (a flattened dp x tp dim) beside
+            a language model on dp x tp. Each module's gradient is rescaled by its own
+            wrapper's reduction over its own dims (docs/mesh.md, "Modules on their own
+            data-parallel dims"); N stays the loss's, counted over `batch_dims`.
         check_inputs: on a mesh with replica dims, prove before the first forward that
             replicas were fed the same micro-batches (`wholebatch.train.feeds`: a
             fingerprint in the agreement of K, no extra collective). False: trust it.
@@ -112,6 +119,7 @@ class CachedStep:
         group: Any = None,
         mesh: DeviceMesh | None = None,
         batch_dims: Sequence[str] | None = None,
+        module_batch_dims: ModuleDims | None = None,
         check_inputs: bool = True,
     ) -> None:
         for name, fn in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
@@ -129,7 +137,13 @@ class CachedStep:
         self.split = split
         self.fed = split if check_inputs else None  # whose inputs are fingerprinted
         self.finisher = StepFinisher(
-            model, optimizer, scaler=scaler, config=config, group=group, split=split
+            model,
+            optimizer,
+            scaler=scaler,
+            config=config,
+            group=group,
+            split=split,
+            module_dims=module_batch_dims,
         )
         self.model = model
         self.optimizer = optimizer

@@ -41,7 +41,7 @@ Legend: W processes of the mesh, B data shards, N global item count.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction, check_grad_reduction
-from wholebatch.errors import WholebatchError
+from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 try:  # FSDP2 (torch >= 2.6 exports it here)
     from torch.distributed.fsdp import FSDPModule
@@ -63,7 +63,17 @@ try:
 except ImportError:  # pragma: no cover - older torch
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["MeshReduction", "reduced_ranks", "sq_norm_share"]
+__all__ = [
+    "GradGroup",
+    "MeshReduction",
+    "ModuleDims",
+    "grad_groups",
+    "reduced_ranks",
+    "sq_norm_share",
+]
+
+ModuleDims = Mapping["nn.Module | str", Sequence[str]]
+"""Submodules (or their names in the model) -> the batch dims their data is split over."""
 
 
 def _fsdp_reduction(module: Any) -> tuple[frozenset[int], float | None] | None:
@@ -79,12 +89,32 @@ def _fsdp_reduction(module: Any) -> tuple[frozenset[int], float | None] | None:
     return ranks, None if divisor is None else float(divisor)
 
 
-def reduced_ranks(model: nn.Module) -> tuple[frozenset[int], float | None]:
+def _modules_outside(root: nn.Module, skip: frozenset[int]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of `root`'s modules, itself included, outside the modules in `skip` (ids)."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        name, m = stack.pop()
+        if id(m) in skip or id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append((name, m))
+        for child, sub in reversed(list(m.named_children())):
+            stack.append((f"{name}.{child}" if name else child, sub))
+    return out
+
+
+def reduced_ranks(
+    model: nn.Module, *, exclude: Sequence[nn.Module] = ()
+) -> tuple[frozenset[int], float | None]:
     """The ranks `model`'s wrapper reduces gradients over (empty for a plain module), and
     the divisor it was given instead of the mean's (None: the mean's, or DDP).
 
     DDP: its process group. FSDP2 (`fully_shard`, anywhere in the model, HSDP
-    included): its mesh. Every FSDP2 module of the model must reduce alike.
+    included): its mesh. Every FSDP2 module of the model must reduce alike, except
+    inside `exclude` (submodules whose own reduction is read on its own: a module
+    data-parallel over other dims, `grad_groups`).
     """
     inner: nn.Module = getattr(model, "_orig_mod", model)  # torch.compile
     if isinstance(inner, DistributedDataParallel):
@@ -92,7 +122,7 @@ def reduced_ranks(model: nn.Module) -> tuple[frozenset[int], float | None]:
         return ranks, None
     found: dict[tuple[frozenset[int], float | None], str] = {}
     if FSDPModule is not None:
-        for name, m in inner.named_modules():
+        for name, m in _modules_outside(inner, frozenset(id(e) for e in exclude)):
             if isinstance(m, FSDPModule):
                 how = _fsdp_reduction(m)
                 if how is not None:
@@ -145,6 +175,7 @@ class MeshReduction:
         grad_reduction: GradReduction = "mean",
         allow_unreduced: bool = False,
         op: str = "step",
+        exclude: Sequence[nn.Module] = (),
     ) -> MeshReduction:
         """Read `model`'s wrapper and check it reduces over every batch dim (same error on every rank).
 
@@ -155,13 +186,15 @@ class MeshReduction:
             allow_unreduced: allow batch dims the wrapper does not reduce (`rank_local`:
                 the caller reduces, or each rank steps on its own gradient).
             op: the name errors start with.
+            exclude: submodules whose gradients are another group's (`grad_groups`):
+                their wrappers are not read here.
 
         Raises:
             WholebatchError: when the wrapper's ranks are no set of mesh dims, when a
                 batch dim is not reduced, or when the pipeline dim is.
         """
         check_grad_reduction(op, grad_reduction)
-        ranks, divisor = reduced_ranks(model)
+        ranks, divisor = reduced_ranks(model, exclude=exclude)
         me = dist.get_rank() if dist.is_initialized() else 0
         dims = split.dims_of(ranks or {me})
         if dims is None:
@@ -229,3 +262,124 @@ def sq_norm_share(split: MeshSplit, params: Sequence[Tensor]) -> Tensor:
         norms = torch._foreach_norm(ts, 2, dtype=torch.float64)
         total = total + torch.stack([n.cpu() for n in norms]).square().sum() / holders
     return total
+
+
+# ---------------------------------------------------------------------------
+# Modules on their own data-parallel dims
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradGroup:
+    """Parameters whose gradients one wrapper reduces over the dims their data is split over."""
+
+    name: str
+    """The submodule's name in the model ("" for every parameter of no other group)."""
+
+    reduction: MeshReduction
+    """Its wrapper's dims and the factor of the scale rule, for its own batch dims."""
+
+    params: frozenset[int] | None
+    """ids of its parameters; None: the rest (every parameter of no other group)."""
+
+
+def _submodule(model: nn.Module, key: object, op: str) -> tuple[str, nn.Module]:
+    inner: nn.Module = getattr(model, "_orig_mod", model)
+    if isinstance(inner, DistributedDataParallel):
+        inner = inner.module
+    if isinstance(key, str):
+        try:
+            return key, inner.get_submodule(key)
+        except AttributeError:
+            names = [n for n, _ in inner.named_modules() if n][:12]
+            raise WholebatchError(
+                f"{op}: module_batch_dims names {key!r}, which is no submodule of the model; "
+                f"its submodules include {names}"
+            ) from None
+    if isinstance(key, nn.Module):
+        for name, m in inner.named_modules():
+            if m is key:
+                return name, m
+        raise WholebatchError(
+            f"{op}: module_batch_dims holds a {type(key).__name__} that is not a submodule "
+            "of the model; pass the submodules themselves (e.g. model.encoder) or their names"
+        )
+    raise WholebatchTypeError(
+        f"{op}: module_batch_dims keys must be submodules or their names, got {type(key).__name__}"
+    )
+
+
+def grad_groups(
+    model: nn.Module,
+    split: MeshSplit,
+    module_dims: ModuleDims | None,
+    *,
+    grad_reduction: GradReduction = "mean",
+    allow_unreduced: bool = False,
+    op: str = "step",
+) -> tuple[GradGroup, ...]:
+    """The model's parameter groups: the rest on `split`'s batch dims, then one per module
+    of `module_dims` on its own (the same on every rank: it reads the arguments and the
+    wrappers only).
+
+    Each module's `MeshReduction` is read from its own wrapper (FSDP2 inside it, or the
+    model's DDP) against the batch dims its data is split over, so its factor is its
+    own: a vision encoder data-parallel over every rank (`("dp_enc",)`, dp x tp
+    flattened) is scaled by 4 where the language model beside it (dp 2, tp 2) is scaled
+    by 2 (module docstring of `wholebatch.train.meshstep`).
+
+    Raises:
+        WholebatchError: a key that is no submodule, a parameter in two groups, batch
+            dims the mesh does not have, a module's wrapper that does not reduce its dims.
+    """
+    groups: list[tuple[str, nn.Module, MeshSplit]] = []
+    for key, dims in (module_dims or {}).items():
+        name, module = _submodule(model, key, op)
+        if isinstance(dims, str):
+            raise WholebatchTypeError(
+                f"{op}: module_batch_dims[{name!r}]={dims!r} is a string; pass a tuple of "
+                f"dim names, e.g. ({dims!r},)"
+            )
+        try:
+            own = MeshSplit(
+                mesh=split.mesh, batch_dims=tuple(dims), pipeline_dim=split.pipeline_dim
+            )
+        except (WholebatchError, WholebatchTypeError) as err:
+            text = str(err).removeprefix("MeshSplit: ")
+            raise type(err)(f"{op}: module_batch_dims[{name!r}]: {text}") from None
+        groups.append((name or "<root>", module, own))
+    owner: dict[int, str] = {}
+    for name, module, _ in groups:
+        for p in module.parameters():
+            if id(p) in owner and owner[id(p)] != name:
+                raise WholebatchError(
+                    f"{op}: module_batch_dims: a parameter of shape {tuple(p.shape)} is in "
+                    f"both {owner[id(p)]!r} and {name!r}; give each parameter one module"
+                )
+            owner[id(p)] = name
+    modules = [m for _, m, _ in groups]
+    rest = GradGroup(
+        name="",
+        reduction=MeshReduction.of(
+            model,
+            split,
+            grad_reduction=grad_reduction,
+            allow_unreduced=allow_unreduced,
+            op=op,
+            exclude=modules,
+        ),
+        params=None,
+    )
+    out = [rest]
+    ddp = isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel)
+    for name, module, own in groups:
+        how = MeshReduction.of(
+            model if ddp else module,  # DDP reduces every parameter over its one group
+            own,
+            grad_reduction=grad_reduction,
+            allow_unreduced=allow_unreduced,
+            op=f"{op}: module {name!r}",
+        )
+        ids = frozenset(id(p) for p in module.parameters())
+        out.append(GradGroup(name=name, reduction=how, params=ids))
+    return tuple(out)

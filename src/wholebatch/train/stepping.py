@@ -50,7 +50,13 @@ from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 # compiled_inner, grad_sync_mode, is_data_parallel, sync_context and unwrapped_error stay
-from wholebatch.train.meshstep import MeshReduction, sq_norm_share
+from wholebatch.train.meshstep import (
+    GradGroup,
+    MeshReduction,
+    ModuleDims,
+    grad_groups,
+    sq_norm_share,
+)
 
 # importable from here (re-exported): they lived here before `wholebatch.train.wrappers`.
 from wholebatch.train.wrappers import (
@@ -175,6 +181,7 @@ class _Agreed:
     items_per_rank: tuple[float, ...]
     grad_norm: float
     rescale: float  # the one factor the accumulated gradient is multiplied by
+    rescales: tuple[float, ...]  # per gradient group (modules on their own dims): its factor
     skip_reason: str | None  # None: the step is taken
     backoff: bool  # a non-finite loss or gradient: the AMP scale backs off
     amp_overflow: bool  # skipped for an overflowing gradient under a GradScaler (never raised)
@@ -283,6 +290,11 @@ class StepFinisher:
         split: a `wholebatch.comm.mesh.MeshSplit` instead of `group`: items are counted
             over its batch dims only, replicas checked, and the rescale and the norm
             follow `wholebatch.train.meshstep` (the wrapper's reduced dims).
+        module_dims: with `split`, submodules (or their names) -> the batch dims their
+            data is split over, when it is not `split`'s (a vision encoder data-parallel
+            over more ranks than the language model): each module's gradient is
+            rescaled by its own wrapper's factor (`meshstep.grad_groups`); the item
+            count N stays the loss's, over `split`'s batch dims.
     """
 
     def __init__(
@@ -294,6 +306,7 @@ class StepFinisher:
         config: StepConfig | None = None,
         group: ProcessGroup | None = None,
         split: MeshSplit | None = None,
+        module_dims: ModuleDims | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise WholebatchTypeError(
@@ -321,17 +334,25 @@ class StepFinisher:
         self.skipped_steps = 0
         self.split = split
         self.mesh_reduction: MeshReduction | None = None
+        self.grad_groups: tuple[GradGroup, ...] = ()
+        if module_dims and split is None:
+            raise WholebatchError(
+                "StepFinisher: module_batch_dims needs mesh= (the dims it names are a "
+                "device mesh's); a flat world has one set of batch dims"
+            )
         if split is not None:
             if group is not None and not isinstance(model, DistributedDataParallel):
                 raise WholebatchError(
                     "StepFinisher: pass group= (a flat world) or split= (a mesh), not both"
                 )
-            self.mesh_reduction = MeshReduction.of(
+            self.grad_groups = grad_groups(
                 model,
                 split,
+                module_dims,
                 grad_reduction=self.config.grad_reduction,
                 allow_unreduced=self.config.rank_local,
             )
+            self.mesh_reduction = self.grad_groups[0].reduction
             self.group = None  # counts and flags are agreed over the whole mesh
             self.world_size = get_world_size(None)
         else:
@@ -350,6 +371,19 @@ class StepFinisher:
     def params(self) -> list[Tensor]:
         """The optimizer's parameters, in param-group order."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _params_by_group(self) -> list[list[Tensor]]:
+        """The optimizer's parameters per gradient group (one group without `module_dims`)."""
+        params = self.params()
+        if len(self.grad_groups) <= 1:
+            return [params]
+        out: list[list[Tensor]] = [[] for _ in self.grad_groups]
+        for p in params:
+            index = next(
+                (i for i, g in enumerate(self.grad_groups) if g.params and id(p) in g.params), 0
+            )
+            out[index].append(p)
+        return out
 
     def _check_fsdp_mesh(self) -> None:
         # The grad norm sums the squares of sharded gradients over `group`; that is the
@@ -460,12 +494,17 @@ class StepFinisher:
             # true gradients. Purely local (no collective); its own found_inf is only
             # this rank's and is superseded by the agreed flag below.
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params() if p.grad is not None]
+        by_group = self._params_by_group()
+        grads = [[p.grad for p in ps if p.grad is not None] for ps in by_group]
+        shares: list[Tensor] = []
         if self.split is None:
-            sq_sharded, sq_local = self._squared_norms(grads)
+            sq_sharded, sq_local = self._squared_norms(grads[0])
         else:  # every rank's share, summed over the mesh: the whole norm (meshstep)
-            sq_sharded, sq_local = sq_norm_share(self.split, self.params()), torch.zeros(())
+            shares = [sq_norm_share(self.split, ps) for ps in by_group]
+            sq_sharded, sq_local = torch.stack(shares).sum(), torch.zeros(())
         row = _finish_row(loss_sum, items, nonfinite_loss, sq_sharded, sq_local)
+        if len(shares) > 1:  # modules on their own dims: each group's norm has its own scale
+            row["sq_groups"] = torch.stack(shares)
         row["error"] = local_error is not None
         if self.split is not None:
             row.update(
@@ -480,7 +519,8 @@ class StepFinisher:
         if agreed.skip_reason is not None:
             return self._skip(agreed, micro_batches, loss_scale)
         clip_coef = self._clip_coef(agreed.grad_norm)
-        self._mul_grads(grads, agreed.rescale * clip_coef)
+        for gs, rescale in zip(grads, agreed.rescales, strict=True):
+            self._mul_grads(gs, rescale * clip_coef)
         self._optimizer_step()
         self._drop_grads()
         self.steps += 1
@@ -520,7 +560,17 @@ class StepFinisher:
                 f"(negative on ranks {negative}); loss_fn must return the number of items it summed"
             )
         divisor = n_items if normalize_by_items else 1.0
-        rescale = self.reduce_factor / (backward_scale * divisor) if divisor != 0 else math.nan
+        factors = [g.reduction.factor for g in self.grad_groups] or [self.reduce_factor]
+        rescales = tuple(
+            f / (backward_scale * divisor) if divisor != 0 else math.nan for f in factors
+        )
+        rescale = rescales[0]
+        grad_norm = math.sqrt(_rank_sum(rows["sq_sharded"]) + sq_local) * abs(rescale)
+        if len(rescales) > 1:  # Σ over groups of (its scale)² x (its squared norm over ranks)
+            per_group = [_rank_sum(col) for col in zip(*rows.vectors("sq_groups"), strict=True)]
+            grad_norm = math.sqrt(
+                _rank_sum(tuple(q * r * r for q, r in zip(per_group, rescales, strict=True)))
+            )
         bad_loss = rows.ranks_where("bad_loss")
         bad_grad = rows.ranks_where("bad_grad")
         reason: str | None = None
@@ -536,8 +586,9 @@ class StepFinisher:
             loss=loss_total / divisor if divisor != 0 else math.nan,
             items=n_items,
             items_per_rank=items_per_rank,
-            grad_norm=math.sqrt(_rank_sum(rows["sq_sharded"]) + sq_local) * abs(rescale),
+            grad_norm=grad_norm,
             rescale=rescale,
+            rescales=rescales,
             skip_reason=reason,
             backoff=bool(bad_grad) or bool(bad_loss),
             amp_overflow=amp_overflow,
