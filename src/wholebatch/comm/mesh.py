@@ -383,6 +383,42 @@ class MeshSplit:
             rows=rows,
         )
 
+    def shard_totals(
+        self, op: str, rows: Rows, names: Sequence[str], what: str
+    ) -> dict[str, tuple[float, ...]]:
+        """Per field of `names` (scalars or vectors, gathered over the whole mesh): the sum
+        over the B data shards of one rank's value each, the replicas checked to agree
+        (the same on every rank; `what` names the fields in the error).
+
+        Raises the same `WholebatchError` on every rank when ranks of one data shard
+        report different values (beyond float round-off): they were fed different data.
+        """
+        shards = self.batch_indices()
+        firsts: dict[int, int] = {}
+        for r in range(rows.world_size):
+            firsts.setdefault(shards[r], r)
+        out: dict[str, tuple[float, ...]] = {}
+        for name in names:
+            per_rank = rows.vectors(name)
+            for r in range(rows.world_size):
+                first = firsts[shards[r]]
+                if r != first and not all(
+                    _close(a, b) for a, b in zip(per_rank[r], per_rank[first], strict=True)
+                ):
+                    differ = tuple(d for d in self.replica_dims if self.sizes[d] > 1)
+                    shown = [first, r]
+                    values = {q: list(per_rank[q]) for q in shown}
+                    raise WholebatchError(
+                        f"{op}: ranks {shown} replicate the same rows (the same coordinates "
+                        f"on batch dims {self.batch_dims}; they differ only on {differ}) but "
+                        f"report different {what}: {name} {values}. Feed every rank of a "
+                        f"{'/'.join(differ)} group the same micro-batches, and keep the model "
+                        "deterministic on them"
+                    )
+            cols = zip(*(per_rank[first] for _, first in sorted(firsts.items())), strict=True)
+            out[name] = tuple(_fsum(list(col)) for col in cols)
+        return out
+
     def agree_counts(
         self,
         op: str,

@@ -6,14 +6,16 @@ loss's backward (`GradCache`, for any loop or trainer), `cache` its engine (`Cac
 clipping), `meshstep` its side of a device mesh, `pipeline` the
 `PipelineAccumulator` for pipeline schedules, `wrappers` what wraps the model (DDP,
 FSDP2, compile: `no_sync` and friends), `normalize` the token / sequence / constant /
-group modes of `Accumulator.step`, `compression` the DDP comm hooks, `checkpoint` exact
-resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
+group modes of `Accumulator.step`, `auxloss` auxiliary losses whose statistics are the
+whole batch's (MoE load balancing, router z-loss), `feeds` the proof that replicas were
+fed alike, `compression` the DDP comm hooks, `checkpoint` exact resume. Engines use `wholebatch.comm` and `wholebatch.losses`, never the CLI.
 """
 
 from __future__ import annotations
 
 from wholebatch.train import checkpoint
 from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
+from wholebatch.train.auxloss import LoadBalancingLoss, RouterZLoss, WholeBatchTerm
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
 from wholebatch.train.gradcache import GradCache
@@ -35,13 +37,16 @@ __all__ = [
     "CommStats",
     "GradCache",
     "GradCompression",
+    "LoadBalancingLoss",
     "MeshReduction",
     "NonFiniteStepError",
     "Normalize",
     "PipelineAccumulator",
+    "RouterZLoss",
     "StepConfig",
     "StepFinisher",
     "StepStats",
+    "WholeBatchTerm",
     "checkpoint",
     "sync_context",
 ]

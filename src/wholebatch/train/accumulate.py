@@ -46,7 +46,9 @@ Legend: W world size, K micro-batches per step, N global item count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -54,11 +56,14 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm.agree import agree_rows
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.auxloss import TermStep, find_terms
 from wholebatch.train.compression import CommStats, GradCompression, register_compression
 from wholebatch.train.feeds import check_feeds, feed_fields
+from wholebatch.train.gradcache import replayed_rng, rng_state
 from wholebatch.train.meshstep import ModuleDims
 from wholebatch.train.normalize import (
     ItemIds,
@@ -81,11 +86,17 @@ from wholebatch.train.stepping import (
     StepStats,
     sync_context,
 )
+from wholebatch.train.wrappers import ddp_of, fsdp_modules, fsdp_sync_state, set_fsdp_sync
 
 if TYPE_CHECKING:  # annotations only: the engines import without a mesh in use
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Accumulator", "AccumulatorConfig", "LossFn", "LossReduction"]
+
+
+def _nothing() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
 
 LossReduction = Literal["sum", "mean", "none"]
 MB = TypeVar("MB")
@@ -237,6 +248,8 @@ class Accumulator:
         )
         # N' of the module docstring: the last agreed item count (same on every rank).
         self.items_estimate = 1.0
+        # Auxiliary losses whose statistics are the whole batch's (wholebatch.train.auxloss).
+        self.terms = find_terms(model)
 
     @property
     def steps(self) -> int:
@@ -252,8 +265,11 @@ class Accumulator:
         factor = self.finisher.reduce_factor  # W for "mean", 1 for "sum"; on a mesh, meshstep's
         return factor if weighted else factor / self.items_estimate
 
-    def _sum_and_count(self, out: Any, index: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(sum of item losses, its float64 detached value, item count) of one micro-batch."""
+    def _sum_and_count(
+        self, out: Any, index: int, *, graph: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(sum of item losses, its float64 detached value, item count) of one micro-batch
+        (`graph=False`: a forward without graph, the counting pass's)."""
         mode = self.config.loss_reduction
         where = f"Accumulator.step: loss_fn(model, micro_batches[{index}])"
         if mode == "none":
@@ -291,7 +307,7 @@ class Accumulator:
             loss = loss.reshape(())
             if mode == "mean":
                 loss = loss * count.to(loss.dtype)
-        if not loss.requires_grad:
+        if graph and not loss.requires_grad:
             raise WholebatchError(
                 f"{where}: the loss does not require grad, so backward cannot run (and DDP's "
                 "reduction would wait forever on the peers); a micro-batch with no items must "
@@ -339,6 +355,14 @@ class Accumulator:
                 f"{type(normalize).__name__}"
             )
         mbs: Sequence[MB] = list(micro_batches)
+        if self.terms:  # whole-batch auxiliary terms in the model: the counting pass
+            if normalize is not None:
+                raise WholebatchError(
+                    "Accumulator.step: normalize= with whole-batch auxiliary terms in the model "
+                    f"({', '.join(n for n, _ in self.terms)}) is not supported; the terms need "
+                    "the default token mean (loss_reduction)"
+                )
+            return self._step_with_terms(mbs, loss_fn)
         k = len(mbs)
         weights = self._begin(mbs, normalize)  # agree K (and the weights) before any forward
         weighted = weights is not None
@@ -371,6 +395,99 @@ class Accumulator:
         if stats.items > 0 and not weighted:
             self.items_estimate = stats.items
         return stats
+
+    def _step_with_terms(self, mbs: Sequence[MB], loss_fn: LossFn[MB]) -> StepStats:
+        """A step whose model holds whole-batch terms (`wholebatch.train.auxloss`): the
+        counting pass (0..K-2 without graph, K-1 with its graph kept), one all-gather of
+        the routers' counts and the items, then K-1's backward and 0..K-2 replayed with
+        their RNG. Every micro-batch back-propagates c x (its loss sum / N + the terms'
+        share), c = the rescale factor: exact weights, nothing rescaled after."""
+        op = "Accumulator.step"
+        k = len(mbs)
+        self._begin(mbs, None)  # K, stale gradients, replicas' inputs: before any forward
+        model, ddp, fsdp = self.model, ddp_of(self.model), fsdp_modules(self.model)
+        fsdp_before = fsdp_sync_state(fsdp)
+        terms = TermStep(self.terms, k)
+        rngs = []
+        loss_sum = items = torch.zeros((), dtype=torch.float64)
+        kept: Tensor | None = None
+        try:
+            for i, mb in enumerate(mbs):
+                last = i == k - 1
+                if not last:
+                    rngs.append(rng_state())
+                # The kept forward must not arm DDP's reducer unless its backward is the
+                # step's synchronised one (K = 1): it is back-propagated first.
+                quiet = ddp.no_sync() if ddp is not None and last and k > 1 else _nothing()
+                with terms.pass1(i), quiet, torch.set_grad_enabled(last):
+                    loss, stat, count = self._sum_and_count(loss_fn(model, mb), i, graph=last)
+                loss_sum, items = loss_sum + stat.cpu(), items + count.cpu()
+                if last:
+                    kept = loss
+            c = self.finisher.reduce_factor
+            n, term_values = self._agree_terms(op, terms, loss_sum, items, c)
+            w_main = c / n if n > 0 else 0.0
+            for step_index, i in enumerate([k - 1, *range(k - 1)]):
+                synced = step_index == k - 1
+                set_fsdp_sync(fsdp, synced)
+                if i == k - 1:
+                    assert kept is not None
+                    with terms.backward():
+                        torch.autograd.backward(self.finisher.scale_loss(kept * w_main))
+                    kept = None
+                    continue
+                quiet = ddp.no_sync() if ddp is not None and not synced else _nothing()
+                with quiet, replayed_rng(rngs[i]):
+                    with terms.replay(i):
+                        loss, _, _ = self._sum_and_count(loss_fn(model, mbs[i]), i)
+                    with terms.backward():
+                        torch.autograd.backward(self.finisher.scale_loss(loss * w_main))
+            share = (loss_sum / n if n > 0 else loss_sum * 0) + terms.shares()
+            error = terms.error()
+        finally:
+            set_fsdp_sync(fsdp, fsdp_before)
+            terms.close()
+        stats = self.finisher.finish(
+            loss_sum=share,
+            items=items,
+            micro_batches=k,
+            backward_scale=c,
+            normalize_by_items=False,
+            skip_if_empty=True,
+            local_error=error,
+            op=op,
+        )
+        if stats.items > 0:
+            self.items_estimate = stats.items
+        names = [name for name, _ in self.terms]
+        return dataclasses.replace(stats, aux=dict(zip(names, term_values, strict=True)))
+
+    def _agree_terms(
+        self, op: str, terms: TermStep, loss_sum: Tensor, items: Tensor, c: float
+    ) -> tuple[float, list[float]]:
+        """One all-gather before any backward: the items and every term's counts over the
+        whole batch (each data shard once on a mesh, replicas checked); sets the terms'
+        coefficients. Returns (N, each term's loss)."""
+        row: dict[str, Any] = dict(terms.fields())
+        row.update({"items": items, "error": terms.error() is not None})
+        rows = agree_rows(row, group=self.finisher.group)
+        rows.error(op, terms.error())  # errors of the counting pass: before any backward
+        names = [n for n in row if n.startswith("term")]
+        if self.split is None:
+            totals: dict[str, tuple[float, ...]] = {
+                name: tuple(math.fsum(col) for col in zip(*rows.vectors(name), strict=True))
+                for name in names
+            }
+            n = rows.total("items")
+        else:
+            totals = self.split.shard_totals(op, rows, [*names, "items"], "router statistics")
+            n = totals["items"][0]
+        counts = [
+            torch.tensor(totals[x], dtype=torch.float64) for x in names if x.endswith("counts")
+        ]
+        sums = [torch.tensor(totals[x], dtype=torch.float64) for x in names if x.endswith("sums")]
+        amp = self.finisher.loss_scale or 1.0
+        return n, terms.agree(counts, sums, scale=c * amp)
 
     def _begin(self, mbs: Sequence[MB], norm: Normalize | None) -> StepWeights | None:
         """Agree K; with a weighted mode, the counting pass and its table: every item's weight.

@@ -101,6 +101,22 @@ def _get_rng() -> RngState:
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in _cuda_devices()]
 
 
+@contextlib.contextmanager
+def replayed_rng(rng: RngState) -> Iterator[None]:
+    """Run with the RNG state `rng` (CPU and initialised CUDA devices); on exit the RNG is
+    where it was before (a replay draws the same numbers without consuming the stream)."""
+    with torch.random.fork_rng(devices=_cuda_devices()):
+        torch.set_rng_state(rng[0])
+        for d, s in enumerate(rng[1]):
+            torch.cuda.set_rng_state(s, d)
+        yield
+
+
+def rng_state() -> RngState:
+    """The RNG state (CPU, and every initialised CUDA device), for `replayed_rng`."""
+    return _get_rng()
+
+
 def _get_autocast() -> AutocastState:
     # Trainers run the forward under autocast and the backward outside it: pass 2
     # (inside backward) must re-enter the autocast of pass 1, or it computes a

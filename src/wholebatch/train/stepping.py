@@ -134,6 +134,10 @@ class StepStats:
     step: int
     """Optimizer steps taken so far by this engine, this one included (skipped ones not)."""
 
+    aux: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The whole batch's value of each auxiliary term in the model (its name: its loss;
+    `wholebatch.train.auxloss`), included in `loss`; empty without terms."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig:
