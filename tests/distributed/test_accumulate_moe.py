@@ -38,7 +38,7 @@ def _exact(results: list, ref: object, *, stats: bool = True) -> None:
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_the_aux_losses_over_the_whole_batch_on_two_ranks(top_k: int) -> None:
-    mc = MoECase(top_k=top_k)
+    mc = MoECase(top_k=top_k, blocks=top_k)  # top-2: two MoE blocks, four terms
     ref = reference(mc)
     _exact(run_ranks(2, run_flat, mc, timeout=TIMEOUT), ref)
     # The counting pass by hand (the benchmark's baseline) is exact too.
@@ -62,7 +62,7 @@ def test_per_micro_batch_and_one_over_dp_aux_losses_are_not_the_whole_batch() ->
 
 
 def test_the_aux_losses_over_the_whole_batch_on_a_dp_tp_mesh() -> None:
-    mc = MoECase(case=MESH, top_k=2)
+    mc = MoECase(case=MESH, top_k=2, blocks=2)
     ref = reference(mc)
     _exact(run_ranks(4, run_mesh, mc, timeout=TIMEOUT), ref)
     wrong = run_ranks(4, run_mesh, dataclasses.replace(mc, engine="one_over_dp"), timeout=TIMEOUT)

@@ -63,9 +63,9 @@ def _init(module: nn.Module, seed: int) -> nn.Module:
 class PatchEncoder(nn.Module):
     """One image patch [S, P] -> its encoding [S, D]."""
 
-    def __init__(self) -> None:
+    def __init__(self, p: int = P, d: int = D) -> None:
         super().__init__()
-        self.proj = nn.Linear(P, D).double()
+        self.proj = nn.Linear(p, d).double()
         _init(self, 11)
 
     def forward(self, patch_SP: Tensor) -> Tensor:
@@ -75,11 +75,11 @@ class PatchEncoder(nn.Module):
 class PrefixLM(nn.Module):
     """`TinyLM` with an image prefix added to every position's embedding."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, d: int = D) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, D).double()
-        self.hidden = nn.Linear(D, D).double()
-        self.out = nn.Linear(D, VOCAB).double()
+        self.emb = nn.Embedding(vocab, d).double()
+        self.hidden = nn.Linear(d, d).double()
+        self.out = nn.Linear(d, vocab).double()
         _init(self, 12)
 
     def forward(self, tokens_ST: Tensor, prefix_SD: Tensor) -> Tensor:
@@ -89,10 +89,10 @@ class PrefixLM(nn.Module):
 
 
 class VisionLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, p: int = P, d: int = D, vocab: int = VOCAB) -> None:
         super().__init__()
-        self.encoder = PatchEncoder()
-        self.lm = PrefixLM()
+        self.encoder = PatchEncoder(p, d)
+        self.lm = PrefixLM(vocab, d)
 
 
 def gather_patches(mine_SD: Tensor, group: Any) -> Tensor:
@@ -110,7 +110,10 @@ def gather_patches(mine_SD: Tensor, group: Any) -> Tensor:
 
 def _loss_sum(logits_STV: Tensor, targets_ST: Tensor) -> tuple[Tensor, Tensor]:
     loss = F.cross_entropy(
-        logits_STV.reshape(-1, VOCAB), targets_ST.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        logits_STV.reshape(-1, logits_STV.shape[-1]).double(),
+        targets_ST.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
     )
     return loss, (targets_ST != IGNORE).sum()
 
@@ -165,7 +168,7 @@ def reference(case: MeshCase = CASE) -> Result:
 _FLAT: dict[str, Any] = {}
 
 
-def _build() -> tuple[VisionLM, Any]:
+def _build(model: VisionLM | None = None) -> tuple[VisionLM, Any]:
     """The model on the mesh: the encoder FSDP2 on dp_enc (all 4 ranks), the language
     model tensor parallel on tp and FSDP2 on dp."""
     from torch.distributed.fsdp import fully_shard
@@ -178,7 +181,7 @@ def _build() -> tuple[VisionLM, Any]:
     mesh = get_mesh(SHAPE)
     if "dp_enc" not in _FLAT:
         _FLAT["dp_enc"] = mesh["dp", "tp"]._flatten("dp_enc")
-    model = VisionLM()
+    model = VisionLM() if model is None else model
     fully_shard(model.encoder, mesh=_FLAT["dp_enc"])
     parallelize_module(
         model.lm, mesh["tp"], {"hidden": ColwiseParallel(), "out": RowwiseParallel()}
@@ -249,7 +252,7 @@ def run_accumulator(
             items.append(st.items)
             norms.append(st.grad_norm)
         else:
-            loss, n, norm = _hand_step(model, opt, mesh, mbs, loss_fn)
+            loss, n, norm = hand_step(model, opt, mesh, mbs, loss_fn)
             losses.append(loss)
             items.append(n)
             norms.append(norm)
@@ -257,8 +260,13 @@ def run_accumulator(
     return Result(_full(model), losses, items, norms, seconds)
 
 
-def _hand_step(
-    model: VisionLM, opt: torch.optim.Optimizer, mesh: Any, mbs: list[MicroBatch], loss_fn: Any
+def hand_step(
+    model: VisionLM,
+    opt: torch.optim.Optimizer,
+    mesh: Any,
+    mbs: list[MicroBatch],
+    loss_fn: Any,
+    clip: float | None = CLIP,
 ) -> tuple[float, float, float]:
     """The exact loop written by hand: sync on the last micro-batch, N over dp, the encoder
     x 4 / N (FSDP2 averaged over 4 ranks), the language model x 2 / N (over dp), clipping
@@ -284,12 +292,11 @@ def _hand_step(
     sq = torch.stack([sq_norm_share(split, list(m.parameters())) * f * f for m, f in scales])
     dist.all_reduce(sq)
     norm = float(sq.sum().sqrt())
-    clip = min(1.0, CLIP / (norm + 1e-6))
+    coef = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
     with torch.no_grad():
         for m, f in scales:
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(f * clip)
+            grads = [p.grad.to_local() for p in m.parameters() if p.grad is not None]  # type: ignore[union-attr]
+            torch._foreach_mul_(grads, f * coef)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(row[0]) / n_items, n_items, norm

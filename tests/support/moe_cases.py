@@ -58,6 +58,7 @@ class MoECase:
     reentrant: bool = False  # torch.utils.checkpoint's use_reentrant
     engine: str = "accumulator"
     steps: int | None = None  # None: every step of the case (the bench runs more)
+    blocks: int = 1  # MoE blocks, each with its own router and terms
 
 
 class OneOverDp(LoadBalancingLoss):
@@ -79,7 +80,37 @@ def _tp() -> int:
     return _TP["tp"]
 
 
+class MoEBlock(nn.Module):
+    """A router over E experts (top-k), dense expert compute, residual; its aux terms."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, one_over_dp: bool) -> None:
+        super().__init__()
+        self.dim, self.top_k = dim, top_k
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+        self.balance = (OneOverDp if one_over_dp else LoadBalancingLoss)(
+            experts, top_k=top_k, alpha=ALPHA
+        )
+        self.z = (ZOneOverDp if one_over_dp else RouterZLoss)(beta=BETA)
+        self.block_out: dict[str, Tensor] = {}
+
+    def forward(self, h_TD: Tensor, mask_T: Tensor) -> Tensor:
+        logits_TE = self.router(h_TD)
+        probs_TE = logits_TE.softmax(-1)
+        top_TK = probs_TE.topk(self.top_k, dim=-1)
+        weights_TK = top_TK.values / top_TK.values.sum(-1, keepdim=True)
+        every_TED = torch.stack([torch.tanh(x(h_TD)) for x in self.experts], 1)
+        picked_TKD = every_TED.gather(1, top_TK.indices[..., None].expand(-1, -1, self.dim))
+        out_TD = (weights_TK[..., None] * picked_TKD).sum(1)
+        self.block_out = {"logits": logits_TE, "probs": probs_TE, "top": top_TK.indices}
+        out_TD = self.balance(out_TD, probs_TE, top_TK.indices, mask_T)
+        out_TD = self.z(out_TD, logits_TE, mask_T)
+        return h_TD + out_TD
+
+
 class TinyMoE(nn.Module):
+    """Embedding -> `blocks` MoE blocks (each under checkpointing) -> tanh(hidden) -> logits."""
+
     def __init__(
         self,
         top_k: int = 1,
@@ -87,47 +118,43 @@ class TinyMoE(nn.Module):
         reentrant: bool = False,
         one_over_dp: bool = False,
         checkpointed: bool = True,
+        experts: int = E,
+        dim: int = D,
+        vocab: int = VOCAB,
+        blocks: int = 1,
+        dtype: torch.dtype = torch.float64,
     ) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(3)
         self.top_k, self.reentrant, self.checkpointed = top_k, reentrant, checkpointed
-        self.emb = nn.Embedding(VOCAB, D)
-        self.router = nn.Linear(D, E)
-        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(E))
-        self.hidden = nn.Linear(D, D)
-        self.out = nn.Linear(D, VOCAB)
+        self.dim = dim
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            MoEBlock(dim, experts, top_k, one_over_dp) for _ in range(blocks)
+        )
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        self.double()
-        self.balance = (OneOverDp if one_over_dp else LoadBalancingLoss)(
-            E, top_k=top_k, alpha=ALPHA
-        )
-        self.z = (ZOneOverDp if one_over_dp else RouterZLoss)(beta=BETA)
-        self.block_out: dict[str, Tensor] = {}
+                p.copy_(torch.randn(p.shape, generator=gen) * min(0.5, dim**-0.5))
+        self.to(dtype)
 
-    def block(self, h_TD: Tensor, mask_T: Tensor) -> Tensor:
-        logits_TE = self.router(h_TD)
-        probs_TE = logits_TE.softmax(-1)
-        top_TK = probs_TE.topk(self.top_k, dim=-1)
-        weights_TK = top_TK.values / top_TK.values.sum(-1, keepdim=True)
-        every_TED = torch.stack([torch.tanh(x(h_TD)) for x in self.experts], 1)
-        picked_TKD = every_TED.gather(1, top_TK.indices[..., None].expand(-1, -1, D))
-        out_TD = (weights_TK[..., None] * picked_TKD).sum(1)
-        self.block_out = {"logits": logits_TE, "probs": probs_TE, "top": top_TK.indices}
-        out_TD = self.balance(out_TD, probs_TE, top_TK.indices, mask_T)
-        out_TD = self.z(out_TD, logits_TE, mask_T)
-        return h_TD + out_TD
+    def trunk(self, tokens_ST: Tensor) -> Tensor:
+        """Up to the last router's block: [S*T, D]."""
+        s, t = tokens_ST.shape
+        h_TD = self.emb(tokens_ST).reshape(s * t, self.dim)
+        mask_T = (tokens_ST != PAD).reshape(-1)
+        for block in self.layers:
+            if self.checkpointed:
+                h_TD = checkpoint(block, h_TD, mask_T, use_reentrant=self.reentrant)
+            else:
+                h_TD = block(h_TD, mask_T)
+        return h_TD
 
     def forward(self, tokens_ST: Tensor) -> Tensor:
         s, t = tokens_ST.shape
-        h_TD = self.emb(tokens_ST).reshape(s * t, D)
-        mask_T = (tokens_ST != PAD).reshape(-1)
-        if self.checkpointed:
-            h_TD = checkpoint(self.block, h_TD, mask_T, use_reentrant=self.reentrant)
-        else:
-            h_TD = self.block(h_TD, mask_T)
-        logits_STV: Tensor = self.out(torch.tanh(self.hidden(h_TD))).reshape(s, t, VOCAB)
+        h_TD = self.trunk(tokens_ST)
+        logits_STV: Tensor = self.out(torch.tanh(self.hidden(h_TD))).reshape(s, t, -1)
         return logits_STV
 
 
@@ -135,28 +162,48 @@ def ce_sum(model: nn.Module, mb: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]
     tokens, targets = mb
     logits = model(tokens)
     loss = F.cross_entropy(
-        logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        logits.reshape(-1, logits.shape[-1]).double(),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
     )
     return loss, (targets != IGNORE).sum()
 
 
-def router_sums(model: TinyMoE, mask_T: Tensor) -> dict[str, Tensor]:
-    """One forward's router statistics: counts_E, T (no gradient), S_E, Z (with graph)."""
-    out = model.block_out
+def router_sums(model: TinyMoE, mask_T: Tensor) -> list[dict[str, Tensor]]:
+    """Each block's router statistics of one forward: counts_E, T (no gradient), S_E, Z."""
     m = mask_T.to(torch.float64)
-    hits = F.one_hot(out["top"], E).to(torch.float64).sum(1)  # [T, E]
-    return {
-        "counts": (hits * m[:, None]).sum(0).detach(),
-        "tokens": m.sum().detach(),
-        "S": (out["probs"] * m[:, None]).sum(0),
-        "Z": (torch.logsumexp(out["logits"], -1).square() * m).sum(),
-    }
+    out = []
+    for block in model.layers:
+        got = block.block_out
+        hits = F.one_hot(got["top"], got["probs"].shape[-1]).to(torch.float64).sum(1)  # [T, E]
+        out.append({
+            "counts": (hits * m[:, None]).sum(0).detach(),
+            "tokens": m.sum().detach(),
+            "S": (got["probs"] * m[:, None]).sum(0),
+            "Z": (torch.logsumexp(got["logits"], -1).square() * m).sum(),
+        })  # fmt: skip
+    return out
 
 
-def aux_value(stats: dict[str, Tensor], top_k: int, counts: Tensor, tokens: Tensor) -> Tensor:
-    """α·E·Σₑ fₑ·Pₑ + β·mean lse² with fₑ, T from (`counts`, `tokens`) and S, Z from `stats`."""
-    f = counts / (top_k * tokens)
-    return ALPHA * E * (f * stats["S"]).sum() / tokens + BETA * stats["Z"] / tokens
+def _pack(stats: list[dict[str, Tensor]]) -> Tensor:
+    """Every block's (counts_E, T), concatenated: the numbers a step agrees."""
+    return torch.cat([torch.cat([st["counts"], st["tokens"].reshape(1)]) for st in stats])
+
+
+def aux_value(stats: list[dict[str, Tensor]], top_k: int, totals: Tensor | None = None) -> Tensor:
+    """Σ over blocks of α·E·Σₑ fₑ·Pₑ + β·mean lse², fₑ and T from `totals` (`_pack`ed; None:
+    these stats' own), S and Z from `stats`."""
+    packed = _pack(stats) if totals is None else totals
+    total = torch.zeros((), dtype=torch.float64)
+    at = 0
+    for st in stats:
+        e = st["counts"].numel()
+        counts, tokens = packed[at : at + e], packed[at + e].clamp(min=1)  # empty: S = Z = 0
+        at += e + 1
+        f = counts / (top_k * tokens)
+        total = total + ALPHA * e * (f * st["S"]).sum() / tokens + BETA * st["Z"] / tokens
+    return total
 
 
 @dataclasses.dataclass
@@ -173,7 +220,7 @@ def _batches(case: MeshCase, s: int, shard: int) -> list[tuple[Tensor, Tensor]]:
 
 def reference(mc: MoECase) -> Result:
     """One process, each step's whole batch in one forward."""
-    model = TinyMoE(mc.top_k)
+    model = TinyMoE(mc.top_k, blocks=mc.blocks)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, auxes = [], []
     for s in range(len(mc.case.steps)):
@@ -181,8 +228,7 @@ def reference(mc: MoECase) -> Result:
         tokens = torch.cat([t for t, _ in mbs])
         targets = torch.cat([y for _, y in mbs])
         main, n = ce_sum(model, (tokens, targets))
-        st = router_sums(model, (tokens != PAD).reshape(-1))
-        aux = aux_value(st, mc.top_k, st["counts"], st["tokens"])
+        aux = aux_value(router_sums(model, (tokens != PAD).reshape(-1)), mc.top_k)
         loss = main / n + aux
         loss.backward()
         opt.step()
@@ -211,7 +257,12 @@ def run_flat(mc: MoECase) -> Result:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _TP["tp"] = 1
-    model = TinyMoE(mc.top_k, reentrant=mc.reentrant, one_over_dp=mc.engine == "one_over_dp")
+    model = TinyMoE(
+        mc.top_k,
+        reentrant=mc.reentrant,
+        one_over_dp=mc.engine == "one_over_dp",
+        blocks=mc.blocks,
+    )
     ddp = DDP(model)
     try:
         return _train(mc, ddp, model, dist.get_rank(), None)
@@ -234,7 +285,12 @@ def run_mesh(mc: MoECase) -> Result:
 
     mesh = get_mesh(mc.case.shape)
     _TP["tp"] = 2
-    model = TinyMoE(mc.top_k, reentrant=mc.reentrant, one_over_dp=mc.engine == "one_over_dp")
+    model = TinyMoE(
+        mc.top_k,
+        reentrant=mc.reentrant,
+        one_over_dp=mc.engine == "one_over_dp",
+        blocks=mc.blocks,
+    )
     parallelize_module(model, mesh["tp"], {"hidden": ColwiseParallel(), "out": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     dp = MeshSplit(mesh=mesh, batch_dims=("dp",)).coordinate()["dp"]
@@ -297,8 +353,7 @@ def _hand_per_micro_batch(
         _sync(wrapped, i == k - 1)
         with ctx:
             main, _ = ce_sum(wrapped, mb)
-            st = router_sums(model, (mb[0] != PAD).reshape(-1))
-            aux = aux_value(st, mc.top_k, st["counts"], st["tokens"].clamp(min=1))
+            aux = aux_value(router_sums(model, (mb[0] != PAD).reshape(-1)), mc.top_k)
             (factor * main / n + factor * aux / (k * w)).backward()
         total_aux += float(aux.detach()) / k
     opt.step()
@@ -315,7 +370,7 @@ def _hand_exact(
     No RNG to replay: the model draws none."""
     _, _, factor = _groups(mesh)
     k = len(mbs)
-    counts = torch.zeros(E + 2, dtype=torch.float64)  # counts_E, T, N
+    totals: Tensor | None = None  # every block's (counts_E, T), then N
     kept = None
     for i, mb in enumerate(mbs):
         last = i == k - 1
@@ -323,14 +378,16 @@ def _hand_exact(
         with ctx, torch.set_grad_enabled(last):
             main, n_i = ce_sum(wrapped, mb)
             st = router_sums(model, (mb[0] != PAD).reshape(-1))
-        counts += torch.cat([st["counts"], st["tokens"].reshape(1), n_i.reshape(1).double()])
+        row = torch.cat([_pack(st), n_i.reshape(1).double()])
+        totals = row if totals is None else totals + row
         if last:
             kept = (main, st)
-    counts = _reduce(counts, mesh)
-    t, n = counts[E], float(counts[E + 1])
+    assert totals is not None
+    totals = _reduce(totals, mesh)
+    n = float(totals[-1])
 
-    def objective(main: Tensor, st: dict[str, Tensor]) -> Tensor:
-        return factor * (main / n + aux_value(st, mc.top_k, counts[:E], t))
+    def objective(main: Tensor, st: list[dict[str, Tensor]]) -> Tensor:
+        return factor * (main / n + aux_value(st, mc.top_k, totals[:-1]))
 
     assert kept is not None
     _sync(wrapped, k == 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.models import PAD, make_sequences, micro_batch
-from tests.support.moe_cases import TinyMoE, aux_value, ce_sum, router_sums
+from tests.support.moe_cases import MoEBlock, TinyMoE, aux_value, ce_sum, router_sums
 from wholebatch import Accumulator
 from wholebatch.errors import WholebatchError
 from wholebatch.train.auxloss import LoadBalancingLoss
@@ -32,9 +32,9 @@ def test_a_term_outside_a_step_holds_its_calls_own_loss(top_k: int) -> None:
     model = TinyMoE(top_k)
     tokens, _ = _mbs(1)[0]
     model(tokens)
-    st = router_sums(model, (tokens != PAD).reshape(-1))
-    want = aux_value(st, top_k, st["counts"], st["tokens"])
-    got = model.balance.loss + model.z.loss  # type: ignore[operator]
+    want = aux_value(router_sums(model, (tokens != PAD).reshape(-1)), top_k)
+    block = model.layers[0]
+    got = block.balance.loss + block.z.loss  # type: ignore[operator]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert got.requires_grad
 
@@ -45,8 +45,7 @@ def test_one_process_step_equals_the_whole_batch_objective() -> None:
     tokens = torch.cat([t for t, _ in mbs])
     targets = torch.cat([y for _, y in mbs])
     main, n = ce_sum(ref, (tokens, targets))
-    st = router_sums(ref, (tokens != PAD).reshape(-1))
-    (main / n + aux_value(st, 2, st["counts"], st["tokens"])).backward()
+    (main / n + aux_value(router_sums(ref, (tokens != PAD).reshape(-1)), 2)).backward()
     model = TinyMoE(2)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
     grads: dict[str, torch.Tensor] = {}
@@ -55,7 +54,7 @@ def test_one_process_step_equals_the_whole_batch_objective() -> None:
             lambda p, name=name: grads.__setitem__(name, p.grad.clone())
         )
     stats = acc.step(mbs, ce_sum)
-    assert set(stats.aux) == {"balance", "z"}
+    assert set(stats.aux) == {"layers.0.balance", "layers.0.z"}
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -98,27 +97,39 @@ def test_the_counting_pass_holds_one_micro_batchs_graph() -> None:
     assert _peak_saved_bytes(all_graphs) > 2.5 * one
 
 
-class _Twice(TinyMoE):
-    def block(self, h_TD: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
-        out = super().block(h_TD, mask_T)
+class _TwiceBlock(MoEBlock):
+    def forward(self, h_TD: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
+        out = super().forward(h_TD, mask_T)
         return self.balance(out, self.block_out["probs"], self.block_out["top"], mask_T)
 
 
-class _Drifting(TinyMoE):
+class _DriftingBlock(MoEBlock):
     """Routes differently every time it runs (a router nudged by a forward counter)."""
 
     calls = 0
 
-    def block(self, h_TD: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
-        _Drifting.calls += 1
+    def forward(self, h_TD: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
+        _DriftingBlock.calls += 1
         with torch.no_grad():
-            self.router.bias[0] += 3.0 * (-1) ** _Drifting.calls  # expert 0 in and out of favour
-        return super().block(h_TD, mask_T)
+            self.router.bias[0] += 3.0 * (-1) ** _DriftingBlock.calls  # expert 0 in and out
+        return super().forward(h_TD, mask_T)
+
+
+def _with_block(cls: type) -> TinyMoE:
+    model = TinyMoE(2)
+    old = model.layers[0]
+    new = cls(old.dim, len(old.experts), 2, False)
+    new.load_state_dict(old.state_dict())
+    model.layers[0] = new.double()
+    return model
 
 
 def test_a_term_called_twice_and_a_replay_that_routes_differently_are_errors() -> None:
-    for cls, needle in [(_Twice, "called twice in one forward"), (_Drifting, "routed differently")]:
-        model = cls(2)
+    for cls, needle in [
+        (_TwiceBlock, "called twice in one forward"),
+        (_DriftingBlock, "routed differently"),
+    ]:
+        model = _with_block(cls)
         acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
         with pytest.raises(WholebatchError, match=needle):
             acc.step(_mbs(3), ce_sum)
@@ -126,7 +137,9 @@ def test_a_term_called_twice_and_a_replay_that_routes_differently_are_errors() -
 
 
 def test_bad_arguments_name_the_argument() -> None:
-    with pytest.raises(WholebatchError, match=re.escape("top_k=5 must be an int in 1..num_experts=4")):
+    with pytest.raises(
+        WholebatchError, match=re.escape("top_k=5 must be an int in 1..num_experts=4")
+    ):
         LoadBalancingLoss(4, top_k=5)
     model = TinyMoE(1)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
