@@ -13,7 +13,9 @@ the median over steps of (method / baseline) on the same step. One thread per ra
 - fingerprint (dp2 x tp2, 4 gloo ranks; FSDP2 on dp, Colwise/Rowwise on tp, an
   embedding-MLP LM of vocabulary 2000 and width 256, K = 4 micro-batches of 8 x 64
   tokens): `Accumulator(check_inputs=True)` against `check_inputs=False` (the step
-  before the fingerprint). Also the agreements (all-gathers of `agree_rows`) per step.
+  before the fingerprint), and a second `check_inputs=False` copy (the A/A pair: the
+  noise floor of the ratios); the agreements (all-gathers of `agree_rows`) per step, and
+  the fingerprint's own time (200 calls on one step's micro-batches).
 - modules (the same mesh; a patch encoder FSDP2 on all 4 ranks, 256 -> 256, beside a
   prefix LM on dp2 x tp2, vocabulary 2000, width 256; K = 4, 8 x 64 tokens, two
   patches a sequence; clipping at 1.0): `Accumulator(module_batch_dims=...)` against
@@ -138,7 +140,12 @@ def fingerprint_rank(steps: int, warmup: int) -> dict[str, Any]:
     mesh = get_mesh((("dp", 2), ("tp", 2)))
     dp = MeshSplit(mesh=mesh, batch_dims=("dp",)).coordinate()["dp"]
     engines = {}
-    for name, check in (("check_inputs=False", False), ("check_inputs=True", True)):
+    # An A/A pair beside A/B: the second copy without the fingerprint shows the noise floor.
+    for name, check in (
+        ("check_inputs=False", False),
+        ("check_inputs=True", True),
+        ("check_inputs=False, again", False),
+    ):
         model = _lm(mesh)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engines[name] = Accumulator(model, opt, mesh=mesh, batch_dims=("dp",), check_inputs=check)
@@ -163,7 +170,22 @@ def fingerprint_rank(steps: int, warmup: int) -> dict[str, Any]:
         )
     finally:
         agree.start_rows = start  # type: ignore[assignment]
-    return {"times": times, "agreements": agreements}
+    from wholebatch.train.feeds import feed_fields
+
+    split = MeshSplit(mesh=mesh, batch_dims=("dp",))
+    mbs = {"micro_batches": _tokens(0, dp)}
+    row = feed_fields(split, mbs)
+    calls = []
+    for _ in range(200):  # the fingerprint alone: its cost per step, without the noise of a step
+        t0 = time.perf_counter()
+        feed_fields(split, mbs)
+        calls.append(time.perf_counter() - t0)
+    return {
+        "times": times,
+        "agreements": agreements,
+        "fingerprint_us": 1e6 * statistics.median(calls),
+        "row_bytes": 8 * len(row),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -302,6 +324,10 @@ def main() -> None:
         if "fingerprint" in parts:
             out = run_ranks(4, me.fingerprint_rank, steps, 2, timeout=1800)[0]
             extra = {n: f"agreements/step {a}" for n, a in out["agreements"].items()}
+            extra["check_inputs=True"] += (
+                f"; the fingerprint alone {out['fingerprint_us']:.0f} us/step, "
+                f"+{out['row_bytes']} bytes in the row"
+            )
             _table(
                 f"fingerprint: dp2 x tp2, K={K}, {S}x{T} tokens per micro-batch, {steps} steps",
                 out["times"], "check_inputs=False", extra,

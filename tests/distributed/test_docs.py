@@ -47,3 +47,21 @@ def test_semantics_example_prints_what_the_doc_says(
 ) -> None:
     printed = run_ranks(len(expected), _exec_example, source)
     assert {r: p for r, p in enumerate(printed)} == expected
+
+
+# The contracts users asked for in runnable form: the pipeline's loss_fn and step (mesh.md),
+# `Normalize` with its constant= and DDP made to sum for grad_reduction="sum"
+# (accumulation.md). Each prints the one-process answer beside its own.
+CONTRACTS = _examples("mesh.md") + _examples("accumulation.md")
+
+
+def test_the_contract_examples_are_there() -> None:
+    assert sorted(name for name, _, _ in CONTRACTS) == ["ddp-sum", "normalize", "pipeline"]
+
+
+@pytest.mark.parametrize("name,source,expected", CONTRACTS, ids=[e[0] for e in CONTRACTS])
+def test_contract_example_prints_what_the_doc_says(
+    name: str, source: str, expected: dict[int, str]
+) -> None:
+    printed = run_ranks(len(expected), _exec_example, source)
+    assert {r: p for r, p in enumerate(printed)} == expected

@@ -22,10 +22,10 @@ agreement it already makes before the first forward (`StepFinisher.begin`, or
 The fingerprint of a step is, over the tensor leaves of every micro-batch (dicts,
 lists, tuples, named tuples and dataclasses are walked; other objects are not
 looked into), the number of leaves, a checksum of their paths, dtypes and shapes,
-and four float64 sums: Σx, Σ|x|, Σx² and a position-weighted Σ w_i x_i (a shift
+and four float64 sums: Σx, Σ|x|, Σx² and a position-weighted Σ u_i x_i (a shift
 or a reordering of tokens moves it), each leaf weighted by its index (a swap of
-micro-batches moves them too). O(input elements) on the device, no host sync
-until the agreement is read. Integer inputs (token ids) are summed exactly up to
+micro-batches moves them too). O(input elements) on the device in about eight
+kernels a step (the leaves concatenated), no host sync until the agreement is read. Integer inputs (token ids) are summed exactly up to
 2**53.
 
 When replicas differ (the rows are identical on every rank, so every rank
@@ -144,12 +144,35 @@ def feed_fields(split: MeshSplit | None, inputs: Mapping[str, object]) -> dict[s
     layout = zlib.crc32(";".join(_structure(leaves)).encode())
     row: dict[str, Field] = {f"{_PREFIX} leaves": float(len(leaves)), f"{_PREFIX} layout": layout}
     totals: list[Tensor | float] = [0.0] * len(_STATS)
+    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
     for j, (_, x) in enumerate(leaves):
-        for s, value in enumerate(_leaf_stats(x)):
-            totals[s] = totals[s] + value * float(j + 1)
+        t = _local(x)
+        by_device.setdefault(t.device, []).append((j, t))
+    for group in by_device.values():  # one pass over every leaf of a device: ~8 kernels a step
+        for s, value in enumerate(_step_stats(group)):
+            totals[s] = totals[s] + value
     for s, name in enumerate(_STATS):
         row[f"{_PREFIX} {name}"] = totals[s]
     return row
+
+
+def _step_stats(leaves: list[tuple[int, Tensor]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The step's (Σ w_j x, Σ w_j |x|, Σ w_j x², Σ w_j u_i x) over `leaves` (index j, tensor)
+    of one device, concatenated: w_j = j + 1 weighs leaf j, u_i = 1 + (i mod P) an element's
+    position in the concatenation. float64, 0-d tensors on the device."""
+    with torch.no_grad():
+        parts = []
+        for _, t in leaves:
+            t = t.detach()
+            parts.append((torch.view_as_real(t) if t.is_complex() else t).reshape(-1).double())
+        flat = torch.cat(parts)
+        sizes = torch.tensor([p.numel() for p in parts], device=flat.device)
+        w = torch.tensor([float(j + 1) for j, _ in leaves], dtype=torch.float64, device=flat.device)
+        w = w.repeat_interleave(sizes)
+        u = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+        u = u.remainder_(_POS_PERIOD).add_(1)
+        wx = flat * w
+        return wx.sum(), wx.abs().sum(), (wx * flat).sum(), (wx * u).sum()
 
 
 def _close(a: float, b: float, scale: float) -> bool:
