@@ -244,7 +244,12 @@ def run_gradcache(k: int, how: str) -> dict[str, Any]:
     def loss_fn(i: Tensor, t: Tensor) -> Tensor:
         return clip_loss(i, t, scale, tile_size=2, grad_reduction=reduction, **where)
 
-    cache = GradCache(wrapped, embed, mesh=mesh, batch_dims=("dp",), grad_reduction=reduction)
+    # "misfed" checks the embeddings' fingerprint: the inputs' (which would refuse it first,
+    # before any forward) is off; tests/distributed/test_mesh_dist.py tests that one.
+    cache = GradCache(
+        wrapped, embed, mesh=mesh, batch_dims=("dp",), grad_reduction=reduction,
+        check_inputs=how != "misfed",
+    )  # fmt: skip
     cache._mesh_rescale = how != "sum_unscaled"
     mine = _batches(2, k)[dp]
     if how == "misfed" and dist.get_rank() == 1:

@@ -109,7 +109,8 @@ def test_engine_rows_on_a_mesh_run_over_every_rank() -> None:
     p = plan(PlanConfig(loss="tokens", batch=64, mesh="dp=2,cp=2,tp=2", params=0))
     begin, finish = _row(p, "agree K"), _row(p, "agree N")
     w = 8
-    assert begin.sent == (w - 1) * ENGINE_ROW_FIELDS["accumulator"]["begin"] * 8  # type: ignore[attr-defined]
+    fingerprint = 6  # tp > 1: the replicas' input fingerprint rides on begin (train/feeds.py)
+    assert begin.sent == (w - 1) * (ENGINE_ROW_FIELDS["accumulator"]["begin"] + fingerprint) * 8  # type: ignore[attr-defined]
     assert finish.sent == (w - 1) * ENGINE_ROW_FIELDS["accumulator"]["finish"] * 8  # type: ignore[attr-defined]
     assert begin.dims == finish.dims == "dp x cp x tp"  # type: ignore[attr-defined]
     pipe = plan(PlanConfig(loss="tokens", batch=64, mesh="pp=2,dp=2", params=0))

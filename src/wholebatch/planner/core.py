@@ -199,7 +199,10 @@ def _engine_rows(c: PlanConfig) -> list[Collective]:
     if m is None or c.loss != "tokens":
         return []
     engine = "pipeline" if m.size("pp") > 1 else "accumulator"
-    return engine_row_traffic(ENGINE_ROW_FIELDS[engine], m.world, m.world_label)
+    fields = dict(ENGINE_ROW_FIELDS[engine])
+    if m.size("tp") > 1:  # replicas to compare: the inputs' fingerprint rides on `begin`
+        fields["begin"] += 6  # train/feeds.py `feed_fields`: leaves, layout, 4 sums
+    return engine_row_traffic(fields, m.world, m.world_label)
 
 
 def _act(c: PlanConfig, rows: int) -> int:
