@@ -352,3 +352,18 @@ def test_cached_step_with_modules_on_their_own_dims_matches_whole_batch() -> Non
         assert params_close(got, ref, TOL) == [], r
     wrong = run_ranks(W, mm.run_cached, ("dp",), timeout=TIMEOUT)
     assert params_close(wrong[0], ref, TOL), "one set of dims for both must fail"
+
+
+def test_bad_module_batch_dims_are_the_same_error_on_every_rank() -> None:
+    from tests.support.mesh_modules import module_dims_errors
+
+    got = run_ranks(W, module_dims_errors, timeout=TIMEOUT)
+    assert all(g == got[0] for g in got)  # the same text on every rank
+    errors = got[0]
+    assert "is not a submodule of the model" in errors["not a submodule"]
+    assert "names 'vision', which is no submodule" in errors["unknown name"]
+    assert "module_batch_dims['encoder']='dp_enc' is a string" in errors["a string"]
+    assert "is in both 'encoder' and 'encoder.proj'" in errors["twice"]
+    assert "module 'lm'" in errors["not reduced"] and "batch dims ['tp']" in errors["not reduced"]
+    assert "module_batch_dims['encoder']: batch_dims ['cp'] are not dims" in errors["unknown dim"]
+    assert "module_batch_dims needs mesh=" in errors["no mesh"]

@@ -395,3 +395,31 @@ def run_cached(encoder_dims: tuple[str, ...] = ("dp_enc",)) -> dict[str, Tensor]
     )
     step.step(_pairs(0, dp))
     return _full(model)
+
+
+def module_dims_errors() -> dict[str, str]:
+    """The errors of bad `module_batch_dims` (built once, no step taken), by case."""
+    from wholebatch.errors import WholebatchError
+    from wholebatch.train.accumulate import Accumulator
+
+    model, mesh = _build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cases: dict[str, dict[str, Any]] = {
+        "not a submodule": {"module_batch_dims": {nn.Linear(2, 2): ("dp",)}},
+        "unknown name": {"module_batch_dims": {"vision": ("dp",)}},
+        "a string": {"module_batch_dims": {model.encoder: "dp_enc"}},
+        "twice": {"module_batch_dims": {model.encoder: ("dp_enc",), model.encoder.proj: ("dp",)}},
+        "not reduced": {"module_batch_dims": {model.lm: ("dp_enc",)}},
+        "unknown dim": {"module_batch_dims": {model.encoder: ("cp",)}},
+    }
+    out = {}
+    for name, kw in cases.items():
+        try:
+            Accumulator(model, opt, mesh=mesh, batch_dims=("dp",), **kw)
+        except WholebatchError as e:
+            out[name] = str(e)
+    try:
+        Accumulator(model, opt, module_batch_dims={model.encoder: ("dp",)})
+    except WholebatchError as e:
+        out["no mesh"] = str(e)
+    return out

@@ -147,3 +147,16 @@ def test_bad_arguments_name_the_argument() -> None:
 
     with pytest.raises(WholebatchError, match="normalize= with whole-batch auxiliary terms"):
         acc.step(_mbs(1), ce_sum, normalize=wholebatch.Normalize("token", items=lambda mb: {}))
+
+
+def test_engines_that_do_not_run_the_terms_refuse_a_model_with_them() -> None:
+    from wholebatch import CachedStep, GradCache
+
+    model = TinyMoE(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for build, op in [
+        (lambda: GradCache(model), "GradCache"),
+        (lambda: CachedStep(model, opt, lambda m, b: m(b), lambda e: e.sum()), "CachedStep"),
+    ]:
+        with pytest.raises(WholebatchError, match=f"{op}: the model holds whole-batch"):
+            build()

@@ -64,7 +64,14 @@ from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError
 
-__all__ = ["LoadBalancingLoss", "RouterZLoss", "TermStep", "WholeBatchTerm", "find_terms"]
+__all__ = [
+    "LoadBalancingLoss",
+    "RouterZLoss",
+    "TermStep",
+    "WholeBatchTerm",
+    "find_terms",
+    "refuse_terms",
+]
 
 
 @dataclasses.dataclass
@@ -303,6 +310,19 @@ class RouterZLoss(WholeBatchTerm):
 def find_terms(model: nn.Module) -> list[tuple[str, WholeBatchTerm]]:
     """Every `WholeBatchTerm` in `model`, with its name, in `named_modules` order."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, WholeBatchTerm)]
+
+
+def refuse_terms(model: nn.Module, op: str) -> None:
+    """Raise when `model` holds whole-batch terms that engine `op` does not run: each would
+    compute its own call's loss into `.loss` and add nothing to the gradient, silently."""
+    names = [n for n, _ in find_terms(model)]
+    if names:
+        raise WholebatchError(
+            f"{op}: the model holds whole-batch auxiliary terms ({', '.join(names)}), which "
+            f"{op.split('.')[0]} does not run over the whole batch (their gradient would be "
+            "missing); train it with wholebatch.Accumulator, which counts them in a pass "
+            "before the backward"
+        )
 
 
 class TermStep:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction
 from wholebatch.errors import WholebatchTypeError
+from wholebatch.train.auxloss import refuse_terms
 from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.gradcache import EmbedFn, GradCache, LossFn
 from wholebatch.train.meshstep import ModuleDims
@@ -127,6 +128,7 @@ class CachedStep:
                 raise WholebatchTypeError(
                     f"CachedStep: {name} must be callable, got {type(fn).__name__}"
                 )
+        refuse_terms(model, "CachedStep")
         config = StepConfig(
             max_grad_norm=max_grad_norm,
             grad_reduction=grad_reduction,

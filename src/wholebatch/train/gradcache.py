@@ -55,6 +55,7 @@ from wholebatch.comm.mesh import MeshSplit
 from wholebatch.comm.meshgroup import check_replicas, fingerprint_fields, resolve_split
 from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.auxloss import refuse_terms
 from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.meshstep import MeshReduction
 from wholebatch.train.wrappers import (
@@ -327,6 +328,7 @@ class GradCache:
                 f"GradCache: embed_fn must be callable, got {type(embed_fn).__name__}"
             )
         check_grad_reduction("GradCache", grad_reduction)
+        refuse_terms(model, "GradCache")
         self.model = model
         self.embed_fn: EmbedFn = embed_fn if embed_fn is not None else default_embed
         self.grad_reduction = grad_reduction

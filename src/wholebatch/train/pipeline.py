@@ -36,6 +36,7 @@ from torch import Tensor
 
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError, WholebatchTypeError
+from wholebatch.train.auxloss import refuse_terms
 from wholebatch.train.feeds import check_feeds, feed_fields
 from wholebatch.train.stepping import OnNonFinite, StepConfig, StepFinisher, StepStats
 
@@ -111,6 +112,7 @@ class PipelineAccumulator:
             raise WholebatchError(
                 f"PipelineAccumulator: n_microbatches={n_microbatches!r} must be an int >= 1"
             )
+        refuse_terms(stage.submod, "PipelineAccumulator")
         split = MeshSplit.from_args(
             "PipelineAccumulator", mesh, batch_dims, pipeline_dim=pipeline_dim
         )
