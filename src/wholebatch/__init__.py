@@ -99,6 +99,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
         CommStats as CommStats,
         GradCompression as GradCompression,
     )
+    from wholebatch.train.feeds import (
+        check_fed_alike as check_fed_alike,
+    )
     from wholebatch.train.gradcache import (
         GradCache as GradCache,
     )

@@ -672,11 +672,12 @@ class _TPEncoder(nn.Module):
         return F.normalize(self.down(torch.tanh(self.up(x_BD))), dim=-1)
 
 
-def run_tp_loss_misfed() -> str | None:
+def run_tp_loss_misfed(check: bool) -> str | None:
     """A bare `clip_loss(mesh=, batch_dims=("dp",))` on tensor-parallel towers (dp2 x tp2)
     where tp rank 1 of each dp shard is fed other image inputs (same text): the loss's
-    replica check sees only the embeddings, which the Rowwise all-reduce makes equal.
-    Returns the error the loss raised, or None."""
+    replica check sees only the embeddings, which the Rowwise all-reduce makes equal;
+    `check`: the loop calls `check_fed_alike` on its inputs first (as the docs say).
+    Returns the error raised, or None."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -701,6 +702,10 @@ def run_tp_loss_misfed() -> str | None:
         image = image + 0.5  # an augmentation seeded by the global rank
     scale = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     try:
+        if check:
+            from wholebatch import check_fed_alike
+
+            check_fed_alike({"image": image, "text": text}, mesh=mesh, batch_dims=("dp",))
         clip_loss(towers[0](image), towers[1](text), scale, mesh=mesh, batch_dims=("dp",))
     except WholebatchError as e:
         return str(e)

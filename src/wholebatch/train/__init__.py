@@ -18,6 +18,7 @@ from wholebatch.train.accumulate import Accumulator, AccumulatorConfig
 from wholebatch.train.auxloss import LoadBalancingLoss, RouterZLoss, WholeBatchTerm
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.compression import CommStats, GradCompression
+from wholebatch.train.feeds import check_fed_alike
 from wholebatch.train.gradcache import GradCache
 from wholebatch.train.meshstep import MeshReduction
 from wholebatch.train.normalize import Normalize
@@ -47,6 +48,7 @@ __all__ = [
     "StepFinisher",
     "StepStats",
     "WholeBatchTerm",
+    "check_fed_alike",
     "checkpoint",
     "sync_context",
 ]

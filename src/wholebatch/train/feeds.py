@@ -46,13 +46,14 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.agree import Field, Rows, agree_rows, exchange_text, ranks_text
 from wholebatch.comm.groups import is_distributed
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.errors import WholebatchError
 
-__all__ = ["check_feeds", "feed_fields", "input_leaves", "needs_check"]
+__all__ = ["check_fed_alike", "check_feeds", "feed_fields", "input_leaves", "needs_check"]
 
 _PREFIX = "feed"
 _STATS = ("sum", "abs", "sq", "pos")
@@ -219,6 +220,42 @@ def check_feeds(op: str, split: MeshSplit | None, rows: Rows, inputs: Mapping[st
         return
     leaves = _step_leaves(inputs)
     raise WholebatchError(f"{op}: {_mismatch_text(split, rows, group, leaves)}")
+
+
+def check_fed_alike(
+    inputs: object,
+    *,
+    mesh: DeviceMesh,
+    batch_dims: Sequence[str],
+    pipeline_dim: str | None = None,
+    op: str = "check_fed_alike",
+) -> None:
+    """Prove, in the user's own loop, that the replicas of `mesh` were fed the same `inputs`.
+
+    A loss on a mesh sees only its embeddings, and tensor parallel's Rowwise
+    all-reduce makes the replicas' embeddings equal whatever they were fed; so a loop
+    that calls `clip_loss(..., mesh=mesh)` (or any loss) itself calls this on the
+    step's inputs before the first forward. The engines do it for you.
+
+    Every rank of `mesh` must call it: one all-gather of a small row (the same
+    fingerprint the engines agree), and on a mismatch the same `WholebatchError` on
+    every rank naming the ranks, the tensor and its per-rank shapes or sums. A world of
+    one, or a mesh without replicas, returns at once.
+
+    Args:
+        inputs: what the step is fed (a tensor, or dicts / lists / tuples /
+            dataclasses of them); errors name a tensor by its path under `inputs`.
+        mesh: the device mesh, with named dims.
+        batch_dims: the dims whose ranks hold different items (as for the losses).
+        pipeline_dim: the pipeline-parallel dim, if any.
+        op: the name errors begin with.
+    """
+    split = MeshSplit(mesh=mesh, batch_dims=tuple(batch_dims), pipeline_dim=pipeline_dim)
+    if not needs_check(split):
+        return
+    named = {"inputs": inputs}
+    rows = agree_rows(feed_fields(split, named))
+    check_feeds(op, split, rows, named)
 
 
 def _mismatch_text(
