@@ -404,14 +404,14 @@ def _local_piece(g: Tensor | None, p: Tensor) -> tuple[Tensor, tuple[int, ...]] 
     """This rank's piece of a DTensor gradient and its offset in the full tensor; None for a
     plain tensor, or placements other than Shard/Replicate (a strided shard under TP)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from wholebatch.comm._c10d import shard_offset
 
     if g is None or not isinstance(p, DTensor) or not isinstance(g, DTensor):
         return None
     if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
         return None
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return g.to_local().detach().to(torch.float64).cpu(), tuple(int(o) for o in offset)
+    return g.to_local().detach().to(torch.float64).cpu(), shard_offset(p)
 
 
 def rank_factors(
