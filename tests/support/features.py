@@ -26,7 +26,15 @@ from collections.abc import Callable
 
 import pytest
 
-__all__ = ["FEATURES", "Feature", "has", "reason", "requires", "skip_module_unless"]
+__all__ = [
+    "FEATURES",
+    "Feature",
+    "has",
+    "reason",
+    "requires",
+    "requires_peer",
+    "skip_module_unless",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,6 +116,20 @@ def requires(name: str) -> pytest.MarkDecorator:
     """A skip marker for a test that needs feature `name`, with its reason."""
     why = reason(name)
     return pytest.mark.skipif(why is not None, reason=why or "")
+
+
+def requires_peer(module: str, package: str | None = None) -> pytest.MarkDecorator:
+    """A skip marker for a test that compares against peer library `module` (found, not imported).
+
+    The peers are the `peers` extra, pinned for torch 2.13; `make test-compat` runs
+    without them on older torch, where their tests skip with this reason.
+    """
+    import importlib.util
+
+    from tests.support.peers import SKIP_REASON
+
+    missing = importlib.util.find_spec(module) is None
+    return pytest.mark.skipif(missing, reason=SKIP_REASON.format(package or module))
 
 
 def skip_module_unless(name: str) -> None:
