@@ -3,7 +3,8 @@
 wholebatch accepts torch >= 2.6 (`wholebatch.comm._c10d.MIN_TORCH`); a few things a
 test needs arrived later or depend on the environment. Each is one entry of
 `FEATURES`: a probe of the installed packages (what exists, never a version
-compare alone) and the reason a skip prints, which names the version that has it:
+compare alone, except where torch's behaviour rather than an API differs: then the
+releases measured) and the reason a skip prints, which names the version that has it:
 
     from tests.support.features import requires
     @requires("triton_kernels")
@@ -95,9 +96,31 @@ def _mesh_flatten() -> str | None:
     return f"torch {torch.__version__} has no DeviceMesh._flatten (torch 2.5 to 2.13 have it)"
 
 
+def _fsdp_tp_uneven() -> str | None:
+    """FSDP2 over tensor-parallel parameters whose sharded dim does not divide evenly.
+
+    torch's behaviour, not an API, differs, and one probe would need a 4-rank mesh:
+    so the releases measured (tests/distributed/test_mesh_dist.py's dp x tp cases, TinyLM's
+    6 rows over dp 2 x tp 2): 2.6 refuses it (NotImplementedError: "FSDP+TP sharding does
+    not support uneven sharding"), 2.8 shards it but its `full_tensor()` of such a
+    parameter is wrong (measured at init, before any step), 2.11 and 2.13 are right.
+    """
+    from wholebatch.comm._c10d import torch_version
+
+    if torch_version() >= (2, 11):
+        return None
+    import torch
+
+    return (
+        f"torch {torch.__version__}: FSDP2 over tensor-parallel parameters with uneven "
+        "shards is refused (2.6) or read back wrong by full_tensor() (2.8); torch >= 2.11"
+    )
+
+
 FEATURES: dict[str, Feature] = {
     "triton_kernels": Feature(probe=_triton_kernels),
     "mesh_flatten": Feature(probe=_mesh_flatten),
+    "fsdp_tp_uneven": Feature(probe=_fsdp_tp_uneven),
 }
 
 

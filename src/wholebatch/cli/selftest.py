@@ -119,6 +119,7 @@ def _collectives(w: int, rank: int) -> list[tuple[str, list[Tensor], Simulate, R
         chunks = [torch.split(x, send[r]) for r, x in enumerate(xs)]
         return [torch.cat([chunks[r][j] for r in range(w)]) for j in range(w)]
 
+    # fmt: skip below: a table, one collective a row (name, inputs, reference, call)
     return [
         ("all_gather (uneven rows)", uneven, lambda xs: [torch.cat(xs)] * w, wholebatch.all_gather),
         ("all_reduce sum", equal, lambda xs: [torch.stack(xs).sum(0)] * w, wholebatch.all_reduce),
@@ -215,9 +216,14 @@ _LOSSES: list[tuple[str, Callable[..., Tensor], Callable[..., Tensor], tuple[flo
 
 
 def _check_loss(
-    rank: int, w: int, device: torch.device, loss: Callable[..., Tensor],
-    ref: Callable[..., Tensor], scalars: tuple[float, ...], seed: int,
-) -> tuple[float, float]:  # fmt: skip
+    rank: int,
+    w: int,
+    device: torch.device,
+    loss: Callable[..., Tensor],
+    ref: Callable[..., Tensor],
+    scalars: tuple[float, ...],
+    seed: int,
+) -> tuple[float, float]:
     """Forward error, and the worst gradient error (this rank's rows; the scalars after a mean)."""
     a, b = _embeddings(w, seed)
     ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -290,11 +296,15 @@ def run_checks() -> list[dict[str, Any]]:
     for i, name in enumerate(names):
         fwd, bwd, raised = worst["fwd"][i], worst["bwd"][i], worst["raised"][i]
         errors = {r: m[i] for r, m in enumerate(all_messages) if m[i]}
-        out.append({
-            "check": name, "forward_rel_err": fwd, "backward_rel_err": bwd,
-            "passed": not raised and fwd <= RTOL and bwd <= RTOL,
-            "errors": {str(r): m for r, m in errors.items()},
-        })  # fmt: skip
+        out.append(
+            {
+                "check": name,
+                "forward_rel_err": fwd,
+                "backward_rel_err": bwd,
+                "passed": not raised and fwd <= RTOL and bwd <= RTOL,
+                "errors": {str(r): m for r, m in errors.items()},
+            }
+        )
     return out
 
 

@@ -164,7 +164,8 @@ def flat_group(
     groups = _FLAT_GROUPS.setdefault(mesh, {})
     group = groups.get(dims)
     if group is None:
-        group, _ = dist.new_subgroups_by_enumeration(_partition(mesh, dims))
+        enumerate_groups: Any = dist.new_subgroups_by_enumeration  # untyped in torch
+        group, _ = enumerate_groups(_partition(mesh, dims))
         groups[dims] = group
     return group
 
