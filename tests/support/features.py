@@ -35,6 +35,7 @@ __all__ = [
     "requires",
     "requires_peer",
     "skip_module_unless",
+    "skip_unless",
 ]
 
 
@@ -153,6 +154,13 @@ def requires_peer(module: str, package: str | None = None) -> pytest.MarkDecorat
 
     missing = importlib.util.find_spec(module) is None
     return pytest.mark.skipif(missing, reason=SKIP_REASON.format(package or module))
+
+
+def skip_unless(name: str) -> None:
+    """Skip the running test when feature `name` is missing (for one case of a parametrized test)."""
+    why = reason(name)
+    if why is not None:
+        pytest.skip(why)
 
 
 def skip_module_unless(name: str) -> None:
