@@ -64,7 +64,7 @@ test-fast: $(VENV)/.peers
 # One venv per torch under COMPAT_DIR, made once from the package index (CUDA builds, run on the
 # CPU): 5.7-6.5 GB each, ~19 GB for the three. Measured on the 2 shared cores: see
 # benchmarks/RESULTS.md, "Compatibility". COMPAT_DIR=/elsewhere keeps the venvs out of the tree.
-COMPAT_TORCH ?= 2.6.0 2.8.0 2.11.0
+COMPAT_TORCH ?= 2.8.0 2.10.0 2.11.0
 COMPAT_DIR ?= .venv-compat
 COMPAT_PYTHON ?= python3.11
 test-compat:

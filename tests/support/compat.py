@@ -1,7 +1,7 @@
 """`make test-compat`: the demo and the unit and distributed tiers on several torch releases.
 
     python3 -m tests.support.compat                          # the Makefile's versions
-    python3 -m tests.support.compat --torch 2.6.0 --tiers unit demo
+    python3 -m tests.support.compat --torch 2.8.0 --tiers unit demo
     python3 -m tests.support.compat --dir /big/disk/compat   # where the venvs live
 
 For each torch version: a venv under `--dir` (made once; a stamp file records
@@ -42,7 +42,7 @@ import tomllib
 __all__ = ["Row", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TORCH = ("2.6.0", "2.8.0", "2.11.0")
+DEFAULT_TORCH = ("2.8.0", "2.10.0", "2.11.0")
 TIERS = ("unit", "distributed", "demo")
 # Each tier's wall-clock limit (2 shared cores: the distributed tier is ~10 min idle).
 LIMITS_S = {"unit": 1200, "distributed": 3600, "demo": 1200}

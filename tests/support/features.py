@@ -1,6 +1,6 @@
 """Skips for what the installed torch (or the triton beside it) lacks, each naming what it needs.
 
-wholebatch accepts torch >= 2.6 (`wholebatch.comm._c10d.MIN_TORCH`); a few things a
+wholebatch accepts torch >= 2.8 (`wholebatch.comm._c10d.MIN_TORCH`); a few things a
 test needs arrived later or depend on the environment. Each is one entry of
 `FEATURES`: a probe of the installed packages (what exists, never a version
 compare alone, except where torch's behaviour rather than an API differs: then the
@@ -113,8 +113,9 @@ def _fsdp_tp_uneven() -> str | None:
     import torch
 
     return (
-        f"torch {torch.__version__}: FSDP2 over tensor-parallel parameters with uneven "
-        "shards is refused (2.6) or read back wrong by full_tensor() (2.8); torch >= 2.11"
+        f"torch {torch.__version__}: DTensor.full_tensor() of an FSDP2 x tensor-parallel "
+        "parameter with uneven shards is wrong (measured on 2.8: at init, before any "
+        "step); torch >= 2.11 reads it right"
     )
 
 

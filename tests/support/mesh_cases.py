@@ -171,7 +171,7 @@ class ReduceScatterCount:
         self.calls = 0
 
 
-# FSDP2 reduces gradients with `dist.reduce_scatter_tensor` (torch 2.6-2.12) or
+# FSDP2 reduces gradients with `dist.reduce_scatter_tensor` (torch 2.8-2.12) or
 # `dist.reduce_scatter_single` (2.13+), looked up on `torch.distributed` at each call.
 _RS_NAMES = ("reduce_scatter_tensor", "reduce_scatter_single")
 

@@ -45,9 +45,9 @@ def test_installed_torch_is_in_the_declared_range() -> None:
 
 
 def test_an_older_torch_is_refused_at_import_naming_both_versions() -> None:
-    """The guard's branch on an old torch: a child process whose torch reports 2.5.1."""
+    """The guard's branch on an old torch: a child process whose torch reports 2.7.1."""
     code = (
-        "import torch; torch.__version__ = '2.5.1+cu124'\n"
+        "import torch; torch.__version__ = '2.7.1+cu126'\n"
         "try:\n"
         "    import wholebatch.comm._c10d\n"
         "except ImportError as e:\n"
@@ -56,8 +56,8 @@ def test_an_older_torch_is_refused_at_import_naming_both_versions() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout
-    assert "wholebatch needs torch >= 2.6, found torch 2.5.1+cu124" in out
-    assert "pip install 'torch>=2.6'" in out
+    assert "wholebatch needs torch >= 2.8, found torch 2.7.1+cu126" in out
+    assert "pip install 'torch>=2.8'" in out
 
 
 def test_collective_names_resolve_to_what_this_torch_has() -> None:
@@ -68,7 +68,7 @@ def test_collective_names_resolve_to_what_this_torch_has() -> None:
 
 
 def test_collective_names_fall_back_to_the_old_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.6-2.12's branch, forced on a newer torch: without the new names, the old ones."""
+    """torch 2.8-2.12's branch, forced on a newer torch: without the new names, the old ones."""
     for name in ("all_gather_single", "reduce_scatter_single"):
         monkeypatch.delattr(dist, name, raising=False)
     try:

@@ -1,14 +1,14 @@
 """The torch APIs wholebatch uses that were renamed, moved or exist only privately, resolved once.
 
-wholebatch supports torch >= 2.6 (pyproject.toml; docs/compatibility.md says why
-2.6 and what each older release lacks). Every torch call that depends on the
+wholebatch supports torch >= 2.8 (pyproject.toml; docs/compatibility.md says why
+2.8 and what each older release lacks). Every torch call that depends on the
 version, or that has no public name, goes through this module, one entry each,
 with a fallback per version; tests/unit/test_c10d_shim.py and
 tests/distributed/test_c10d_shim.py run every branch on the installed torch
 (the fallbacks forced), and `make test-compat` runs them on the oldest accepted
 torch, a middle release and the newest tested:
 
-| entry | torch 2.6 - 2.12 | torch 2.13 + | fallback |
+| entry | torch 2.8 - 2.12 | torch 2.13 + | fallback |
 |---|---|---|---|
 | `all_gather_single` | `all_gather_into_tensor` | `all_gather_single` (the old name warns) | - |
 | `reduce_scatter_single` | `reduce_scatter_tensor` | `reduce_scatter_single` | - |
@@ -57,7 +57,7 @@ __all__ = [
     "torch_version",
 ]
 
-MIN_TORCH = (2, 6)
+MIN_TORCH = (2, 8)
 """The oldest torch every promise was measured on (benchmarks/RESULTS.md, "Compatibility")."""
 
 
@@ -73,9 +73,9 @@ def torch_version(text: str | None = None) -> tuple[int, int]:
 if torch_version() < MIN_TORCH:
     raise ImportError(
         f"wholebatch needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found torch "
-        f"{torch.__version__}: FSDP2 (torch.distributed.fsdp.fully_shard) and DTensor are "
-        "public from 2.6 on, and the fused kernels need the triton torch 2.6 pins. "
-        "pip install 'torch>=2.6'"
+        f"{torch.__version__}: older releases lack a public FSDP2 (2.5 and before), or their "
+        "FSDP2 cannot run on the CPU (2.6, 2.7), where every promise is tested "
+        f"(docs/compatibility.md). pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
     )
 
 # torch 2.13 renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to
