@@ -82,8 +82,16 @@ def _requirements() -> list[str]:
 
 
 def _version_of(py: Path, module: str) -> str:
-    code, out = _run([str(py), "-c", f"import {module}; print({module}.__version__)"], timeout=300)
-    return out.strip().splitlines()[-1] if code == 0 and out.strip() else "-"
+    """`module.__version__` in the venv of `py` ("-" when it does not import)."""
+    p = subprocess.run(
+        [str(py), "-c", f"import {module}; print({module}.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = p.stdout.split()
+    return lines[-1] if p.returncode == 0 and lines else "-"
 
 
 def ensure_venv(base: Path, version: str, python: str) -> Path:
