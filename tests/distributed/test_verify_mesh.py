@@ -33,6 +33,9 @@ EXPECTED: dict[str, str | None] = {
 
 @pytest.fixture(scope="module")
 def mismatch() -> WholeBatchMismatch:
+    # the targets' TinyLM (6 rows over dp 2 x tp 2, FSDP2 x TP): verify refuses to read it
+    # back where torch reads it wrong
+    skip_unless("fsdp_tp_uneven")
     with pytest.raises(WholeBatchMismatch) as caught:
         assert_whole_batch(*EXPECTED, mesh="dp=2,tp=2", micro_batches=2, timeout=60.0)
     return caught.value
@@ -46,8 +49,6 @@ def reports(mismatch: WholeBatchMismatch) -> dict[str, Any]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("target", list(EXPECTED))
 def test_mesh_verdicts(reports: dict[str, Any], target: str) -> None:
-    if target.endswith((":exact", ":hand_exact")):  # FSDP2 x TP, 6 rows over dp 2 x tp 2
-        skip_unless("fsdp_tp_uneven")
     report, code = reports[target], EXPECTED[target]
     codes = [d.code for d in report.diagnoses]
     assert report.world_size == 4 and report.wrap == "mesh dp=2,tp=2"

@@ -122,3 +122,52 @@ def test_partition_enumerates_the_other_dims_first() -> None:
     assert _c10d._partition(_Mesh(), ("b", "c")) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # type: ignore[arg-type]
     assert _c10d._partition(_Mesh(), ("a", "c")) == [[0, 1, 4, 5], [2, 3, 6, 7]]  # type: ignore[arg-type]
     assert _c10d._partition(_Mesh(), ("a", "b")) == [[0, 2, 4, 6], [1, 3, 5, 7]]  # type: ignore[arg-type]
+
+
+class _Shard:
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def is_shard(self) -> bool:
+        return True
+
+
+class _StridedShard(_Shard):
+    """Named as torch's private FSDP2 x TP placement, which is what the shim looks for."""
+
+
+class _Mesh2x2:
+    mesh = torch.arange(4).reshape(2, 2)
+
+    def size(self, mesh_dim: int) -> int:
+        return 2
+
+
+class _FsdpTpParam:
+    """A stand-in DTensor: FSDP2 (strided) over TP on dim 0 of `rows` rows, on a 2 x 2 mesh."""
+
+    def __init__(self, rows: int) -> None:
+        self.shape = (rows, 3)
+        self.placements = (_StridedShard(0), _Shard(0))
+        self.device_mesh = _Mesh2x2()
+
+    def dim(self) -> int:
+        return 2
+
+    def full_tensor(self) -> torch.Tensor:
+        return torch.ones(self.shape)
+
+
+@pytest.mark.parametrize(
+    ("version", "rows", "refused"), [((2, 8), 6, True), ((2, 8), 8, False), ((2, 11), 6, False)]
+)
+def test_full_tensor_refuses_what_older_torch_reads_back_wrong(
+    monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], rows: int, refused: bool
+) -> None:
+    monkeypatch.setattr(_c10d, "torch_version", lambda text=None: version)
+    dt = _FsdpTpParam(rows)
+    if refused:
+        with pytest.raises(WholebatchError, match=r"verify: torch .* FSDP2 x tensor-parallel"):
+            _c10d.full_tensor(dt, op="verify")
+    else:
+        assert _c10d.full_tensor(dt).shape == (rows, 3)
