@@ -104,18 +104,19 @@ def _fsdp_tp_uneven() -> str | None:
     so the releases measured (tests/distributed/test_mesh_dist.py's dp x tp cases, TinyLM's
     6 rows over dp 2 x tp 2): 2.6 refuses it (NotImplementedError: "FSDP+TP sharding does
     not support uneven sharding"), 2.8 shards it but its `full_tensor()` of such a
-    parameter is wrong (measured at init, before any step), 2.11 and 2.13 are right.
+    parameter is wrong (measured at init, before any step); 2.10, 2.11 and 2.13 are right
+    (2.9 not measured: treated as 2.8). The same bound as wholebatch.comm._c10d.full_tensor.
     """
-    from wholebatch.comm._c10d import torch_version
+    from wholebatch.comm._c10d import FULL_TENSOR_UNEVEN_STRIDED, torch_version
 
-    if torch_version() >= (2, 11):
+    if torch_version() >= FULL_TENSOR_UNEVEN_STRIDED:
         return None
     import torch
 
     return (
         f"torch {torch.__version__}: DTensor.full_tensor() of an FSDP2 x tensor-parallel "
         "parameter with uneven shards is wrong (measured on 2.8: at init, before any "
-        "step); torch >= 2.11 reads it right"
+        "step); torch >= 2.10 reads it right"
     )
 
 

@@ -16,7 +16,7 @@ torch, a middle release and the newest tested:
 | `flat_group` | `DeviceMesh._flatten` (private in every release) | same | one `new_subgroups_by_enumeration` group per mesh (public) |
 | `flatten_mesh` | `DeviceMesh._flatten` | same | none: a `WholebatchError` naming the torch it needs |
 | `shard_offset` | `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` (private) | same | the offset computed from the DTensor's public placements |
-| `full_tensor` | `DTensor.full_tensor()`, refused for FSDP2 x TP uneven shards below 2.11 | `DTensor.full_tensor()` | - |
+| `full_tensor` | `DTensor.full_tensor()`, refused for FSDP2 x TP uneven shards below 2.10 | `DTensor.full_tensor()` | - |
 
 Importing this module on a torch below `MIN_TORCH` raises `ImportError` naming
 the version found and the one needed: the comm layer (which every torch-using
@@ -223,8 +223,9 @@ def shard_offset(dt: Any, *, use_private: bool | None = None) -> tuple[int, ...]
 
 # torch 2.8 assembles an FSDP2 x tensor-parallel parameter (placements _StridedShard on the
 # FSDP dim, then Shard on tp) wrongly when its dim does not divide evenly over both: measured
-# off by 1.3 at init, before any step (tests/support/features.py, "fsdp_tp_uneven").
-FULL_TENSOR_UNEVEN_STRIDED = (2, 11)
+# off by 1.3 at init, before any step; 2.10 reads it right (2.9 not measured: refused too).
+# tests/support/features.py, "fsdp_tp_uneven".
+FULL_TENSOR_UNEVEN_STRIDED = (2, 10)
 
 
 def _strided_uneven(dt: Any) -> bool:
@@ -244,7 +245,7 @@ def full_tensor(dt: Any, *, op: str = "full_tensor") -> Tensor:
     """The whole tensor of DTensor `dt` on every rank (`dt.full_tensor()`; a collective).
 
     Raises:
-        WholebatchError: on torch < 2.11, for an FSDP2 x tensor-parallel parameter whose
+        WholebatchError: on torch < 2.10, for an FSDP2 x tensor-parallel parameter whose
             sharded dim does not divide evenly: torch reads that layout back wrong there.
     """
     if torch_version() < FULL_TENSOR_UNEVEN_STRIDED and _strided_uneven(dt):
@@ -252,7 +253,7 @@ def full_tensor(dt: Any, *, op: str = "full_tensor") -> Tensor:
             f"{op}: torch {torch.__version__} reads an FSDP2 x tensor-parallel DTensor back "
             f"wrong when its sharded dim does not divide evenly (shape {tuple(dt.shape)}, "
             f"placements {tuple(dt.placements)}, mesh {dt.device_mesh.mesh.tolist()}); "
-            "use dims that divide over the mesh, or torch >= 2.11"
+            "use dims that divide over the mesh, or torch >= 2.10"
         )
     whole: Tensor = dt.full_tensor()
     return whole
