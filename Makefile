@@ -62,8 +62,8 @@ test-fast: $(VENV)/.peers
 # The demo and the unit and distributed tiers on the oldest accepted torch, a middle release
 # and the GPU machine's (tests/support/compat.py, docs/compatibility.md); not part of `make test`.
 # One venv per torch under COMPAT_DIR, made once from the package index (CUDA builds, run on the
-# CPU): 5.7-6.5 GB each, ~19 GB for the three. Measured on the 2 shared cores: see
-# benchmarks/RESULTS.md, "Compatibility". COMPAT_DIR=/elsewhere keeps the venvs out of the tree.
+# CPU): 5.1-7.4 GB each, 19.4 GB for the three; about 11 minutes per torch once they exist
+# (benchmarks/RESULTS.md, "Compatibility"). COMPAT_DIR=/elsewhere keeps the venvs out of the tree.
 COMPAT_TORCH ?= 2.8.0 2.10.0 2.11.0
 COMPAT_DIR ?= .venv-compat
 COMPAT_PYTHON ?= python3.11

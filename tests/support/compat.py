@@ -6,7 +6,7 @@
 
 For each torch version: a venv under `--dir` (made once; a stamp file records
 what was installed), holding that torch from the package index (a CUDA build on
-Linux: it runs on the CPU; ~5-7 GB each), the triton it pins, and wholebatch's
+Linux: it runs on the CPU; 5.1-7.4 GB each), the triton it pins, and wholebatch's
 runtime, `dev` and `demo` dependencies. The peer libraries (`peers` extra) are
 not installed: tests that need them skip, saying so. Where the torch's triton
 is older than 3.8, numpy < 2.4 goes beside it: triton <= 3.6's interpreter
