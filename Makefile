@@ -14,7 +14,7 @@ NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
 # -qq: pip's errors only; the lines below say what the bootstrap is doing.
 PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
-.PHONY: demo test test-fast bench lint gpu clean venv-oct
+.PHONY: demo test test-fast test-compat bench lint gpu clean venv-oct
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> .venv: creating it with $(PYTHON)"
@@ -59,6 +59,17 @@ test: $(VENV)/.peers $(OCT_VENV)/.installed
 test-fast: $(VENV)/.peers
 	$(PY) -m pytest -q tests/unit
 
+# The demo and the unit and distributed tiers on the oldest accepted torch, a middle release
+# and the GPU machine's (tests/support/compat.py, docs/compatibility.md); not part of `make test`.
+# One venv per torch under COMPAT_DIR, made once from the package index (CUDA builds, run on the
+# CPU): 5.1-7.4 GB each, 19.4 GB for the three; about 11 minutes per torch once they exist
+# (benchmarks/RESULTS.md, "Compatibility"). COMPAT_DIR=/elsewhere keeps the venvs out of the tree.
+COMPAT_TORCH ?= 2.8.0 2.10.0 2.11.0
+COMPAT_DIR ?= .venv-compat
+COMPAT_PYTHON ?= python3.11
+test-compat:
+	$(COMPAT_PYTHON) -m tests.support.compat --torch $(COMPAT_TORCH) --dir $(COMPAT_DIR) --python $(COMPAT_PYTHON)
+
 bench: $(VENV)/.peers $(OCT_VENV)/.installed
 	$(VENV)/bin/wholebatch bench
 
@@ -72,4 +83,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(OCT_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OCT_VENV) $(COMPAT_DIR) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

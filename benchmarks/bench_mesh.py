@@ -21,8 +21,9 @@ the same step, which cancels most drift on a shared machine.
   computes the whole gradient norm (two small all-gathers over the mesh per step,
   where the hand loop has one all-reduce).
 
-Gradient reductions per step are counted in FSDP2's reduce-scatter (a counting
-wrapper around the default one; the real collective runs).
+Gradient reductions per step are FSDP2's reduce-scatters, counted by pass-through
+wrappers on `torch.distributed` (tests.support.mesh_cases.count_reduce_scatters; the
+real collective runs).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _loss_sum(model: nn.Module, mb: tuple[Tensor, Tensor]) -> tuple[Tensor, Tens
     return loss, (targets != IGNORE).sum()
 
 
-def _model(mesh: Any) -> tuple[nn.Module, Any]:
+def _model(mesh: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -73,15 +74,12 @@ def _model(mesh: Any) -> tuple[nn.Module, Any]:
         parallelize_module,
     )
 
-    from tests.support.mesh_cases import _CountingReduceScatter
     from tests.support.models import TinyLM
 
     model = TinyLM(vocab=VOCAB, dim=DIM)
     parallelize_module(model, mesh["tp"], {"hidden": ColwiseParallel(), "out": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    counter = _CountingReduceScatter()
-    model.set_custom_reduce_scatter(counter)  # type: ignore[operator]
-    return model, counter
+    return model
 
 
 def _hand_step(
@@ -112,15 +110,14 @@ def _slowest(seconds: float) -> float:
 
 def bench_rank(steps: int, warmup: int, s_mb: int, t_seq: int) -> dict[str, Any]:
     """Run on each of the 4 ranks: both methods, step by step; times and reduction counts."""
-    from tests.support.mesh_cases import get_mesh
+    from tests.support.mesh_cases import count_reduce_scatters, get_mesh
     from wholebatch.comm.mesh import MeshSplit
     from wholebatch.train.accumulate import Accumulator
 
     torch.set_num_threads(1)
     mesh = get_mesh(SHAPE)
     dp = MeshSplit(mesh=mesh, batch_dims=("dp",)).coordinate()["dp"]
-    m_acc, c_acc = _model(mesh)
-    m_hand, c_hand = _model(mesh)
+    m_acc, m_hand = _model(mesh), _model(mesh)
     opt_acc = torch.optim.SGD(m_acc.parameters(), lr=0.1)
     opt_hand = torch.optim.SGD(m_hand.parameters(), lr=0.1)
     acc = Accumulator(m_acc, opt_acc, mesh=mesh, batch_dims=("dp",))
@@ -128,23 +125,24 @@ def bench_rank(steps: int, warmup: int, s_mb: int, t_seq: int) -> dict[str, Any]
     times: dict[str, list[float]] = {"accumulator": [], "hand": []}
     reductions: dict[str, list[int]] = {"accumulator": [], "hand": []}
     losses: dict[str, list[float]] = {"accumulator": [], "hand": []}
-    for s in range(warmup + steps):
-        mbs = _batches(s, dp, s_mb, t_seq)
-        order = ("accumulator", "hand") if s % 2 == 0 else ("hand", "accumulator")
-        for name in order:  # alternated: neither method always runs first
-            counter = c_acc if name == "accumulator" else c_hand
-            before = counter.calls
-            dist.barrier()
-            t0 = time.perf_counter()
-            if name == "accumulator":
-                loss = acc.step(mbs, _loss_sum).loss
-            else:
-                loss = _hand_step(m_hand, opt_hand, mbs, dp_group, mesh["dp"].size())
-            elapsed = _slowest(time.perf_counter() - t0)
-            if s >= warmup:
-                times[name].append(elapsed)
-                reductions[name].append(counter.calls - before)
-                losses[name].append(loss)
+    # the methods run one after the other: each one's reduce-scatters are its own
+    with count_reduce_scatters() as counter:
+        for s in range(warmup + steps):
+            mbs = _batches(s, dp, s_mb, t_seq)
+            order = ("accumulator", "hand") if s % 2 == 0 else ("hand", "accumulator")
+            for name in order:  # alternated: neither method always runs first
+                before = counter.calls
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "accumulator":
+                    loss = acc.step(mbs, _loss_sum).loss
+                else:
+                    loss = _hand_step(m_hand, opt_hand, mbs, dp_group, mesh["dp"].size())
+                elapsed = _slowest(time.perf_counter() - t0)
+                if s >= warmup:
+                    times[name].append(elapsed)
+                    reductions[name].append(counter.calls - before)
+                    losses[name].append(loss)
     return {"times": times, "reductions": reductions, "losses": losses}
 
 

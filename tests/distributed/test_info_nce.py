@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import wholebatch.comm.collectives as comm
+from tests.support.features import requires_peer
 from tests.support.harness import run_ranks, run_ranks_outcomes
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.errors import WholebatchError
@@ -205,6 +206,7 @@ def test_symmetric_form_is_clip_loss() -> None:
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("k", [0, 2])
+@requires_peer("sentence_transformers")
 def test_reference_is_sentence_transformers(k: int, setting: str) -> None:
     # The reference above IS the peer's loss: checked against the installed package
     # (cos similarity there; the inputs here are normalised, so dot = cos).

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.support.features import requires_peer
 from tests.support.harness import run_ranks
 from wholebatch import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss, WholebatchError
 from wholebatch.comm.groups import get_rank
@@ -112,6 +113,7 @@ def test_clip_accepts_logit_bias_with_zero_gradient() -> None:
     assert b.grad is not None and b.grad.item() == 0.0
 
 
+@requires_peer("sentence_transformers")
 def test_info_nce_module_is_sentence_transformers_mnrl() -> None:
     # InfoNCELoss(normalize=True) on raw embeddings = the peer's MNRL (cos_sim, scale 20),
     # hard negatives given as its columns (a list of B x D tensors).
@@ -148,6 +150,7 @@ def _open_clip_loss_module() -> Any:
     return module
 
 
+@requires_peer("open_clip", "open-clip-torch")
 def test_modules_match_open_clip() -> None:
     # One process: open_clip's ClipLoss (with a logit_bias) and SigLipLoss on the same features.
     oc = _open_clip_loss_module()

@@ -206,7 +206,10 @@ def _measure_fresh(world: int, specs: list[str]) -> list[list[int]]:
         text=True, env=env, timeout=240, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    rows = {r["spec"]: r["peaks"] for r in map(json.loads, out.stdout.splitlines())}
+    # the probe's ranks share its stdout, and gloo in torch 2.6-2.9 writes "[Gloo] Rank r is
+    # connected ..." there (lines of several ranks run together): read the probe's rows only
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"spec"')]
+    rows = {r["spec"]: r["peaks"] for r in map(json.loads, lines)}
     return [[rows[s][r] for s in specs] for r in range(world)]
 
 

@@ -118,7 +118,7 @@ def _count_accumulator_rows() -> dict[str, int]:
     from wholebatch import Accumulator
 
     mesh = get_mesh(TP.shape)
-    model, _ = _fsdp_model(TP, mesh)
+    model = _fsdp_model(TP, mesh)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh=mesh,
                       batch_dims=("dp",))  # fmt: skip
     counter = Counter()

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.features import skip_unless
 from wholebatch.testing import WholeBatchMismatch, assert_whole_batch, verify
 from wholebatch.verify import VerifyConfig
 
@@ -32,6 +33,9 @@ EXPECTED: dict[str, str | None] = {
 
 @pytest.fixture(scope="module")
 def mismatch() -> WholeBatchMismatch:
+    # the targets' TinyLM (6 rows over dp 2 x tp 2, FSDP2 x TP): verify refuses to read it
+    # back where torch reads it wrong
+    skip_unless("fsdp_tp_uneven")
     with pytest.raises(WholeBatchMismatch) as caught:
         assert_whole_batch(*EXPECTED, mesh="dp=2,tp=2", micro_batches=2, timeout=60.0)
     return caught.value

@@ -21,9 +21,10 @@ Legend: S sequences, T tokens per sequence (padded), K micro-batches, B data sha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ def get_mesh(shape: tuple[tuple[str, int], ...]) -> DeviceMesh:
         names = tuple(n for n, _ in shape)
         mesh = init_device_mesh("cpu", tuple(s for _, s in shape), mesh_dim_names=names)
         if names == ("dp", "cp"):
-            mesh["dp", "cp"]._flatten("dp_cp")
+            from wholebatch.comm._c10d import flatten_mesh
+
+            flatten_mesh(mesh["dp", "cp"], "dp_cp")
         _MESHES[shape] = mesh
     return mesh
 
@@ -169,21 +172,49 @@ def reference(case: MeshCase) -> MeshResult:
 # ---------------------------------------------------------------------------
 
 
-class _CountingReduceScatter:
-    """FSDP2's default reduce-scatter, counted (the real collective runs)."""
+class ReduceScatterCount:
+    """How many gradient reduce-scatters FSDP2 ran (see `count_reduce_scatters`)."""
 
     def __init__(self) -> None:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-        self.inner = DefaultReduceScatter()
         self.calls = 0
 
-    def allocate(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.inner.allocate(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.inner(*args, **kwargs)
+# FSDP2 reduces gradients with `dist.reduce_scatter_tensor` (torch 2.8-2.12) or
+# `dist.reduce_scatter_single` (2.13+), looked up on `torch.distributed` at each call.
+_RS_NAMES = ("reduce_scatter_tensor", "reduce_scatter_single")
+
+
+@contextlib.contextmanager
+def count_reduce_scatters() -> Iterator[ReduceScatterCount]:
+    """Within the block, count every reduce-scatter called through `torch.distributed`.
+
+    Pass-through wrappers (the real gloo collective runs); the public names only, so
+    the count works on every accepted torch (FSDP2's own `set_custom_reduce_scatter`
+    hook is torch >= 2.10 and its default implementation is private). A call that
+    enters the other name from inside counts once.
+    """
+    count = ReduceScatterCount()
+    depth = [0]
+    real = {n: getattr(dist, n) for n in _RS_NAMES if hasattr(dist, n)}
+
+    def wrap(fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            count.calls += depth[0] == 0
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    for name, fn in real.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield count
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
 
 
 def _my_batch(case: MeshCase, mesh: DeviceMesh, s: int) -> list[MicroBatch]:
@@ -222,7 +253,7 @@ def _true_batch_dims(case: MeshCase) -> tuple[str, ...]:
     return tuple(d for d in ("dp", "cp", "rep", "shard") if d in names)
 
 
-def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> tuple[nn.Module, _CountingReduceScatter]:
+def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -241,9 +272,7 @@ def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> tuple[nn.Module, _CountingR
         fully_shard(model, mesh=mesh["dp_cp"])
     else:  # HSDP: replicate over "rep", shard over "shard" (a 2-D FSDP2 mesh)
         fully_shard(model, mesh=mesh)
-    counter = _CountingReduceScatter()
-    model.set_custom_reduce_scatter(counter)  # type: ignore[operator]
-    return model, counter
+    return model
 
 
 def _full_params(model: nn.Module) -> dict[str, Tensor]:
@@ -259,7 +288,7 @@ def run_fsdp(case: MeshCase) -> MeshResult:
     from wholebatch.train.accumulate import Accumulator
 
     mesh = get_mesh(case.shape)
-    model, counter = _fsdp_model(case, mesh)
+    model = _fsdp_model(case, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=case.lr)
     acc = None
     if case.engine == "accumulator":
@@ -272,21 +301,22 @@ def run_fsdp(case: MeshCase) -> MeshResult:
             check_inputs=case.check_inputs,
         )
     losses, items, norms, reductions, seconds = [], [], [], [], []
-    for s in range(len(case.steps)):
-        mbs = _my_batch(case, mesh, s)
-        before = counter.calls
-        t0 = time.perf_counter()
-        if acc is not None:
-            st = acc.step(mbs, lm_loss_sum)
-            losses.append(st.loss)
-            items.append(st.items)
-            norms.append(st.grad_norm)
-        else:
-            loss, n = _hand_step(case, mesh, model, opt, mbs)
-            losses.append(loss)
-            items.append(n)
-        seconds.append(time.perf_counter() - t0)
-        reductions.append(counter.calls - before)
+    with count_reduce_scatters() as counter:
+        for s in range(len(case.steps)):
+            mbs = _my_batch(case, mesh, s)
+            before = counter.calls
+            t0 = time.perf_counter()
+            if acc is not None:
+                st = acc.step(mbs, lm_loss_sum)
+                losses.append(st.loss)
+                items.append(st.items)
+                norms.append(st.grad_norm)
+            else:
+                loss, n = _hand_step(case, mesh, model, opt, mbs)
+                losses.append(loss)
+                items.append(n)
+            seconds.append(time.perf_counter() - t0)
+            reductions.append(counter.calls - before)
     return MeshResult(_full_params(model), losses, items, norms, reductions, seconds)
 
 
@@ -409,8 +439,6 @@ def run_pipeline(case: MeshCase) -> MeshResult:
     from torch.distributed.fsdp import fully_shard
 
     wrapped = fully_shard(stage_mod, mesh=mesh["dp"])
-    rs = _CountingReduceScatter()
-    wrapped.set_custom_reduce_scatter(rs)  # type: ignore[operator]
     own = dict(wrapped.named_parameters())  # Stage0/Stage1 keep TinyLM's parameter names
     opt = torch.optim.SGD(wrapped.parameters(), lr=case.lr)
     stage = PipelineStage(wrapped, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -432,26 +460,27 @@ def run_pipeline(case: MeshCase) -> MeshResult:
     else:
         hand = _HandPipeline(case, stage, opt, mesh, k)
     losses, items, norms, reductions, seconds = [], [], [], [], []
-    for s in range(len(case.steps)):
-        seqs = _sequences(case, s)[coord["dp"]]
-        width = _width(case, s)
-        mbs = [micro_batch(mb, width=width) for mb in seqs]
-        tokens = torch.cat([t for t, _ in mbs])  # [K*S, T]: the schedule cuts K chunks
-        targets = torch.cat([y for _, y in mbs])
-        before = rs.calls
-        t0 = time.perf_counter()
-        if acc is not None:
-            st = acc.step(tokens, target=targets)
-            losses.append(st.loss)
-            items.append(st.items)
-            norms.append(st.grad_norm)
-        else:
-            assert hand is not None
-            loss, n = hand.step(tokens, targets)
-            losses.append(loss)
-            items.append(n)
-        seconds.append(time.perf_counter() - t0)
-        reductions.append(rs.calls - before)
+    with count_reduce_scatters() as counter:
+        for s in range(len(case.steps)):
+            seqs = _sequences(case, s)[coord["dp"]]
+            width = _width(case, s)
+            mbs = [micro_batch(mb, width=width) for mb in seqs]
+            tokens = torch.cat([t for t, _ in mbs])  # [K*S, T]: the schedule cuts K chunks
+            targets = torch.cat([y for _, y in mbs])
+            before = counter.calls
+            t0 = time.perf_counter()
+            if acc is not None:
+                st = acc.step(tokens, target=targets)
+                losses.append(st.loss)
+                items.append(st.items)
+                norms.append(st.grad_norm)
+            else:
+                assert hand is not None
+                loss, n = hand.step(tokens, targets)
+                losses.append(loss)
+                items.append(n)
+            seconds.append(time.perf_counter() - t0)
+            reductions.append(counter.calls - before)
     params = {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for n, p in own.items()

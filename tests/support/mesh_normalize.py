@@ -131,7 +131,7 @@ def _run_modes(
     mesh = get_mesh(case.shape)
     out = {}
     for mode in modes:
-        model, _ = _fsdp_model(case, mesh)
+        model = _fsdp_model(case, mesh)
         opt = torch.optim.SGD(model.parameters(), lr=case.lr)
         cls = Accumulator if table_dims is None else Mutated
         acc = cls(model, opt, mesh=mesh, batch_dims=case.batch_dims, check_inputs=case.check_inputs)

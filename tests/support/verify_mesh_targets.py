@@ -175,7 +175,9 @@ def parallelize_cp(model: nn.Module, mesh: object) -> nn.Module:
     """FSDP2 over dp x cp flattened: gradients reduced over both."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))  # type: ignore[index]
+    from wholebatch.comm._c10d import flatten_mesh
+
+    fully_shard(model, mesh=flatten_mesh(mesh["dp", "cp"], "dp_cp"))  # type: ignore[index]
     return model
 
 

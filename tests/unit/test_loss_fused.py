@@ -21,12 +21,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the ke
 import pytest
 import torch
 
+from tests.support.features import skip_module_unless
 from wholebatch.errors import WholebatchError
 from wholebatch.losses import clip_loss, fused, info_nce_loss
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+skip_module_unless("triton_kernels")  # an interpreter that cannot run them: why
 
 # float32 sums of <= 60 products of size ~5: round-off ~1e-5 relative; bf16 inputs
 # are widened exactly, so the same bound holds against the widened formula.

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tests.support.features import skip_module_unless
 from wholebatch.losses import fused, siglip_loss
 from wholebatch.losses.tiles import _softplus_sum
 
@@ -32,6 +33,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("the fused kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+skip_module_unless("triton_kernels")  # an interpreter that cannot run them: why
 
 from wholebatch.losses import _triton_tiles  # noqa: E402  (after the skip: needs triton)
 

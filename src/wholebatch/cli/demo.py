@@ -97,6 +97,7 @@ class DemoModel(nn.Module):
         super().__init__()
 
         def tower() -> nn.Sequential:
+            # fmt: skip below: the layers read left to right as the network runs
             return nn.Sequential(
                 nn.Linear(HALF, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
                 nn.Linear(hidden, dim),

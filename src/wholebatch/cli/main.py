@@ -87,9 +87,13 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         convert: Any = {int: int, float: float, str: str, Path: Path}.get(kind, str)
         parser.add_argument(
-            flag, dest=f.name, type=convert, default=default, metavar=f.name.upper(),
+            flag,
+            dest=f.name,
+            type=convert,
+            default=default,
+            metavar=f.name.upper(),
             help=f"{text} (default: {default})",
-        )  # fmt: skip
+        )
 
 
 def _config(cls: type, args: argparse.Namespace) -> Any:
@@ -136,10 +140,11 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
         _add_config_flags(demo, DemoConfig)
         demo.add_argument(
-            "--gather", action="store_true",
+            "--gather",
+            action="store_true",
             help="instead: the 2-process demonstration of the gradient through all_gather "
             "(torch.distributed.all_gather vs wholebatch.all_gather)",
-        )  # fmt: skip
+        )
 
     verify = sub.add_parser(
         "verify",
@@ -171,9 +176,12 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmarks (quick mode) and print their tables")
     bench.add_argument("--full", action="store_true", help="the full configurations, not --quick")
     bench.add_argument(
-        "--only", nargs="+", metavar="NAME", default=None,
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        default=None,
         help=f"run only these, of: {', '.join(BENCHMARKS)} (the 'bench_' may be left out)",
-    )  # fmt: skip
+    )
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument("--timeout", type=float, default=1800.0, help="seconds per benchmark")
 

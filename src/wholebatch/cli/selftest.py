@@ -20,6 +20,7 @@ Legend: W ranks, B this rank's rows, N global rows, D dim.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,7 +29,7 @@ import platform
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +119,7 @@ def _collectives(w: int, rank: int) -> list[tuple[str, list[Tensor], Simulate, R
         chunks = [torch.split(x, send[r]) for r, x in enumerate(xs)]
         return [torch.cat([chunks[r][j] for r in range(w)]) for j in range(w)]
 
+    # fmt: skip below: a table, one collective a row (name, inputs, reference, call)
     return [
         ("all_gather (uneven rows)", uneven, lambda xs: [torch.cat(xs)] * w, wholebatch.all_gather),
         ("all_reduce sum", equal, lambda xs: [torch.stack(xs).sum(0)] * w, wholebatch.all_reduce),
@@ -214,9 +216,14 @@ _LOSSES: list[tuple[str, Callable[..., Tensor], Callable[..., Tensor], tuple[flo
 
 
 def _check_loss(
-    rank: int, w: int, device: torch.device, loss: Callable[..., Tensor],
-    ref: Callable[..., Tensor], scalars: tuple[float, ...], seed: int,
-) -> tuple[float, float]:  # fmt: skip
+    rank: int,
+    w: int,
+    device: torch.device,
+    loss: Callable[..., Tensor],
+    ref: Callable[..., Tensor],
+    scalars: tuple[float, ...],
+    seed: int,
+) -> tuple[float, float]:
     """Forward error, and the worst gradient error (this rank's rows; the scalars after a mean)."""
     a, b = _embeddings(w, seed)
     ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -289,11 +296,15 @@ def run_checks() -> list[dict[str, Any]]:
     for i, name in enumerate(names):
         fwd, bwd, raised = worst["fwd"][i], worst["bwd"][i], worst["raised"][i]
         errors = {r: m[i] for r, m in enumerate(all_messages) if m[i]}
-        out.append({
-            "check": name, "forward_rel_err": fwd, "backward_rel_err": bwd,
-            "passed": not raised and fwd <= RTOL and bwd <= RTOL,
-            "errors": {str(r): m for r, m in errors.items()},
-        })  # fmt: skip
+        out.append(
+            {
+                "check": name,
+                "forward_rel_err": fwd,
+                "backward_rel_err": bwd,
+                "passed": not raised and fwd <= RTOL and bwd <= RTOL,
+                "errors": {str(r): m for r, m in errors.items()},
+            }
+        )
     return out
 
 
@@ -340,18 +351,40 @@ def _format(topo: dict[str, Any], checks: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def selftest_rank(as_json: bool) -> int:
-    """Run the checks on this rank of an initialised group; rank 0 prints; the agreed exit code."""
+def selftest_rank(as_json: bool) -> tuple[int, str | None]:
+    """Run the checks on this rank of an initialised group: (the agreed exit code, the
+    report: rank 0's, None elsewhere)."""
     topo = _topology()
     checks = run_checks()
     passed = all(c["passed"] for c in checks)
+    report = None
     if dist.get_rank() == 0:
         if as_json:
-            print(json.dumps({"passed": passed, **topo, "rtol": RTOL, "checks": checks}, indent=2))
+            report = json.dumps(
+                {"passed": passed, **topo, "rtol": RTOL, "checks": checks}, indent=2
+            )
         else:
-            print(_format(topo, checks))
+            report = _format(topo, checks)
+    return (0 if passed else 1), report
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr within the block, this process and the ranks it starts.
+
+    gloo in torch 2.6 to 2.9 writes "[Gloo] Rank r is connected to ..." straight to the
+    process's stdout as each group connects; stdout is the report's (a `--json` reader
+    parses all of it), so the ranks run with theirs on stderr and the report is printed after.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
         sys.stdout.flush()
-    return 0 if passed else 1
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run_selftest(config: SelftestConfig) -> int:
@@ -361,15 +394,22 @@ def run_selftest(config: SelftestConfig) -> int:
 
     backend = None if config.backend == "auto" else config.backend
     if in_torchrun():
-        init_process_group(backend, timeout_s=config.timeout)
-        try:
-            return selftest_rank(config.json)
-        finally:
-            dist.destroy_process_group()
-    codes = launch(
-        selftest_rank,
-        (config.json,),
-        spec=LaunchSpec(nproc=config.nproc, backend=backend, timeout_s=config.timeout),
-        name="wholebatch-selftest",
-    )
-    return int(max(codes))
+        with _stdout_to_stderr():
+            init_process_group(backend, timeout_s=config.timeout)
+            try:
+                code, report = selftest_rank(config.json)
+            finally:
+                dist.destroy_process_group()
+        results = [(code, report)]
+    else:
+        with _stdout_to_stderr():
+            results = launch(
+                selftest_rank,
+                (config.json,),
+                spec=LaunchSpec(nproc=config.nproc, backend=backend, timeout_s=config.timeout),
+                name="wholebatch-selftest",
+            )
+    for _, report in results:
+        if report is not None:
+            print(report, flush=True)
+    return int(max(code for code, _ in results))

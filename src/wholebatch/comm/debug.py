@@ -29,9 +29,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 from torch.distributed import ProcessGroup
 
+from wholebatch.comm._c10d import Store
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.errors import WholebatchError
 

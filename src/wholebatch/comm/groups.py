@@ -14,8 +14,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed import ProcessGroup
+
+from wholebatch.comm._c10d import PrefixStore, TCPStore
 
 __all__ = [
     "all_ranks_agree",

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from wholebatch.comm._c10d import flat_group
 from wholebatch.comm.agree import Field, Rows, agree_rows, exchange_text, per_rank, ranks_text
 from wholebatch.comm.groups import get_world_size, is_distributed
 from wholebatch.comm.shape import parse_mesh_shape
@@ -289,10 +290,7 @@ class MeshSplit:
         `GradCache(group=...)`) takes on a mesh. Every rank must call it the first time
         (flattening several dims creates process groups).
         """
-        dims = tuple(self.batch_dims)
-        if len(dims) == 1:
-            return self.mesh[dims[0]].get_group()
-        return self.mesh[dims]._flatten("_".join(dims)).get_group()
+        return flat_group(self.mesh, self.batch_dims)
 
     def describe(self) -> str:
         """`dp=2 (batch), tp=2 (replica)`: the mesh as errors and reports show it."""

@@ -72,7 +72,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -149,6 +149,7 @@ class WholeBatchTrainerMixin:
         model_wrapped: Any
         model_accepts_loss_kwargs: bool
         _loss_shifts_labels: bool
+        _prepare_inputs: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -317,7 +318,7 @@ class WholeBatchTrainerMixin:
         with_items = [b for b in batch_samples if int(self.count_items(b) or 0) > 0]
         batch = with_items[0] if with_items else batch_samples[0]
         model = self.accelerator.unwrap_model(self.model)
-        inputs = dict(self._prepare_inputs(batch))  # type: ignore[attr-defined]
+        inputs = dict(self._prepare_inputs(batch))
         was_training = model.training
         model.eval()
         losses = []
@@ -364,14 +365,17 @@ class WholeBatchTrainerMixin:
         """The Trainer's `compute_loss`, scaled to W·(sum of item losses)/N in training."""
         parent: Any = super()
         if not isinstance(num_items_in_batch, ItemShare):  # evaluation, or a direct call
-            return parent.compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[no-any-return]
+            result: Tensor | tuple[Tensor, Any] = parent.compute_loss(
+                model, inputs, return_outputs, num_items_in_batch
+            )
+            return result
         share = num_items_in_batch
         if not self._loss_takes_count():
             # The model returns the mean over this micro-batch's items: make it a sum.
             local = self.count_items(inputs)
             out = parent.compute_loss(model, inputs, return_outputs, None)
             loss = out[0] if return_outputs else out
-            loss = loss * (float(local) / share)  # type: ignore[arg-type]
+            loss = loss * (float(local) / share)  # type: ignore[arg-type]  # local: counted, not None
             return (loss, out[1]) if return_outputs else loss
         # The Trainer multiplies the loss by W itself when it averages tokens across
         # devices (for the model's own loss and compute_loss_func): give it N there.
@@ -379,7 +383,10 @@ class WholeBatchTrainerMixin:
             self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         )
         count = float(max(share.items, 1)) if scales else float(share)
-        return parent.compute_loss(model, inputs, return_outputs, count)  # type: ignore[no-any-return]
+        scaled: Tensor | tuple[Tensor, Any] = parent.compute_loss(
+            model, inputs, return_outputs, count
+        )
+        return scaled
 
     def _get_num_items_in_batch(
         self, batch_samples: list[Any], device: torch.device
@@ -401,19 +408,19 @@ _TAKES_COUNT, _MEAN_ONLY, _NEITHER, _UNDECIDED = 0, 1, 2, 3
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` below builds it
 
-    class WholeBatchTrainer(WholeBatchTrainerMixin, Trainer):  # type: ignore[misc]
+    class WholeBatchTrainer(WholeBatchTrainerMixin, Trainer):  # type: ignore[misc]  # Trainer: Any
         """`transformers.Trainer` whose step has the whole-batch gradient."""
 
 
 def _trainer_class() -> type[Trainer]:
     transformers = require_peer("transformers", "transformers", "WholeBatchTrainer")
 
-    class WholeBatchTrainer(WholeBatchTrainerMixin, transformers.Trainer):  # type: ignore[misc,name-defined]
+    class WholeBatchTrainer(WholeBatchTrainerMixin, transformers.Trainer):  # type: ignore[misc,name-defined]  # the peer, Any
         """`transformers.Trainer` whose step has the whole-batch gradient (see the module docstring)."""
 
     WholeBatchTrainer.__module__ = __name__
     WholeBatchTrainer.__qualname__ = "WholeBatchTrainer"
-    return WholeBatchTrainer  # type: ignore[no-any-return]
+    return cast("type[Trainer]", WholeBatchTrainer)  # its base is transformers' (Any here)
 
 
 def __getattr__(name: str) -> Any:

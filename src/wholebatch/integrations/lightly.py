@@ -155,9 +155,13 @@ class NTXentLoss(nn.Module):
         if self.size[0] == 0:
             z0, z1 = (F.normalize(x, dim=1) if _is_2d(x) else x for x in (out0, out1))
             return nt_xent_loss(
-                z0, z1, self.temperature, group=self.group,
-                grad_reduction=self.grad_reduction, tile_size=self.tile_size,
-            )  # fmt: skip
+                z0,
+                z1,
+                self.temperature,
+                group=self.group,
+                grad_reduction=self.grad_reduction,
+                tile_size=self.tile_size,
+            )
         return self._bank_loss(out0, out1)
 
     # -- the memory bank --------------------------------------------------------
@@ -185,7 +189,7 @@ class NTXentLoss(nn.Module):
             # views, in row tiles of as many logits as one square tile (T x T): T²/K rows.
             tile = self.tile_size or tile_size_for(out0.device.type, out0.shape[0], len(bank_KD))
             rows = max(1, min(tile, tile * tile // max(1, len(bank_KD))))
-            loss_B: Tensor = _BankNTXent.apply(out0, out1, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]
+            loss_B: Tensor = _BankNTXent.apply(out0, out1, bank_KD, 1.0 / self.temperature, rows)  # type: ignore[no-untyped-call]  # torch types Function.apply as untyped
             local = loss_B.sum()
             row: dict[str, Field] = {
                 "error": 0,
@@ -270,7 +274,7 @@ class _BankNTXent(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # Function.forward takes (ctx, *args) by design
         ctx: Any, out0: Tensor, out1: Tensor, bank_KD: Tensor, c: float, rows: int
     ) -> Tensor:
         need0, need1 = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

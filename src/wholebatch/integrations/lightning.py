@@ -300,7 +300,7 @@ def lightning_callback_class(package: str = "lightning.pytorch") -> type:
     """The callback class on the real `Callback` of `package` ("lightning.pytorch" or "pytorch_lightning")."""
     pl = require_peer(package, package.split(".")[0], "WholeBatchAccumulation")
 
-    class _WholeBatchAccumulation(pl.Callback, _AccumulationLogic):  # type: ignore[misc, name-defined]
+    class _WholeBatchAccumulation(pl.Callback, _AccumulationLogic):  # type: ignore[misc, name-defined]  # pl: the peer module, Any
         __doc__ = WholeBatchAccumulation.__doc__
 
         def __init__(self, **kwargs: Any) -> None:
@@ -321,10 +321,14 @@ def lightning_callback_class(package: str = "lightning.pytorch") -> type:
             stats = self.finish_window(int(trainer.accumulate_grad_batches), params)
             if self.log_name is not None:
                 pl_module.log(
-                    self.log_name, torch.tensor(stats.loss, dtype=torch.float64),
-                    on_step=True, on_epoch=False,
-                    prog_bar=self.prog_bar, batch_size=1, sync_dist=False,
-                )  # fmt: skip
+                    self.log_name,
+                    torch.tensor(stats.loss, dtype=torch.float64),
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=self.prog_bar,
+                    batch_size=1,
+                    sync_dist=False,
+                )
 
         def __repr__(self) -> str:
             return f"WholeBatchAccumulation(log_name={self.log_name!r})"
@@ -360,7 +364,7 @@ class WholeBatchAccumulation:
     of each optimizer step.
     """
 
-    def __new__(  # type: ignore[misc]
+    def __new__(  # type: ignore[misc]  # returns the peer's Callback subclass, not cls
         cls,
         *,
         log_name: str | None = "train_loss",

@@ -170,9 +170,13 @@ class ClipLoss(_RankArgs):
         """
         self._check_once()
         loss = clip_loss(
-            image_features, text_features, logit_scale, group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
-        )  # fmt: skip
+            image_features,
+            text_features,
+            logit_scale,
+            group=self.group,
+            grad_reduction=self.grad_reduction,
+            tile_size=self.tile_size,
+        )
         if logit_bias is not None:
             bias = scalar_numel_one("ClipLoss", "logit_bias", logit_bias)
             if isinstance(bias, Tensor) and bias.requires_grad:
@@ -244,9 +248,14 @@ class SigLipLoss(_RankArgs):
         """
         self._check_once()
         loss = siglip_loss(
-            image_features, text_features, logit_scale, logit_bias, group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
-        )  # fmt: skip
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            group=self.group,
+            grad_reduction=self.grad_reduction,
+            tile_size=self.tile_size,
+        )
         return {"contrastive_loss": loss} if output_dict else loss
 
     def extra_repr(self) -> str:
@@ -281,15 +290,20 @@ def whole_batch_loss(loss: Any) -> ClipLoss | SigLipLoss:
     kind = type(loss).__name__
     if type(loss).__module__.startswith("open_clip") and kind == "ClipLoss":
         return ClipLoss(
-            local_loss=bool(loss.local_loss), gather_with_grad=bool(loss.gather_with_grad),
-            cache_labels=bool(loss.cache_labels), rank=int(loss.rank),
-            world_size=int(loss.world_size), use_horovod=bool(loss.use_horovod),
-        )  # fmt: skip
+            local_loss=bool(loss.local_loss),
+            gather_with_grad=bool(loss.gather_with_grad),
+            cache_labels=bool(loss.cache_labels),
+            rank=int(loss.rank),
+            world_size=int(loss.world_size),
+            use_horovod=bool(loss.use_horovod),
+        )
     if type(loss).__module__.startswith("open_clip") and kind == "SigLipLoss":
         return SigLipLoss(
-            cache_labels=bool(loss.cache_labels), rank=int(loss.rank),
-            world_size=int(loss.world_size), dist_impl=getattr(loss, "dist_impl", None),
-        )  # fmt: skip
+            cache_labels=bool(loss.cache_labels),
+            rank=int(loss.rank),
+            world_size=int(loss.world_size),
+            dist_impl=getattr(loss, "dist_impl", None),
+        )
     raise WholebatchError(
         f"train_one_epoch: the loss is {type(loss).__module__}.{kind}; wholebatch's loop "
         "supports open_clip's ClipLoss and SigLipLoss (or this module's). CoCa and "
@@ -342,9 +356,13 @@ def _is_master(args: Any) -> bool:
 class _Meter:
     """open_clip_train's AverageMeter (value, running mean)."""
 
+    val: float
+    avg: float
+    sum: float
+    count: int
+
     def __init__(self) -> None:
-        self.val = self.avg = self.sum = 0.0
-        self.count = 0
+        self.reset()
 
     def update(self, val: float, n: int = 1) -> None:
         self.val = val
@@ -353,7 +371,8 @@ class _Meter:
         self.avg = self.sum / self.count
 
     def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.val = self.avg = self.sum = 0.0
+        self.count = 0
 
 
 def _check_args(args: Any, dist_model: nn.Module | None) -> int:
@@ -375,9 +394,12 @@ def _check_args(args: Any, dist_model: nn.Module | None) -> int:
 
 
 def _backward_and_step(
-    loss: Tensor, model: nn.Module, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, clip: float | None,
-) -> None:  # fmt: skip
+    loss: Tensor,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    clip: float | None,
+) -> None:
     """open_clip_train's backward, clipping and step (its GradScaler path included)."""
     if scaler is not None:
         torch.autograd.backward(scaler.scale(loss))
@@ -437,7 +459,7 @@ def train_one_epoch(
     autocast = _autocast(args.precision, device.type)
     input_dtype = _input_dtype(args.precision)
     loss_mod = whole_batch_loss(loss)
-    cache = GradCache(model, embed_fn=_embed)  # type: ignore[arg-type]
+    cache = GradCache(model, embed_fn=_embed)  # type: ignore[arg-type]  # _embed also takes the autocast flag
     inner: Any = _unwrap(model)
 
     def whole_loss(img_ND: Tensor, txt_ND: Tensor) -> Tensor:
@@ -484,6 +506,8 @@ def train_one_epoch(
             i_accum % args.log_every_n_steps == 0 or batch_count == num_batches_per_epoch
         ):
             losses = {"contrastive_loss": total_loss.detach(), "loss": total_loss.detach()}
+            # fmt: skip below and on _log_step: open_clip_train's 16 logging arguments, in
+            # its order, packed (one a line would be 40 lines of the same names twice)
             _log_step(
                 args, epoch, step, batch_count, num_batches_per_epoch, rows, accum,
                 sample_digits, dataloader.num_samples, losses, losses_m, batch_time_m,

@@ -216,10 +216,16 @@ class _WholeBatchMNRL(nn.Module):
 
     def _info_nce(self, query_BD: Tensor, doc_BD: Tensor, negs_BKD: Tensor | None) -> Tensor:
         return info_nce_loss(
-            query_BD, doc_BD, self.scale, negatives_BKD=negs_BKD, directions=self.directions,
-            partition_mode=self.partition_mode, group=self.group,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
-        )  # fmt: skip
+            query_BD,
+            doc_BD,
+            self.scale,
+            negatives_BKD=negs_BKD,
+            directions=self.directions,
+            partition_mode=self.partition_mode,
+            group=self.group,
+            grad_reduction=self.grad_reduction,
+            tile_size=self.tile_size,
+        )
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
@@ -271,9 +277,18 @@ class MultipleNegativesRankingLoss(_WholeBatchMNRL):
         tile_size: int | None = None,
     ) -> None:
         super().__init__(
-            model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
-            hardness_mode, hardness_strength, group, grad_reduction, tile_size,
-        )  # fmt: skip
+            model,
+            scale,
+            similarity_fct,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            hardness_mode,
+            hardness_strength,
+            group,
+            grad_reduction,
+            tile_size,
+        )
 
     def forward(
         self, sentence_features: Iterable[Features], labels: Tensor | None = None
@@ -334,9 +349,18 @@ class CachedMultipleNegativesRankingLoss(_WholeBatchMNRL):
         tile_size: int | None = None,
     ) -> None:
         super().__init__(
-            model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
-            hardness_mode, hardness_strength, group, grad_reduction, tile_size,
-        )  # fmt: skip
+            model,
+            scale,
+            similarity_fct,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            hardness_mode,
+            hardness_strength,
+            group,
+            grad_reduction,
+            tile_size,
+        )
         op = self._op
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int):
             raise WholebatchTypeError(f"{op}: mini_batch_size={mini_batch_size!r} must be an int")

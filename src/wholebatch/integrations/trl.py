@@ -79,6 +79,7 @@ __all__ = [
 ]
 
 # trl 1.16's DPO loss types that average over the micro-batch's pairs (per_sequence_loss.mean()).
+# fmt: skip below: a vocabulary of names, read as a paragraph, not one name a line.
 _PAIR_LOSSES = frozenset(
     {
         "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
@@ -119,13 +120,19 @@ class SFTMixin(WholeBatchTrainerMixin):
         """`SFTTrainer.compute_loss` handed the count that makes its loss W·(sum of token losses)/N."""
         parent: Any = super(WholeBatchTrainerMixin, self)
         if not isinstance(num_items_in_batch, ItemShare):  # evaluation, or a direct call
-            return parent.compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[no-any-return]
+            result: Tensor | tuple[Tensor, Any] = parent.compute_loss(
+                model, inputs, return_outputs, num_items_in_batch
+            )
+            return result
         # trl multiplies by the number of processes when it averages tokens across devices.
         share = num_items_in_batch
         count = (
             float(max(share.items, 1)) if self.args.average_tokens_across_devices else float(share)
         )
-        return parent.compute_loss(model, inputs, return_outputs, count)  # type: ignore[no-any-return]
+        scaled: Tensor | tuple[Tensor, Any] = parent.compute_loss(
+            model, inputs, return_outputs, count
+        )
+        return scaled
 
 
 class DPOMixin(WholeBatchTrainerMixin):
@@ -269,7 +276,8 @@ class GRPOMixin:
         """trl's `_compute_loss`, token-mean types divided by the window's global token count."""
         parent: Any = super()
         if not (self.model.training and self.loss_type in _TOKEN_MEAN_GRPO):
-            return parent._compute_loss(model, inputs)  # type: ignore[no-any-return]
+            plain: Tensor = parent._compute_loss(model, inputs)
+            return plain
         if self._window_tokens is None:
             raise WholebatchError(
                 "WholeBatchGRPOTrainer: no window token count for this micro-batch; the "
@@ -286,20 +294,21 @@ class GRPOMixin:
         kept = self.loss_type
         self.loss_type = "dapo" if kept == "bnpo" else kept
         try:
-            return parent._compute_loss(model, fixed)  # type: ignore[no-any-return]
+            loss: Tensor = parent._compute_loss(model, fixed)
+            return loss
         finally:
             self.loss_type = kept
 
 
 if TYPE_CHECKING:
 
-    class WholeBatchSFTTrainer(SFTMixin, SFTTrainer):  # type: ignore[misc]
+    class WholeBatchSFTTrainer(SFTMixin, SFTTrainer):  # type: ignore[misc]  # trl: Any
         """trl's `SFTTrainer` whose step has the whole-batch gradient."""
 
-    class WholeBatchDPOTrainer(DPOMixin, DPOTrainer):  # type: ignore[misc]
+    class WholeBatchDPOTrainer(DPOMixin, DPOTrainer):  # type: ignore[misc]  # trl: Any
         """trl's `DPOTrainer` whose step has the whole-batch gradient."""
 
-    class WholeBatchGRPOTrainer(GRPOMixin, GRPOTrainer):  # type: ignore[misc]
+    class WholeBatchGRPOTrainer(GRPOMixin, GRPOTrainer):  # type: ignore[misc]  # trl: Any
         """trl's `GRPOTrainer` whose token-mean losses divide by the window's global tokens."""
 
 

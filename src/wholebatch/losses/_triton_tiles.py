@@ -6,8 +6,9 @@ Legend: BM x BN the block of logits one program holds, BD the padded embedding d
 
 # mypy: ignore-errors
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: triton's interpreter (up to 3.0, torch 2.4's
+# pin) finds constexpr parameters by their annotation's class; the string the future
+# import makes of `BM: tl.constexpr` is missed, and BM arrives as a tensor.
 import os
 
 import triton

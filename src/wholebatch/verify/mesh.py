@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from wholebatch.comm._c10d import full_tensor, shard_offset
 from wholebatch.comm.mesh import parse_mesh_shape
 from wholebatch.errors import WholebatchError
 from wholebatch.verify.recording import GradRecorder
@@ -168,7 +169,7 @@ def _full(g: Tensor | None, p: Tensor) -> Tensor | None:
     # Every rank gathers every DTensor parameter in the same order; a rank without a
     # gradient takes part with zeros so no rank waits alone (and reports None).
     local = g if g is not None else torch.zeros_like(p, dtype=torch.float64)
-    full = local.full_tensor() if hasattr(local, "full_tensor") else local
+    full = full_tensor(local, op="verify") if hasattr(local, "full_tensor") else local
     return None if g is None else full.detach().to(torch.float64).cpu()
 
 
@@ -354,8 +355,8 @@ def _changed(
     for name, p in named:
         now, was = p.detach(), before[name]
         if full:
-            now = now.full_tensor() if hasattr(now, "full_tensor") else now
-            was = was.full_tensor() if hasattr(was, "full_tensor") else was
+            now = full_tensor(now, op="verify") if hasattr(now, "full_tensor") else now
+            was = full_tensor(was, op="verify") if hasattr(was, "full_tensor") else was
         else:
             now, was = _local(now), _local(was)
         if now.shape != was.shape or not torch.equal(now, was.to(now.dtype)):
@@ -404,14 +405,12 @@ def _local_piece(g: Tensor | None, p: Tensor) -> tuple[Tensor, tuple[int, ...]] 
     """This rank's piece of a DTensor gradient and its offset in the full tensor; None for a
     plain tensor, or placements other than Shard/Replicate (a strided shard under TP)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if g is None or not isinstance(p, DTensor) or not isinstance(g, DTensor):
         return None
     if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
         return None
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return g.to_local().detach().to(torch.float64).cpu(), tuple(int(o) for o in offset)
+    return g.to_local().detach().to(torch.float64).cpu(), shard_offset(p)
 
 
 def rank_factors(
