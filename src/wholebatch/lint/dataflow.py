@@ -341,7 +341,14 @@ class Flow:
         entered = self.entered.get(tag, ())
         if entered[: len(here)] == here:
             return True
-        fork = next((p for p, q in zip(here, entered, strict=False) if p != q), here[len(entered)])
+        # The first step where the store's path leaves the gather's: the condition the
+        # store is under and the gather is not (`entered` may be the longer path: a
+        # gather in a later `elif` arm, the store in an earlier arm).
+        depth = next(
+            (i for i, (p, q) in enumerate(zip(here, entered, strict=False)) if p != q),
+            len(entered),
+        )
+        fork = here[depth]
         cond = "a condition"
         if self._st is not None:
             for c in self._st.conds:
@@ -352,6 +359,8 @@ class Flow:
         o = self.origins.get(tag)
         if not o.partial:
             note = f"the local slice is put back only when {cond} (line {line})"
+            if depth < len(entered) and entered[depth][0] == fork[0]:
+                note += ", a branch the gather is not on"
             self.origins.items[int(tag[2:])] = replace(o, partial=note)
         return False
 

@@ -15,6 +15,7 @@ import ast
 import builtins
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 from wholebatch.lint.names import (
     dotted,
@@ -94,77 +95,80 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
     if not (branches or exits):
         return
     for scope in ctx.scopes:
-        if _calls_collective(ctx, scope):
-            if branches:
-                yield from _rank_branches(ctx, scope)
-            if exits and scope.has_exit:
-                yield from _early_exits(ctx, scope)
+        yield from ctx.guarded(scope, partial(_rank_rules, ctx, scope, branches, exits))
+
+
+def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
+    out: list[Finding] = []
+    if _calls_collective(ctx, scope):
+        if branches:
+            out += _rank_branches(ctx, scope)
+        if exits and scope.has_exit:
+            out += _early_exits(ctx, scope)
+    return out
 
 
 # -- WB102 ------------------------------------------------------------------------------
 
 
 def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
-    text = "all_gather" in ctx.source  # else only a helper of another file can gather
     for cls in ctx.classes:
-        if not any(last_name(b) == "Function" for b in cls.bases):
-            continue
-        methods = {
-            m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
-        }
-        fwd, bwd = methods.get("forward"), methods.get("backward")
-        if fwd is None or bwd is None:
-            continue
-        fwd_scope = ctx.scope_of.get(id(fwd))
-        via: tuple[Hop, ...] = ()
-        if not (
-            text
-            and any(
-                isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
-            )
-        ):
-            if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
-                continue
-            via = _gathering_call(ctx, fwd_scope)
-            if not via:
-                continue
-        bwd_scope = ctx.scope_of.get(id(bwd))
-        reduces = False
-        for n in walk_local(bwd):
-            if isinstance(n, ast.Call):
-                name = last_name(n.func).lower()
-                if (
-                    ctx.imports.collective(n) is not None
-                    or name == "apply"  # another autograd.Function does the collective
-                    or "reduce" in name
-                    or "scatter" in name
-                    or "all_to_all" in name
-                ):
-                    reduces = True
-                    break
-                # a helper that reduces (`_sum_over_ranks(grads)`), or one we cannot see
-                if bwd_scope is not None and _helper_reduces(ctx, n, bwd_scope):
-                    reduces = True
-                    break
-        if not reduces:
-            uses = [local for name, local in _applies(ctx) if name == cls.name]
-            if uses and not any(uses):
-                # Every use gathers all of its inputs and the loss reads only gathered
-                # rows: every rank computes the same whole-batch loss, and its own slice
-                # of that loss's gradient is exactly 1/W of the whole (a learning-rate
-                # scale), the convention `gathered[rank] = local` is accepted for.
-                continue
-            f = _finding(
-                ctx,
-                bwd,
-                "WB102",
-                f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
-                "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
-            )
-            if not uses:
-                ctx.layers[f.line] = cls.name  # the uses may be in other files
-            yield replace(f, trace=via)
+        if any(last_name(b) == "Function" for b in cls.bases):
+            found: list[Finding] = []
+            yield from ctx.failures.run(cls.name, cls.lineno, partial(_layer, ctx, cls), found)
+
+
+def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
+    """WB102 for one autograd.Function class."""
+    text = "all_gather" in ctx.source  # else only a helper of another file can gather
+    methods = {m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
+    fwd, bwd = methods.get("forward"), methods.get("backward")
+    if fwd is None or bwd is None:
+        return []
+    fwd_scope = ctx.scope_of.get(id(fwd))
+    via: tuple[Hop, ...] = ()
+    if not (
+        text
+        and any(isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd))
+    ):
+        if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
+            return []
+        via = _gathering_call(ctx, fwd_scope)
+        if not via:
+            return []
+    bwd_scope = ctx.scope_of.get(id(bwd))
+    for n in walk_local(bwd):
+        if isinstance(n, ast.Call):
+            name = last_name(n.func).lower()
+            if (
+                ctx.imports.collective(n) is not None
+                or name == "apply"  # another autograd.Function does the collective
+                or "reduce" in name
+                or "scatter" in name
+                or "all_to_all" in name
+            ):
+                return []
+            # a helper that reduces (`_sum_over_ranks(grads)`), or one we cannot see
+            if bwd_scope is not None and _helper_reduces(ctx, n, bwd_scope):
+                return []
+    uses = [local for name, local in _applies(ctx) if name == cls.name]
+    if uses and not any(uses):
+        # Every use gathers all of its inputs and the loss reads only gathered rows:
+        # every rank computes the same whole-batch loss, and its own slice of that
+        # loss's gradient is exactly 1/W of the whole (a learning-rate scale), the
+        # convention `gathered[rank] = local` is accepted for.
+        return []
+    f = _finding(
+        ctx,
+        bwd,
+        "WB102",
+        f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
+        "ranks: each rank keeps only its own loss's gradient for its slice, so the "
+        f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
+    )
+    if not uses:
+        ctx.layers[f.line] = cls.name  # the uses may be in other files
+    return [replace(f, trace=via)]
 
 
 def _local_use(uses: list[bool]) -> str:

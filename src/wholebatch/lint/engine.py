@@ -17,11 +17,13 @@ import os
 import re
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
+from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
     ModuleMap,
@@ -87,6 +89,9 @@ def selected_codes(
         return out
 
     chosen = expand(select) if select else set(RULES)
+    # An internal error means a rule did not judge a function: reported whatever is
+    # selected, so a run never passes what it did not check (only `--ignore` hides it).
+    chosen.add("WB001")
     return frozenset(chosen - expand(ignore or ()))
 
 
@@ -161,33 +166,82 @@ def _lint_module(
         if program is None or not module:
             return [], None
         return [], ModuleFacts(path=path, names=_import_names(tree, module, is_package))
-    ctx = FileContext(tree, path, source)
-    resolver = Resolver(ctx, program, module, is_package=is_package)
-    attach(resolver)
-    resolver.link()
-    # A call followed into another file brings that file's events with it, so every
-    # rule may apply even when this file's own text has none of its words.
-    ctx.codes = _open_codes(enabled, source, not gate or resolver.cross) if report else frozenset()
-    active = [check for name, check in _CHECKERS.items() if _family(name) & ctx.codes]
-    seen: set[tuple[str, int, int, str]] = set()
+    failures = Failures()
     out: list[Finding] = []
-    for check in active:
-        for f in check(ctx):
-            key = (f.path, f.line, f.col, f.code)
-            if f.code in enabled and key not in seen:
-                seen.add(key)
-                out.append(f)
-    out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
-    facts = resolver.export() if program is not None else None
-    if facts is not None:
-        if program is not None and program.open_layers:
+    facts: ModuleFacts | None = None
+    try:
+        facts = _analyse(
+            FileContext(tree, path, source, failures),
+            out,
+            enabled,
+            program,
+            module,
+            is_package,
+            report=report,
+            gate=gate,
+        )
+    except Exception as err:  # an error outside any one function: the file's own note
+        failures.note(MODULE_LEVEL, 1, err)
+    if report and "WB001" in enabled:
+        out.extend(failures.findings(path))
+    return _deduplicated(out, path), facts
+
+
+def _analyse(
+    ctx: FileContext,
+    out: list[Finding],
+    enabled: frozenset[str],
+    program: Program | None,
+    module: str,
+    is_package: bool,
+    *,
+    report: bool,
+    gate: bool,
+) -> ModuleFacts | None:
+    """Run the enabled rules over one file into `out`; its summaries for other files."""
+    resolver = Resolver(ctx, program, module, is_package=is_package)
+    try:
+        attach(resolver)
+        resolver.link()
+        # A call followed into another file brings that file's events with it, so every
+        # rule may apply even when this file's own text has none of its words.
+        every = not gate or resolver.cross
+        ctx.codes = _open_codes(enabled, ctx.source, every) if report else frozenset()
+        for name, check in _CHECKERS.items():
+            if _family(name) & ctx.codes:
+                # Each check guards its functions one by one (a check is a generator: it
+                # runs inside `extend`); this catches the rest.
+                ctx.failures.run(MODULE_LEVEL, 1, partial(out.extend, check(ctx)), None)
+        out[:] = [f for f in out if f.code in enabled]
+        if program is None:
+            return None
+        facts = resolver.export()
+        if program.open_layers:
             facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
         facts.layers = dict(ctx.layers)
-    # The resolver and the file point at each other: cut the cycle so the file's syntax
-    # tree is freed now, by reference counting, not by a full garbage collection later
-    # (which, over a package, costs a fifth of the run).
-    resolver.close()
-    return out, facts
+        return facts
+    finally:
+        # The resolver and the file point at each other: cut the cycle so the file's
+        # syntax tree is freed now, by reference counting, not by a full garbage
+        # collection later (which, over a package, costs a fifth of the run).
+        resolver.close()
+
+
+def _deduplicated(found: list[Finding], path: str) -> list[Finding]:
+    """One finding per place and rule, in a fixed order (this file's first, then by
+    place); of two with the same place, the shorter path (then message) is kept, so
+    the result does not depend on the order a walk met them in (hash seeds)."""
+    found.sort(
+        key=lambda f: (f.path != path, f.path, f.line, f.col, f.code, len(f.trace), f.message)
+    )
+    seen: set[tuple[str, int, int, str]] = set()
+    out: list[Finding] = []
+    for f in found:
+        key = (f.path, f.line, f.col, f.code)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
 
 
 def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
@@ -276,12 +330,12 @@ def _lint_text(
         return [], None  # read for its summaries, and it can have none worth keeping
     try:
         tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as err:
+    except (SyntaxError, ValueError, RecursionError) as err:  # (nested too deep to parse)
         if "WB000" not in codes or not report:
             return [], None
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
-        msg = getattr(err, "msg", None) or str(err)
+        msg = getattr(err, "msg", None) or str(err) or type(err).__name__
         return [
             Finding(
                 path=path,
@@ -458,6 +512,11 @@ def _aliases(
                 program.modules[name] = old
 
 
+def _place(f: Finding) -> tuple[str, int, int, str, int, str]:
+    """The order findings are reported in, and which of two at one place is kept."""
+    return (f.path, f.line, f.col, f.code, len(f.trace), f.message)
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
@@ -466,14 +525,17 @@ def lint_paths(
     """Lint every Python file under `paths`; returns (findings, number of files checked).
 
     Calls are followed across the files of the run (module docstring). Findings come
-    in the order of the files, then by line. A file that cannot be read or parsed gives
-    a WB000 finding, never an exception.
+    sorted by file, then line (whatever order `paths` are given in). A file that cannot
+    be read or parsed gives a WB000 finding, an internal error a WB001 finding (`guard`),
+    never an exception.
 
     Raises:
         UsageError: an unknown rule prefix, or a path that does not exist.
     """
     codes = selected_codes(select, ignore)
-    files = list(iter_python_files(paths))
+    # One order whatever order the paths were given in: the findings, and which call a
+    # summary follows first, never depend on it.
+    files = sorted(set(iter_python_files(paths)), key=str)
     sources: dict[Path, str] = {}
     out: list[Finding] = []
     for f in files:
@@ -532,11 +594,10 @@ def lint_paths(
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
-    order = {str(f): i for i, f in enumerate(files)}
     seen: set[tuple[str, int, int, str]] = set()
     kept: list[Finding] = []
     noqa: dict[str, dict[int, frozenset[str] | None]] = {}
-    for hit in sorted(out, key=lambda h: (order.get(h.path, len(order)), h.line, h.col, h.code)):
+    for hit in sorted(out, key=_place):
         key = (hit.path, hit.line, hit.col, hit.code)
         if hit.path not in run:
             continue  # in a file read only for its summaries

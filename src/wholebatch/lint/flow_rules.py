@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.names import dotted, last_name
@@ -101,7 +102,7 @@ def _is_accum_count(node: ast.expr, periods: set[str]) -> bool:
     return False
 
 
-class _Results:
+class Results:
     """Per-scope results of the value-following walk, computed once: a gathering function
     is walked when a caller needs its return tags, and again never."""
 
@@ -113,8 +114,11 @@ class _Results:
         key = id(scope)
         out = self.done.get(key)
         if out is None:
-            self.done[key] = ([], frozenset())  # recursion: no findings, no tags
-            out = _check_scope(self.ctx, scope)
+            empty: tuple[list[Finding], frozenset[str]] = ([], frozenset())
+            self.done[key] = empty  # recursion: no findings, no tags
+            out = self.ctx.failures.run(
+                scope.qual, scope.line, lambda: _check_scope(self.ctx, scope), empty
+            )
             self.done[key] = out
         return out
 
@@ -124,9 +128,9 @@ class _Results:
 
 def attach(resolver: Resolver) -> None:
     """Let `resolver` summarise what gathering functions return (walks them on demand)."""
-    results = _Results(resolver.ctx)
+    results = Results(resolver.ctx)
     resolver.returns_fn = results.returns
-    resolver.ctx.flow_results = results  # type: ignore[attr-defined]
+    resolver.ctx.flow_results = results
 
 
 def check_flow(ctx: FileContext) -> Iterator[Finding]:
@@ -134,19 +138,24 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
     resolver = ctx.resolver if ctx.resolver is not None else Resolver(ctx)
     if resolver.returns_fn is None:
         attach(resolver)
-    results: _Results = ctx.flow_results  # type: ignore[attr-defined]
+    results = ctx.flow_results
+    assert results is not None  # attach() sets it
     for scope in ctx.scopes:
-        if not scope.stmts:
-            continue
-        # Each rule needs one of these; most scopes of a large package have none.
-        accum = bool(scope.divs) and any(
-            _is_accum_count(
-                d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope)
-            )
-            for d in scope.divs
+        if scope.stmts:
+            yield from ctx.guarded(scope, partial(_flow_scope, resolver, results, scope))
+
+
+def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Finding]:
+    # Each rule needs one of these; most scopes of a large package have none.
+    accum = bool(scope.divs) and any(
+        _is_accum_count(
+            d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope)
         )
-        if scope.has_grad or accum or resolver.scope_gathers(scope):
-            yield from results.get(scope)[0]
+        for d in scope.divs
+    )
+    if scope.has_grad or accum or resolver.scope_gathers(scope):
+        return results.get(scope)[0]
+    return []
 
 
 def _loss_hop(scope: Scope, node: ast.AST, note: str, path: str) -> Hop:

@@ -19,6 +19,7 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 
 from wholebatch.lint.names import dotted, last_name, names_in, walk_local
 from wholebatch.lint.rules import Finding, format_trace
@@ -65,9 +66,13 @@ def check_loops(ctx: FileContext) -> Iterator[Finding]:
     for scope in ctx.scopes:
         if scope.events:
             for check in on_events:
-                yield from check(ctx, scope)
+                yield from ctx.guarded(scope, partial(_listed, check, ctx, scope))
         if no_sync and scope.withs:
-            yield from _no_sync_without_forward(ctx, scope)
+            yield from ctx.guarded(scope, partial(_listed, _no_sync_without_forward, ctx, scope))
+
+
+def _listed(check: _ScopeCheck, ctx: FileContext, scope: Scope) -> list[Finding]:
+    return list(check(ctx, scope))
 
 
 # -- WB201 ------------------------------------------------------------------------------

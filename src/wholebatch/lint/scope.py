@@ -12,10 +12,11 @@ known to step (and, if that helper zeroes, to zero).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from wholebatch.lint.guard import Failures
 from wholebatch.lint.names import (
     DIST_GATHERS,
     Imports,
@@ -28,6 +29,7 @@ from wholebatch.lint.names import (
 from wholebatch.lint.rules import RULES, Finding, Hop
 
 if TYPE_CHECKING:
+    from wholebatch.lint.flow_rules import Results
     from wholebatch.lint.summaries import Resolver
 
 __all__ = [
@@ -62,6 +64,7 @@ _ZERO_FUNCS = frozenset(
 _BACKWARD_WRAPPERS = frozenset({"accelerator", "fabric", "engine", "model_engine", "trainer"})
 _NOT_OPTIMIZER = frozenset({"Accumulator", "CachedStep"})
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
+_T = TypeVar("_T")
 _Loop = ast.For | ast.AsyncFor | ast.While
 
 
@@ -222,6 +225,11 @@ class Scope:
         """`Class.method`, `function`, or "" for the module."""
         return f"{self.cls.name}.{self.name}" if self.cls is not None else self.name
 
+    @property
+    def line(self) -> int:
+        """The line of the function's `def` (1 for the module)."""
+        return 1 if isinstance(self.node, ast.Module) else self.node.lineno
+
     def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
         """(qualified name, call) of every collective called in this scope."""
         if self._collectives is None:
@@ -247,7 +255,12 @@ class FileContext:
     import and assignment is known.
     """
 
-    def __init__(self, tree: ast.Module, path: str, source: str = "") -> None:
+    def __init__(
+        self, tree: ast.Module, path: str, source: str = "", failures: Failures | None = None
+    ) -> None:
+        # Internal errors while one function is analysed (`guard`): that function is
+        # left out, the rest of the file is still checked.
+        self.failures = failures if failures is not None else Failures()
         self.tree = tree
         self.path = path
         self.source = source
@@ -263,6 +276,7 @@ class FileContext:
         self.scope_of: dict[int, Scope] = {}
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
+        self.flow_results: Results | None = None  # set by flow_rules.attach
         self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
         # The rules to run here (None: all): the enabled ones whose gate is open, set by
         # `engine` from each rule's words (`rules.Rule.words`).
@@ -279,6 +293,10 @@ class FileContext:
         for scope in self.scopes:
             self._classify_scope(scope)
         # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
+
+    def guarded(self, scope: Scope, fn: Callable[[], list[_T]]) -> list[_T]:
+        """`fn()` for one scope; an internal error there is noted (WB001), giving []."""
+        return self.failures.run(scope.qual, scope.line, fn, [])
 
     def runs(self, code: str) -> bool:
         """Is rule `code` to be checked in this file?"""

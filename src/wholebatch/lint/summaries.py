@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
 from wholebatch.lint.names import dotted, is_on_subgroup, last_name
@@ -295,7 +296,10 @@ class Resolver:
             return shell  # recursion (or a call chain deeper than any real one): unknown
         self._busy.add(key)
         try:
-            out = self._summarise(scope, d, shell)
+            # An internal error here leaves the function unknown to its callers (WB001).
+            out = self.ctx.failures.run(
+                scope.qual, d.lineno, lambda: self._summarise(scope, d, shell), shell
+            )
         finally:
             self._busy.discard(key)
         self._facts[key] = out
@@ -387,7 +391,7 @@ class Resolver:
     def link(self) -> None:
         """Add to every scope the events of the functions it calls (synthetic events)."""
         for scope in self.ctx.scopes:
-            self.link_scope(scope)
+            self.ctx.failures.run(scope.qual, scope.line, partial(self.link_scope, scope), None)
 
     def link_scope(self, scope: Scope) -> None:
         """Add the synthetic events of one scope (once)."""
@@ -442,7 +446,7 @@ class Resolver:
     def close(self) -> None:
         """Drop the links between this resolver, its file and the flow results (a cycle)."""
         self.ctx.resolver = None
-        self.ctx.flow_results = None  # type: ignore[attr-defined]
+        self.ctx.flow_results = None
         self.returns_fn = None
         self._facts.clear()
         self._resolved.clear()
