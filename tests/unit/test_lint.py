@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from wholebatch.lint import RULES, UsageError, lint_paths, lint_source, main
-from wholebatch.lint.rules import OWN
 from wholebatch.lint.flake8 import Plugin
+from wholebatch.lint.rules import OWN
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "support" / "lint_cases"

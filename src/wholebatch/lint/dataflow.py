@@ -112,6 +112,7 @@ class Flow:
         self._made: dict[int, str] = {}  # id(gather call) -> its tag (one per call, both walks)
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
+        self._puts_back: bool | None = None  # computed on first need (`_restores_somewhere`)
         node = scope.node
         self.params: set[str] = set()
         if not isinstance(node, ast.Module):
@@ -136,6 +137,10 @@ class Flow:
                 if r is not None and r[0].returns is not None:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
+                    continue
+                gathered = self._value_gather(n)
+                if gathered is not None:
+                    out |= gathered
                     continue
                 if _to_number(n.func):
                     continue  # `float(x)`, `x.item()`: a Python number, no gradient
@@ -270,6 +275,68 @@ class Flow:
         new = self.origins.moved(gtag, "g", id(call), hop)
         self.entered.setdefault(new, self._st.path if self._st else ())
         return {new if met else f"m:{new[2:]}"}
+
+    def _nograd_here(self) -> bool:
+        return (self._st is not None and self._st.nograd) or self.scope.nograd
+
+    def _restores_somewhere(self) -> bool:
+        """Does this scope put the local slice back anywhere (`parts[rank] = x`,
+        `parts.pop(rank)`)? Then its gathers are meant to carry this rank's gradient."""
+        if self._puts_back is None:
+            self._puts_back = any(
+                (
+                    isinstance(n, ast.Subscript)
+                    and isinstance(n.ctx, ast.Store)
+                    and any(is_rank_ref(x) for x in ast.walk(n.slice))
+                )
+                or (
+                    isinstance(n, ast.Call)
+                    and last_name(n.func) == "pop"
+                    and any(is_rank_ref(x) for a in n.args for x in ast.walk(a))
+                )
+                for st in self.scope.stmts
+                for n in st.walk()
+            )
+        return self._puts_back
+
+    def _value_gather(self, call: ast.Call) -> set[str] | None:
+        """The tags of a gather that returns its output (Horovod's `hvd.allgather`,
+        `torch.distributed.nn.all_gather`, accelerate's `accelerator.gather`, Lightning's
+        `self.all_gather`) when that output has no gradient here; None for any other call
+        (and for a differentiable gather with gradients on: its value keeps the input's
+        tags)."""
+        kind = self.ctx.value_gather(call, nograd=self._nograd_here())
+        if kind is None or not call.args:
+            return None
+        text = f"`{dotted(call.func) or last_name(call.func)}()`"
+        if kind == "no_grad":
+            what = f"{text} runs under torch.no_grad(), so what it gathers carries no gradient"
+            note = f"{text} gathers under no_grad"
+        else:
+            what = f"{text} gathers without a gradient ({kind})"
+            note = f"{text} gathers without a gradient"
+        return self._gathered_without_grad(call.args[0], call, note, what)
+
+    def _gathered_without_grad(
+        self, value: ast.expr, call: ast.Call, note: str, what: str = "", name: str = ""
+    ) -> set[str]:
+        """A value gathered with no gradient (a gather under `torch.no_grad()`, or one that
+        never carries one), in a function where gradients are on: the put-back idiom in
+        the same function shows the gradient is wanted (`g`, as for a c10d gather);
+        otherwise momentum keys and detached values lose nothing, a parameter leaves it
+        to the callers (`n`), and a forward pass's output loses its cross-rank terms
+        where it meets a similarity product (`m`)."""
+        vt = self.tags(value)
+        if "D" in vt:
+            return set()
+        gtag = self._origin("g", call, name or dotted(value) or "", note, what)
+        if self._restores_somewhere():
+            return {gtag}
+        if isinstance(value, ast.Name) and value.id in self.params:
+            return {f"n:{value.id}:{gtag[2:]}"}
+        if "T" in vt:
+            return {f"m:{gtag[2:]}"}
+        return set()
 
     @staticmethod
     def _counts_items(node: ast.expr) -> bool:
@@ -410,7 +477,7 @@ class Flow:
                 tags.add(self._origin("q", value, "", "all-gathers gradients"))
         return tags
 
-    def _origin(self, kind: str, call: ast.Call, name: str, note: str) -> str:
+    def _origin(self, kind: str, call: ast.Call, name: str, note: str, what: str = "") -> str:
         """The tag of the value `call` produces (the same tag on both walks)."""
         key = id(call) * 2 + (kind == "q")
         tag = self._made.get(key)
@@ -421,6 +488,7 @@ class Flow:
                 col=call.col_offset + 1,
                 name=name,
                 trace=(self._hop(call, note),),
+                what=what,
             )
             tag = self.origins.new(kind, o)
             self._made[key] = tag
@@ -449,6 +517,11 @@ class Flow:
             elif self.scope.nograd:
                 g = self._origin("g", call, key, f"{short} fills `{key}` (under no_grad)")
                 out_tags.update(f"n:{t[2:]}:{g[2:]}" for t in in_tags if t.startswith("a:"))
+            elif inp is not None:
+                # inside `with torch.no_grad():` in a function with gradients on
+                out_tags |= self._gathered_without_grad(
+                    inp, call, f"{short} fills `{key}` (under no_grad)", name=key
+                )
             if any(t.startswith("G:") for t in in_tags):
                 out_tags.add(self._origin("q", call, key, "all-gathers gradients"))
             for t in in_tags:

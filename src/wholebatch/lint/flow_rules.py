@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
@@ -179,16 +180,22 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
+    # WB205: `.data` updates waiting for a backward that reuses a graph built before them
+    pending: list[tuple[int, Finding]] = []
+    assigned: dict[str, int] = {}  # name -> line of its latest assignment (this walk)
     for st in flow.run():
         node = st.node
         for sub in st.walk():
             ev = backward.get(id(sub))
             if ev is not None:
+                if pending:
+                    found += _reused_graph(flow, ev, pending, assigned)
                 for loss in ev.losses:
-                    for tag in flow.tags(loss):
+                    for tag in sorted(flow.tags(loss)):
                         if tag.startswith("g:"):
                             hop = _loss_hop(scope, sub, f"reaches {_short(sub)}", ctx.path)
                             to_loss.setdefault(tag, hop)
+        _note_assigned(node, assigned)
         if isinstance(node, ast.Return) and node.value is not None:
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
@@ -201,7 +208,11 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             if tag.startswith("q:"):
                 to_grad.setdefault(tag, _loss_hop(scope, node, "stored as .grad", ctx.path))
         if not (st.nograd or scope.nograd):
-            found.extend(_manual_update(ctx, flow, st, params))
+            for f in _manual_update(ctx, flow, st, params):
+                if f.code == "WB205":
+                    pending.append((node.lineno, f))
+                else:
+                    found.append(f)
         found.extend(_mean_over_steps(ctx, flow, st, periods))
     origins = flow.origins
     for tag, hop in to_loss.items():
@@ -217,8 +228,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 line=o.line,
                 col=o.col,
                 code="WB101",
-                message=f"`{o.name}` is filled by torch.distributed.all_gather, which carries no "
-                f"gradient, and {where}: the other ranks' terms get no gradient{partial}"
+                message=f"{o.clause}, and {where}: the other ranks' terms get no gradient{partial}"
                 f"{path_text}",
                 fix=RULES["WB101"].fix,
                 trace=trace,
@@ -243,6 +253,51 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             )
         )
     return found, returned_tags(flow.returns)
+
+
+def _note_assigned(node: ast.stmt, assigned: dict[str, int]) -> None:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.AsyncFor):
+        targets = [node.target]
+    for t in targets:
+        for x in ast.walk(t):
+            if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+                assigned[d] = node.lineno
+
+
+def _reused_graph(
+    flow: Flow, ev: Event, pending: list[tuple[int, Finding]], assigned: dict[str, int]
+) -> list[Finding]:
+    """The pending `.data` updates that this backward makes harmful: its loss reads the
+    output of a forward pass (`T`) assigned before the update, so the graph it runs
+    through saved the old value. A graph rebuilt after the update (the next step's
+    forward) is not affected: the update then equals a `no_grad` one."""
+    out: list[Finding] = []
+    reads = {d for loss in ev.losses for d in _read_names(loss)}
+    for line, f in list(pending):
+        old = [n for n in reads if assigned.get(n, line) < line and "T" in flow.t.get(n, ())]
+        if old:
+            out.append(
+                replace(
+                    f,
+                    message=f"{f.message}: `{sorted(old)[0]}` was computed before this update "
+                    f"and is backpropagated at line {_line_of(ev)}",
+                )
+            )
+            pending.remove((line, f))
+    return out
+
+
+def _read_names(node: ast.expr) -> Iterator[str]:
+    for x in ast.walk(node):
+        if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+            yield d
+
+
+def _line_of(ev: Event) -> int:
+    return getattr(ev.node, "lineno", 0)
 
 
 def _short(node: ast.AST) -> str:

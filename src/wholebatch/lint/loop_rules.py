@@ -104,7 +104,9 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             # one), else the helper may be a whole training step with its own zeroing.
             if step.synthetic and not any(e.certain for e in backs):
                 break
-            if not any(e.kind in (ZERO, SETGRAD) for e in inside):
+            if not any(e.kind in (ZERO, SETGRAD) for e in inside) and not _fresh_each_iteration(
+                scope, loop, step.recv
+            ):
                 own = [e for e in backs if not e.synthetic]
                 back = (
                     "calls backward"
@@ -123,6 +125,26 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 yield replace(f, trace=trace)
                 break
             break
+
+
+def _fresh_each_iteration(scope: Scope, loop: ast.stmt, recv: str) -> bool:
+    """Is optimizer `recv` built inside `loop`, over tensors also made inside it
+    (`x = latents.detach().requires_grad_(); opt = SGD([x])`)? Then every iteration
+    starts from new leaves with no gradient: nothing piles up."""
+    if not recv:
+        return False
+    made: set[str] = set()
+    params: set[str] | None = None
+    for st in scope.stmts:
+        if not any(outer is loop for outer in st.loops):
+            continue
+        node = st.node
+        if isinstance(node, ast.Assign):
+            targets = {d for t in node.targets if (d := dotted(t)) is not None}
+            if recv in targets and isinstance(node.value, ast.Call) and node.value.args:
+                params = {x.id for x in ast.walk(node.value.args[0]) if isinstance(x, ast.Name)}
+            made |= {x.id for t in node.targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+    return bool(params) and params is not None and params <= made
 
 
 # -- WB202 ------------------------------------------------------------------------------

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
     "DIST_GATHERS",
     "Imports",
     "dotted",
-    "is_nograd_context",
     "is_nonfinite_test",
+    "is_on_replica_group",
     "is_on_subgroup",
     "is_optimizer_name",
     "is_rank_local_test",
@@ -220,16 +220,13 @@ class Imports:
 
     aliases: dict[str, str] = field(default_factory=dict)
     relative: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # module-level `name = a.b.c` assignments, resolved by `finish` once every import is known
+    _bound: list[tuple[str, ast.expr]] = field(default_factory=list)
 
-    @classmethod
-    def of(cls, tree: ast.AST) -> Imports:
-        """Collect the import aliases of a module (imports inside functions included)."""
-        out = cls()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                out.add(node)
-        out.finish()
-        return out
+    def bind(self, name: str, value: ast.expr) -> None:
+        """`name = torch.distributed.all_gather` at module level: `name` is another name
+        for what `value` names (resolved through the imports by `finish`)."""
+        self._bound.append((name, value))
 
     def add(self, node: ast.Import | ast.ImportFrom) -> None:
         """Record the names one import statement binds."""
@@ -250,7 +247,8 @@ class Imports:
                 self.relative[a.asname or a.name] = (node.level, prefix + a.name)
 
     def finish(self) -> None:
-        """Add the conventional names snippets use without importing (notebooks, docs)."""
+        """Add the conventional names snippets use without importing (notebooks, docs),
+        then the module-level aliases (`gather = dist.all_gather`) of imported names."""
         for name, full in (
             ("torch", "torch"),
             ("dist", "torch.distributed"),
@@ -258,6 +256,12 @@ class Imports:
             ("F", "torch.nn.functional"),
         ):
             self.aliases.setdefault(name, full)
+        for name, value in self._bound:
+            d = dotted(value)
+            if d is not None and d.split(".")[0] in self.aliases and name not in self.aliases:
+                meant = self.qualname(value)
+                if meant is not None:
+                    self.aliases[name] = meant
 
     def qualname(self, node: ast.expr) -> str | None:
         """The fully qualified dotted name of `node`, resolving the root through imports."""
@@ -312,11 +316,6 @@ def is_scaler_name(name: str) -> bool:
     return "scaler" in name.lower()
 
 
-def is_nograd_context(imports: Imports, with_node: ast.With | ast.AsyncWith) -> bool:
-    """Does this `with` turn gradient recording off for its body?"""
-    return any(imports.is_no_grad_call(item.context_expr) for item in with_node.items)
-
-
 def is_rank_ref(node: ast.AST) -> bool:
     """Is `node` a rank (`rank`, `self.local_rank`, `dist.get_rank()`, `is_main_process`)?"""
     if isinstance(node, ast.Name):
@@ -338,6 +337,26 @@ def is_on_subgroup(call: ast.Call) -> bool:
     return False
 
 
+# Groups whose ranks hold the same batch and replicate the computation (Megatron's tensor
+# and model parallelism): a gather over one is followed by the same computation on every
+# rank of it, so each rank's gradient for its own slice is already the whole gradient.
+_REPLICA_GROUP_RE = re.compile(
+    r"tensor_model_parallel|tensor_parallel|model_parallel|\btp_?group|_tp_group|\bmp_?group",
+    re.IGNORECASE,
+)
+
+
+def is_on_replica_group(call: ast.Call) -> bool:
+    """`dist.all_gather(parts, x, group=get_tensor_model_parallel_group())`: a collective
+    over the ranks of a tensor/model-parallel group (they see the same batch)."""
+    group: ast.expr | None = next(
+        (k.value for k in call.keywords if k.arg in ("group", "process_group", "pg")), None
+    )
+    if group is None and len(call.args) >= 3:
+        group = call.args[2]
+    return group is not None and _REPLICA_GROUP_RE.search(ast.unparse(group)) is not None
+
+
 def _is_membership(test: ast.expr) -> bool:
     """`rank in ranks`: a sub-group test; collectives on that sub-group are fine inside."""
     return any(
@@ -346,19 +365,55 @@ def _is_membership(test: ast.expr) -> bool:
     )
 
 
+def _int(node: ast.expr) -> int | None:
+    """The value of an integer literal (`3`, `-1`), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int(node.operand)
+        return None if inner is None else -inner
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    return None
+
+
+# `rank OP c` for every rank r = 0, 1, 2, ...: true on all of them, or on none.
+_SAME_ON_EVERY_RANK: dict[type[ast.cmpop], Callable[[int], bool]] = {
+    ast.GtE: lambda c: c <= 0,  # rank >= 0 (all), or >= a negative number
+    ast.Gt: lambda c: c < 0,  # rank > -1
+    ast.Lt: lambda c: c <= 0,  # rank < 0 (none)
+    ast.LtE: lambda c: c < 0,  # rank <= -1 (none)
+    ast.Eq: lambda c: c < 0,  # rank == -1 (none: the "not distributed" sentinel)
+    ast.NotEq: lambda c: c < 0,  # rank != -1 (all)
+}
+_FLIPPED: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Gt: ast.Lt,
+    ast.Lt: ast.Gt,
+    ast.GtE: ast.LtE,
+    ast.LtE: ast.GtE,
+    ast.Eq: ast.Eq,
+    ast.NotEq: ast.NotEq,
+}
+
+
 def _is_distributed_test(node: ast.Compare) -> bool:
-    """`local_rank != -1` / `rank is None`: "are we distributed at all", true on every rank."""
+    """A comparison with the same outcome on every rank: `local_rank != -1` and `rank is
+    None` ("are we distributed at all"), `rank >= 0`, `rank < world_size`."""
     others = [node.left, *node.comparators]
-    return any(
-        (isinstance(o, ast.Constant) and o.value is None)
-        or (
-            isinstance(o, ast.UnaryOp)
-            and isinstance(o.op, ast.USub)
-            and isinstance(o.operand, ast.Constant)
-            and o.operand.value == 1
-        )
-        for o in others
-    )
+    if any(isinstance(o, ast.Constant) and o.value is None for o in others):
+        return True
+    if len(node.ops) != 1:
+        return False
+    left, op, right = node.left, node.ops[0], node.comparators[0]
+    if is_rank_ref(right) and not is_rank_ref(left):
+        left, right = right, left
+        op = _FLIPPED.get(type(op), ast.Is)()
+    if not is_rank_ref(left):
+        return False
+    c = _int(right)
+    if c is not None:
+        same = _SAME_ON_EVERY_RANK.get(type(op))
+        return same is not None and same(c)
+    # `rank < world_size`: every rank is below the world size
+    return isinstance(op, ast.Lt) and "world" in (dotted(right) or ast.unparse(right)).lower()
 
 
 def is_rank_test(test: ast.expr) -> bool:

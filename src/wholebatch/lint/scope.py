@@ -63,6 +63,22 @@ _ZERO_FUNCS = frozenset(
 # Receivers whose `.backward(loss)` takes the loss as an argument (accelerate, fabric, deepspeed).
 _BACKWARD_WRAPPERS = frozenset({"accelerator", "fabric", "engine", "model_engine", "trainer"})
 _NOT_OPTIMIZER = frozenset({"Accumulator", "CachedStep"})
+# Gathers that return their output and carry a gradient (with gradients on): Horovod's,
+# torch.distributed.nn's, wholebatch's.
+_DIFFERENTIABLE_GATHERS = frozenset(
+    {
+        "horovod.torch.allgather",
+        "horovod.torch.mpi_ops.allgather",
+        "torch.distributed.nn.all_gather",
+        "torch.distributed.nn.functional.all_gather",
+        "wholebatch.all_gather",
+        "wholebatch.comm.all_gather",
+    }
+)
+# Framework gathers that never carry one, by method and owner: accelerate's `gather`,
+# Lightning's `all_gather` (unless `sync_grads=True`).
+_FRAMEWORK_GATHERS = {"gather": ("accelerator",), "all_gather": ("self", "fabric")}
+_VALUE_GATHER_NAMES = frozenset({"allgather", "all_gather", "gather"})
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
 _T = TypeVar("_T")
 _Loop = ast.For | ast.AsyncFor | ast.While
@@ -194,6 +210,8 @@ class Scope:
         local_calls: calls that may resolve to a function the linter knows (`f()`,
             `self.m()`, `mod.f()`, `super().m()`), each with its place (Event fields).
         plain_gathers: the c10d all-gather calls (no gradient on their output).
+        value_gathers: a gather that returns its output may run without a gradient here
+            (`FileContext.value_gather`).
     """
 
     node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef
@@ -211,6 +229,7 @@ class Scope:
     mods: list[ast.BinOp] = field(default_factory=list)
     local_calls: list[tuple[ast.Call, dict[str, Any]]] = field(default_factory=list)
     plain_gathers: list[ast.Call] = field(default_factory=list)
+    value_gathers: bool = False
     raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
     linked: bool = False
     _collectives: list[tuple[str, ast.Call]] | None = None
@@ -286,6 +305,8 @@ class FileContext:
         self.constructed: dict[str, str] = {}
         # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
         self.applies: list[tuple[str, bool]] | None = None
+        # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
+        self.apply_aliases: dict[str, str] = {}
         self.layers: dict[int, str] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
@@ -428,6 +449,8 @@ class FileContext:
                     scope.has_exit = True
                 elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Call):
                     self._assign_calls.append((st.value.func, st.targets))
+                elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Attribute):
+                    self._alias(scope, st.targets, st.value)
                 scope.stmts.append(at.stmt(st))
                 self._events(scope, st, at)
 
@@ -459,6 +482,20 @@ class FileContext:
             if last_name(call.func) in DIST_GATHERS:
                 scope.has_gather = True
 
+    def _alias(self, scope: Scope, targets: list[ast.expr], value: ast.Attribute) -> None:
+        """`allgather = AllGather.apply` (or `self.gather = ...`): a call of the name is a
+        use of the Function; `gather = dist.all_gather` at module level: another name for
+        the collective."""
+        if value.attr == "apply" and isinstance(value.value, ast.Name):
+            for t in targets:
+                d = dotted(t)
+                if d is not None:
+                    self.apply_aliases[d] = value.value.id
+        elif isinstance(scope.node, ast.Module) and len(targets) == 1:
+            t = targets[0]
+            if isinstance(t, ast.Name):
+                self.imports.bind(t.id, value)
+
     # -- classification -----------------------------------------------------------------
 
     def _classify_scope(self, scope: Scope) -> None:
@@ -474,6 +511,12 @@ class FileContext:
                 scope.events.append(Event(kind=kind, node=node, recv="", **where))
                 continue
             ev = self._classify(node)
+            if ev is not None and ev[0] == BACKWARD and self._context_backward(node):
+                # torch.distributed.autograd: each `dist_autograd.context()` holds its own
+                # gradients, so every backward starts from zero (a zeroing, then backward).
+                scope.events.append(
+                    Event(kind=ZERO, node=node, recv="", synthetic=True, certain=True, **where)
+                )
             if ev is not None:
                 kind, recv, losses, scaler, bare = ev
                 scope.events.append(
@@ -497,11 +540,55 @@ class FileContext:
             ):
                 scope.local_calls.append((node, where))
         scope.raw = []
+        if not self.source or "gather" in self.source:
+            scope.value_gathers = any(
+                self.value_gather(c, nograd=True) is not None for c in scope.calls
+            )
         if not self.source or "all_gather" in self.source:
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`
             scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]
         else:
             scope.plain_gathers = []
+
+    def value_gather(self, call: ast.Call, *, nograd: bool) -> str | None:
+        """Why `call`'s output has no gradient here, if it is a gather that returns it
+        ("no_grad", or the framework's reason; `nograd`: recording is off where it runs): a
+        differentiable gather (Horovod's, torch.distributed.nn's, wholebatch's) under
+        no_grad, or a framework gather that never carries one (accelerate's
+        `accelerator.gather`, Lightning's `self.all_gather` / `fabric.all_gather`
+        without `sync_grads=True`). None for any other call."""
+        func = call.func
+        if last_name(func) not in _VALUE_GATHER_NAMES:
+            return None
+        q = self.imports.qualname(func) or ""
+        if q in _DIFFERENTIABLE_GATHERS:
+            return "no_grad" if nograd else None
+        if not isinstance(func, ast.Attribute):
+            return None
+        owner = last_name(func.value)
+        if owner not in _FRAMEWORK_GATHERS.get(func.attr, ()) or q.startswith("torch."):
+            return None
+        if func.attr == "all_gather":
+            if owner == "self" and not self.is_lightning:
+                return None  # a method of the user's own class
+            sync = next((k.value for k in call.keywords if k.arg == "sync_grads"), None)
+            if sync is not None and not (isinstance(sync, ast.Constant) and not sync.value):
+                return None  # `sync_grads=True` (or a flag we cannot read): differentiable
+        if func.attr == "gather":
+            return "accelerate's gather is not differentiable"
+        return "Lightning's all_gather carries one only with sync_grads=True"
+
+    @property
+    def is_lightning(self) -> bool:
+        """Does the file define a LightningModule (so `self.all_gather` is Lightning's)?"""
+        return any(
+            last_name(b) in ("LightningModule", "LitModule") for c in self.classes for b in c.bases
+        )
+
+    def _context_backward(self, call: ast.Call) -> bool:
+        """`dist_autograd.backward(context_id, [loss])` (torch.distributed.autograd)."""
+        q = self.imports.qualname(call.func) or ""
+        return q == "torch.distributed.autograd.backward"
 
     def _classify(self, call: ast.Call) -> tuple[str, str, tuple[ast.expr, ...], bool, bool] | None:
         """(kind, recv, losses, scaler, bare) for a training-loop call, else None."""
@@ -520,6 +607,8 @@ class FileContext:
         attr, recv = func.attr, func.value
         if attr in ("backward", "manual_backward"):
             q = self.imports.qualname(recv)
+            if q == "torch.distributed.autograd":
+                return BACKWARD, "", tuple(call.args[1:2]), False, True
             if (
                 q in ("torch.autograd", "torch")
                 or attr == "manual_backward"

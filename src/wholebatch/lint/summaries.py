@@ -31,7 +31,7 @@ from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.names import dotted, is_on_subgroup, last_name
+from wholebatch.lint.names import dotted, is_on_replica_group, is_on_subgroup, last_name
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -325,6 +325,9 @@ class Resolver:
         collective: tuple[str, tuple[Hop, ...]] | None = None
         reduces = False
         gathers = bool(scope.plain_gathers)
+        nograd_gathers = scope.value_gathers
+        # all of its gathers (its own and its callees') over tensor/model-parallel groups
+        replicated = all(is_on_replica_group(c) for c in scope.plain_gathers)
         colls = scope.collectives(ctx.imports) if _may_call_collective(ctx) else []
         if colls:
             reduces = True
@@ -349,6 +352,8 @@ class Resolver:
             f = r[0]
             reduces = reduces or f.reduces
             gathers = gathers or f.gathers
+            nograd_gathers = nograd_gathers or f.nograd_gathers
+            replicated = replicated and (f.replicated or not f.gathers)
             if collective is None and f.collective is not None:
                 if on_path_calls is None:
                     on_path_calls = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
@@ -361,8 +366,9 @@ class Resolver:
                         note=f"calls `{_callee_text(call)}`",
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
-        mean = not gathers and _may_return_mean(scope)
-        if not (effects or collective or reduces or gathers or mean):
+        tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
+        mean = not tagged and _may_return_mean(scope)
+        if not (effects or collective or reduces or tagged or mean):
             return shell
         out = replace(
             shell,
@@ -370,20 +376,25 @@ class Resolver:
             collective=collective,
             reduces=reduces,
             gathers=gathers,
+            nograd_gathers=nograd_gathers,
+            replicated=gathers and replicated,
         )
-        if (gathers or mean) and self.returns_fn is not None:
+        if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
         return out
 
     def scope_gathers(self, scope: Scope) -> bool:
-        """Does this scope fill a tensor by c10d all-gather, itself or through a call?"""
+        """Does this scope gather without a gradient (a c10d all-gather, or a gather that
+        returns its output and may have none here), itself or through a call?"""
         if not isinstance(scope.node, ast.Module):
-            return self.facts(scope.node).gathers
-        if scope.plain_gathers:
+            f = self.facts(scope.node)
+            return f.gathers or f.nograd_gathers
+        if scope.plain_gathers or scope.value_gathers:
             return True
         return any(
-            (r := self.resolve(c, scope)) is not None and r[0].gathers for c, _ in scope.local_calls
+            (r := self.resolve(c, scope)) is not None and (r[0].gathers or r[0].nograd_gathers)
+            for c, _ in scope.local_calls
         )
 
     # -- synthetic events -----------------------------------------------------------------
