@@ -105,6 +105,32 @@ def main(net, data):
     trainer.fit(Classifier(net), data)
 """
 
+_LIGHTNING_TOKENS = """
+import lightning as L
+import torch.nn.functional as F
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        logits = self.net(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        return loss{mark}
+"""
+_LIGHTNING_TRAIN = """
+import lightning as L
+
+from module import CausalLM
+
+
+def main(net, data):
+    trainer = L.Trainer(max_steps=100, accumulate_grad_batches={k})
+    trainer.fit(CausalLM(net), data)
+"""
+
 _HOROVOD = """
 import horovod.torch as hvd
 import torch
@@ -345,6 +371,16 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
                 hook="on_before_optimizer_step", args=", optimizer", mark=""
             ),
             "main.py": _LIGHTNING_MAIN,
+        },
+    ),
+    "lightning-accumulation": (
+        {
+            "module.py": _LIGHTNING_TOKENS.format(mark="  # expect: WB301"),
+            "train.py": _LIGHTNING_TRAIN.format(k=8),
+        },
+        {
+            "module.py": _LIGHTNING_TOKENS.format(mark=""),
+            "train.py": _LIGHTNING_TRAIN.format(k=1),
         },
     ),
     "horovod-nograd-gather": (

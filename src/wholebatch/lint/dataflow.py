@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-import re
 from collections.abc import Iterator
 from dataclasses import replace
 
 from wholebatch.lint.facts import Facts, Origin
-from wholebatch.lint.names import dotted, is_rank_ref, last_name
+from wholebatch.lint.names import counts_items, dotted, is_rank_ref, last_name
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver
@@ -60,8 +59,6 @@ _REDUCERS = frozenset(
     {"sum", "mean", "add", "add_", "reduce", "nansum", "sum_to_size", "all_reduce", "fsum"}
 )
 _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
-# Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
-_COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
 _BUILTINS = frozenset(dir(builtins))
 # What a tag becomes where it meets a similarity product (see `m:` and `N:`).
 _MET = {"m:": "g:", "n:": "N:"}
@@ -179,7 +176,7 @@ class Flow:
                 product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
-                elif isinstance(n.op, ast.Div) and self._counts_items(n.right):
+                elif isinstance(n.op, ast.Div) and counts_items(n.right):
                     out.add("V")
         out.discard("C")
         if product and any(t[:2] in ("m:", "n:") for t in out):
@@ -337,15 +334,6 @@ class Flow:
         if "T" in vt:
             return {f"m:{gtag[2:]}"}
         return set()
-
-    @staticmethod
-    def _counts_items(node: ast.expr) -> bool:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call) and last_name(n.func) in ("sum", "count_nonzero"):
-                return True
-            if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
-                return True
-        return False
 
     # -- writing ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.flow_rules import attach, check_flow
+from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
@@ -199,6 +200,8 @@ def _analyse(
     gate: bool,
 ) -> ModuleFacts | None:
     """Run the enabled rules over one file into `out`; its summaries for other files."""
+    if program is not None:
+        ctx.evidence = program.evidence
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -563,6 +566,7 @@ def lint_paths(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
+    program.evidence = Evidence.of(sources.values())
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}

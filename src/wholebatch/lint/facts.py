@@ -13,6 +13,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.rules import Hop
 
 __all__ = ["Effect", "Facts", "ModuleFacts", "Origin", "Origins", "Program"]
@@ -203,6 +204,7 @@ class Program:
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
         self.open_layers = False  # a WB102 finding waits on uses in other files
+        self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
-from wholebatch.lint.names import dotted, last_name
+from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class
+from wholebatch.lint.names import dotted, is_step_count_name, last_name
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
 from wholebatch.lint.summaries import Resolver
@@ -24,9 +25,6 @@ from wholebatch.lint.summaries import Resolver
 __all__ = ["attach", "check_flow"]
 
 _INPLACE = frozenset({"sub_", "add_", "addcdiv_", "addcmul_", "mul_", "div_", "copy_", "lerp_"})
-_ACCUM_RE = re.compile(
-    r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
-)
 
 
 def _text(node: ast.expr) -> str:
@@ -95,11 +93,19 @@ def _modulo_denominators(scope: Scope) -> set[str]:
     }
 
 
-def _is_accum_count(node: ast.expr, periods: set[str]) -> bool:
-    if isinstance(node, ast.Call) and last_name(node.func) == "len" and node.args:
-        return _is_accum_count(node.args[0], periods)
+def _is_accum_count(
+    node: ast.expr, periods: set[str], steps: Callable[[ast.Call], bool] | None = None
+) -> bool:
+    """Is `node` the number of accumulation steps: a name for it, the period of the
+    scope's `% k == 0`, `len()` of one, or a call that returns one (named for it,
+    `cfg.accumulation_iters(step)`, or a function of the run that returns such a
+    name, `steps(call)`)?"""
+    if isinstance(node, ast.Call):
+        if last_name(node.func) == "len" and node.args:
+            return _is_accum_count(node.args[0], periods)
+        return is_step_count_name(last_name(node.func)) or (steps is not None and steps(node))
     if isinstance(node, ast.Name | ast.Attribute):
-        return _text(node) in periods or _ACCUM_RE.search(last_name(node)) is not None
+        return _text(node) in periods or is_step_count_name(last_name(node))
     return False
 
 
@@ -148,15 +154,37 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
 
 def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Finding]:
     # Each rule needs one of these; most scopes of a large package have none.
+    steps = _steps_calls(resolver, scope)
     accum = bool(scope.divs) and any(
         _is_accum_count(
-            d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope)
+            d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope), steps
         )
         for d in scope.divs
     )
+    if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
+        accum = True  # a framework that divides by the steps itself
+    if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
+        accum = lightning_class(scope.cls)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
+
+
+def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]:
+    """Is a call one of a function of the run that returns a number of steps?"""
+
+    def steps(call: ast.Call) -> bool:
+        r = resolver.resolve(call, scope)
+        return r is not None and r[0].steps
+
+    return steps
+
+
+def _accumulates(node: ast.With | ast.AsyncWith) -> bool:
+    return any(
+        isinstance(i.context_expr, ast.Call) and last_name(i.context_expr.func) == "accumulate"
+        for i in node.items
+    )
 
 
 def _loss_hop(scope: Scope, node: ast.AST, note: str, path: str) -> Hop:
@@ -175,8 +203,14 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         id(e.node): e for e in scope.events if e.kind == BACKWARD and not e.synthetic
     }
     loss_fn = _is_loss_function(scope)
+    lightning_step = (
+        scope.name == "training_step"
+        and ctx.evidence.lightning_accumulates
+        and lightning_class(scope.cls)
+    )
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
+    steps = _steps_calls(ctx.resolver, scope) if ctx.resolver is not None else None
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
@@ -190,6 +224,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             if ev is not None:
                 if pending:
                     found += _reused_graph(flow, ev, pending, assigned)
+                if isinstance(sub, ast.Call):
+                    found += _framework_divides(ctx, flow, scope, sub, ev)
                 for loss in ev.losses:
                     for tag in sorted(flow.tags(loss)):
                         if tag.startswith("g:"):
@@ -197,6 +233,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                             to_loss.setdefault(tag, hop)
         _note_assigned(node, assigned)
         if isinstance(node, ast.Return) and node.value is not None:
+            if lightning_step:
+                found += _lightning_divides(ctx, flow, node)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs
@@ -213,7 +251,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                     pending.append((node.lineno, f))
                 else:
                     found.append(f)
-        found.extend(_mean_over_steps(ctx, flow, st, periods))
+        found.extend(_mean_over_steps(ctx, flow, st, periods, steps))
     origins = flow.origins
     for tag, hop in to_loss.items():
         o = origins.get(tag)
@@ -253,6 +291,33 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             )
         )
     return found, returned_tags(flow.returns)
+
+
+def _framework_divides(
+    ctx: FileContext, flow: Flow, scope: Scope, call: ast.Call, ev: Event
+) -> list[Finding]:
+    """WB301 where the framework divides by the accumulation steps itself (no `/ k` in
+    the source): a per-micro-batch mean backpropagated by `accelerator.backward` inside
+    `accelerator.accumulate()` (`frameworks.divides_by_steps`)."""
+    fact = divides_by_steps(call, scope.withs)
+    if fact is None or not ev.losses:
+        return []
+    loss = ev.losses[0]
+    msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
+    return [_finding(ctx, call, "WB301", msg)] if msg else []
+
+
+def _lightning_divides(ctx: FileContext, flow: Flow, node: ast.Return) -> list[Finding]:
+    """WB301 for a LightningModule's `training_step` that returns a per-micro-batch mean
+    while the Trainer accumulates (`frameworks.FACTS["lightning-accumulation"]`)."""
+    assert node.value is not None
+    loss_fn = not isinstance(node.value, ast.Dict)  # the whole value, or its "loss" entries
+    out: list[Finding] = []
+    for loss in _returned_losses(node.value, loss_fn):
+        msg = _msg301(ctx, flow.tags(loss), loss, None, by=FACTS["lightning-accumulation"].says)
+        if msg:
+            out.append(_finding(ctx, node, "WB301", msg))
+    return out
 
 
 def _note_assigned(node: ast.stmt, assigned: dict[str, int]) -> None:
@@ -382,11 +447,15 @@ def _manual_update(ctx: FileContext, flow: Flow, st: Stmt, params: set[str]) -> 
 
 
 def _mean_over_steps(
-    ctx: FileContext, flow: Flow, st: Stmt, periods: set[str]
+    ctx: FileContext,
+    flow: Flow,
+    st: Stmt,
+    periods: set[str],
+    steps: Callable[[ast.Call], bool] | None,
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
-        if _is_accum_count(node.value, periods):
+        if _is_accum_count(node.value, periods, steps):
             msg = _msg301(ctx, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
@@ -395,7 +464,7 @@ def _mean_over_steps(
         if (
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
-            and _is_accum_count(sub.right, periods)
+            and _is_accum_count(sub.right, periods, steps)
         ):
             msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
             if msg:
@@ -405,25 +474,29 @@ def _mean_over_steps(
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")
 
 
-def _msg301(ctx: FileContext, tags: set[str], loss: ast.expr, steps: ast.expr) -> str:
+def _msg301(
+    ctx: FileContext, tags: set[str], loss: ast.expr, steps: ast.expr | None, *, by: str = ""
+) -> str:
     """The WB301 message for a loss with these tags divided by the step count; "" for none.
 
     A mean over a count the code shows to vary (`V`) is always reported. The `loss`
     field of a model's output (`v`) is a mean over items the linter cannot count: exact
     when every micro-batch has the same item count, so it is left alone where the file
-    builds fixed-size batches (`drop_last=True`), and reported with that condition
-    otherwise."""
+    builds fixed-size batches (`drop_last=True`) or where nothing in the run trains on
+    tokens (`frameworks.Evidence.tokens`: images and rows keep their count with
+    `drop_last`, padded tokens do not), and reported with that condition otherwise."""
+    divided = f"divided by `{_text(steps)}`" if steps is not None else f"and {by}"
     if "V" in tags:
         return (
             f"`{_text(loss)}` is a mean over a data-dependent number of items (tokens, "
-            f"ignore_index) divided by `{_text(steps)}`: micro-batches with fewer items weigh "
+            f"ignore_index) {divided}: micro-batches with fewer items weigh "
             "more, so the sum is not the whole-batch mean"
         )
-    if "v" not in tags or _FIXED_SIZE_RE.search(ctx.source):
+    if "v" not in tags or not ctx.evidence.tokens or _FIXED_SIZE_RE.search(ctx.source):
         return ""
     return (
         f"`{_text(loss)}` is a model's mean loss over the items of its micro-batch (tokens "
-        f"or rows) divided by `{_text(steps)}`: exact only if every micro-batch has the same "
+        f"or rows) {divided}: exact only if every micro-batch has the same "
         "item count (fixed-size batches, no padding tokens); where the count varies, "
         "micro-batches with fewer items weigh more"
     )

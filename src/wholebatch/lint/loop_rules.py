@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
+from wholebatch.lint.frameworks import scaled_grads_hook
 from wholebatch.lint.names import dotted, last_name, names_in, walk_local
 from wholebatch.lint.rules import Finding, format_trace
 from wholebatch.lint.scope import (
@@ -282,6 +283,22 @@ def _computed_loss(scope: Scope, loop: ast.stmt | None) -> str | None:
 
 def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     seq = scope.events
+    fact = scaled_grads_hook(scope.cls, scope.name, ctx.evidence)
+    if fact is not None:
+        # A framework hook that runs before the framework unscales (Lightning's
+        # `on_after_backward` under 16-bit mixed precision): every clip here is early.
+        for clip in seq:
+            if clip.kind == CLIP and clip.certain:
+                yield _finding(
+                    ctx,
+                    clip.node,
+                    "WB303",
+                    f"gradients are clipped in `{scope.qual}`, but {fact.says}: the threshold "
+                    "applies to gradients multiplied by the loss scale; clip in "
+                    "`configure_gradient_clipping` (or `on_before_optimizer_step`), or set "
+                    "`Trainer(gradient_clip_val=...)`",
+                )
+        return
     for i, clip in enumerate(seq):
         if clip.kind != CLIP or clip.synthetic:
             continue

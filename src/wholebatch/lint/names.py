@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "DIST_GATHERS",
     "Imports",
+    "counts_items",
     "dotted",
     "is_nonfinite_test",
     "is_on_replica_group",
@@ -25,6 +26,7 @@ __all__ = [
     "is_rank_ref",
     "is_rank_test",
     "is_scaler_name",
+    "is_step_count_name",
     "last_name",
     "names_in",
     "walk_local",
@@ -309,6 +311,37 @@ def is_optimizer_name(name: str) -> bool:
     if "sched" in low or "scaler" in low or low.startswith("option"):
         return False
     return "optim" in low or low in _OPT_CLASSES or _OPT_RE.search(name) is not None
+
+
+# Names of a count of accumulation steps: `accum_steps`, `gradient_accumulation_steps`,
+# `update_freq`, `num_micro_batches`, `cfg.accumulation_iters(...)`.
+_STEPS_RE = re.compile(
+    r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
+)
+# Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
+_COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
+
+
+def is_step_count_name(name: str) -> bool:
+    """Does an identifier read like a number of accumulation steps?"""
+    return _STEPS_RE.search(name) is not None
+
+
+def counts_items(node: ast.expr) -> bool:
+    """Does `node` count the items of a micro-batch: a whole `mask.sum()` (no `dim`),
+    `count_nonzero`, a `num_tokens`-like name? A per-row count (`mask.sum(-1)`) is
+    not: dividing by it gives per-row means, which a later `.mean()` averages over rows."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr == "count_nonzero" or (
+                n.func.attr == "sum" and not n.args and not any(k.arg == "dim" for k in n.keywords)
+            ):
+                return True
+        elif isinstance(n, ast.Call) and last_name(n.func) == "count_nonzero":
+            return True
+        if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
+            return True
+    return False
 
 
 def is_scaler_name(name: str) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.guard import Failures
 from wholebatch.lint.names import (
     DIST_GATHERS,
@@ -296,6 +297,8 @@ class FileContext:
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
         self.flow_results: Results | None = None  # set by flow_rules.attach
+        # What the run's text shows (the whole run's, set by `engine`; else this file's).
+        self._evidence: Evidence | None = None
         self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
         # The rules to run here (None: all): the enabled ones whose gate is open, set by
         # `engine` from each rule's words (`rules.Rule.words`).
@@ -318,6 +321,18 @@ class FileContext:
     def guarded(self, scope: Scope, fn: Callable[[], list[_T]]) -> list[_T]:
         """`fn()` for one scope; an internal error there is noted (WB001), giving []."""
         return self.failures.run(scope.qual, scope.line, fn, [])
+
+    @property
+    def evidence(self) -> Evidence:
+        """What the text of the run shows (`frameworks.Evidence`): the whole run's when
+        `engine` lints a tree, else this file's own."""
+        if self._evidence is None:
+            self._evidence = Evidence.of([self.source])
+        return self._evidence
+
+    @evidence.setter
+    def evidence(self, value: Evidence) -> None:
+        self._evidence = value
 
     def runs(self, code: str) -> bool:
         """Is rule `code` to be checked in this file?"""
@@ -637,6 +652,8 @@ class FileContext:
             q = self.imports.qualname(func) or ""
             if q.startswith("torch.nn.utils") or ".utils." in f".{q}":
                 return CLIP, "", (), False, True
+        if attr == "clip_gradients" and isinstance(recv, ast.Name) and recv.id == "self":
+            return CLIP, "", (), False, True  # LightningModule.clip_gradients
         return None
 
 

@@ -31,7 +31,14 @@ from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.names import dotted, is_on_replica_group, is_on_subgroup, last_name
+from wholebatch.lint.names import (
+    counts_items,
+    dotted,
+    is_on_replica_group,
+    is_on_subgroup,
+    is_step_count_name,
+    last_name,
+)
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -368,7 +375,8 @@ class Resolver:
                     collective = (f.collective[0], (hop, *f.collective[1]))
         tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
         mean = not tagged and _may_return_mean(scope)
-        if not (effects or collective or reduces or tagged or mean):
+        steps = _returns_step_count(scope)
+        if not (effects or collective or reduces or tagged or mean or steps):
             return shell
         out = replace(
             shell,
@@ -378,6 +386,7 @@ class Resolver:
             gathers=gathers,
             nograd_gathers=nograd_gathers,
             replicated=gathers and replicated,
+            steps=steps,
         )
         if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
@@ -498,8 +507,16 @@ class Resolver:
 
 
 def _may_return_mean(scope: Scope) -> bool:
-    """Does a `return` of the scope read a `loss` field (`out["loss"]`, `outputs.loss`)?
-    Then its value may be a mean over items, which its callers' WB301 needs to know."""
+    """May the scope return a mean over a micro-batch's items, which its callers' WB301
+    needs to know: a `return` that reads a `loss` field (`out["loss"]`, `outputs.loss`),
+    or a scope that computes one (`ignore_index=`, a division by `mask.sum()` or
+    `num_tokens`)? (The dataflow then says what the return value holds.)"""
+    if any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs):
+        return True
+    if any(kw.arg == "ignore_index" for c in scope.calls for kw in c.keywords) and _returns_value(
+        scope
+    ):
+        return True
     for st in scope.stmts:
         n = st.node
         if isinstance(n, ast.Return) and n.value is not None:
@@ -510,6 +527,23 @@ def _may_return_mean(scope: Scope) -> bool:
                     and x.slice.value == "loss"
                 ):
                     return True
+    return False
+
+
+def _returns_value(scope: Scope) -> bool:
+    return any(isinstance(st.node, ast.Return) and st.node.value is not None for st in scope.stmts)
+
+
+def _returns_step_count(scope: Scope) -> bool:
+    """Does the scope return a number of accumulation steps (`return self.accum_steps`)?"""
+    for st in scope.stmts:
+        n = st.node
+        if (
+            isinstance(n, ast.Return)
+            and isinstance(n.value, ast.Name | ast.Attribute)
+            and is_step_count_name(last_name(n.value))
+        ):
+            return True
     return False
 
 
