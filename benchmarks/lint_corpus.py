@@ -17,7 +17,7 @@ same verdicts.
 
 Counts: a finding judged "true" is a true positive, "false" a false positive, one not
 in the manifest is "unjudged" (printed, so it gets a verdict before any number is
-trusted); a `[[miss]]` of the manifest that is not found is a false negative.
+trusted); a "true" entry of the manifest that is not reported is a false negative.
 Precision = TP / (TP + FP), recall = TP / (TP + FN); WB000 ("expected") is left out.
 """
 
@@ -112,13 +112,15 @@ def _lint(folder: Path, src: Path | None) -> dict[str, Any]:
 
 
 def judge(repo: str, found: dict[str, Any], manifest: dict[str, Any]) -> Tally:
-    """The tally of one repository's lint output against the manifest's verdicts."""
-    verdicts = {
-        (f["repo"], f["file"], int(f["line"]), f["code"]): f
-        for f in manifest.get("finding", [])
-        if f["repo"] == repo
-    }
-    misses = [m for m in manifest.get("miss", []) if m["repo"] == repo]
+    """The tally of one repository's lint output against the manifest's verdicts.
+
+    A reported finding judged "true" is a true positive, one judged "false" a false
+    positive, one not in the manifest is unjudged; a "true" entry that is not reported
+    is a false negative (a miss). Entries in a tier the default does not report
+    (`tier = "test"`) count only when reported.
+    """
+    entries = [f for f in manifest.get("finding", []) if f["repo"] == repo]
+    verdicts = {(repo, f["file"], int(f["line"]), f["code"]): f for f in entries}
     t = Tally(files=int(found["files"]), crashes=int(bool(found.get("crash"))))
     got: set[_Key] = set()
     for f in found["findings"]:
@@ -138,12 +140,11 @@ def judge(repo: str, found: dict[str, Any], manifest: dict[str, Any]) -> Tally:
             t.fp += 1
             t.fp_reached += bool(v.get("reached", True))
             t.wrong.append((key, v["why"]))
-    for m in misses:
-        key = (repo, m["file"], int(m["line"]), m["code"])
-        if key not in got:
+    for key, v in verdicts.items():
+        if v["verdict"] == "true" and key not in got and v.get("tier", "code") == "code":
             t.fn += 1
-            t.fn_reached += bool(m.get("reached", True))
-            t.missed.append((key, m["why"]))
+            t.fn_reached += bool(v.get("reached", True))
+            t.missed.append((key, v["why"]))
     return t
 
 

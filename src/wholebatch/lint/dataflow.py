@@ -21,6 +21,8 @@ Tags:
     ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
                a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
                token mean for a language model, a row mean for a contrastive loss;
+    ``L``      the output of a forward pass given token inputs (``labels=``,
+               ``input_ids=``, ``**batch``): its ``loss`` field (``v``) is a token mean;
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
@@ -47,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from wholebatch.lint.facts import Facts, Origin
-from wholebatch.lint.names import counts_items, dotted, is_rank_ref, last_name
+from wholebatch.lint.names import counts_items, dotted, is_rank_ref, last_name, position
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver
@@ -87,9 +89,21 @@ def _to_number(func: ast.expr) -> bool:
     return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
 
 
+def _token_inputs(call: ast.Call) -> bool:
+    """Does a forward pass take token inputs, so its `loss` is a token mean: `labels=`,
+    `input_ids=`, a whole batch (`model(**batch)`), or a variable named so?"""
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg in _TOKEN_ARGS:
+            return True
+    return any(isinstance(a, ast.Name) and a.id in _TOKEN_ARGS for a in call.args)
+
+
+_TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvT" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
 
 
 class Flow:
@@ -143,6 +157,8 @@ class Flow:
                     continue  # `float(x)`, `x.item()`: a Python number, no gradient
                 if self._forward_call(n.func):
                     out.add("T")
+                    if _token_inputs(n):
+                        out.add("L")
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self.t.get(n.id, set())
@@ -192,8 +208,8 @@ class Flow:
     def _hop(self, node: ast.AST, note: str) -> Hop:
         return Hop(
             path=self.ctx.path,
-            line=node.lineno,  # type: ignore[attr-defined]
-            col=node.col_offset + 1,  # type: ignore[attr-defined]
+            line=position(node)[0],
+            col=position(node)[1],
             function=self.scope.qual,
             note=note,
         )
@@ -230,7 +246,7 @@ class Flow:
                         if any(t.startswith("G:") for t in vt):
                             out.add(new)
                         out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
-            elif tag in ("V", "v"):
+            elif tag in ("V", "v", "L"):
                 out.add(tag)
         return out
 

@@ -17,11 +17,13 @@ import os
 import re
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
+from wholebatch.lint.files import CODE, UsageError, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
@@ -39,9 +41,11 @@ from wholebatch.lint.scope import FileContext
 from wholebatch.lint.summaries import Resolver
 
 __all__ = [
+    "Report",
     "UsageError",
     "iter_python_files",
     "lint_paths",
+    "lint_run",
     "lint_source",
     "lint_tree",
     "selected_codes",
@@ -50,7 +54,6 @@ __all__ = [
 _NOQA_RE = re.compile(
     r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.IGNORECASE
 )
-_SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
 # Each rule's gate words are its own (`rules.Rule.words`); the engine maps a rule's
 # `check` family to the function that runs it.
 _Check = Callable[[FileContext], Iterable[Finding]]
@@ -59,10 +62,6 @@ _ANY_WORD = tuple(dict.fromkeys(w for r in RULES.values() for w in r.words))
 # A rule without words is never gated, so a file may hold something for it whatever
 # its text says.
 _UNGATED = any(r.check and not r.words for r in RULES.values())
-
-
-class UsageError(ValueError):
-    """A bad command line: unknown rule prefix, missing path."""
 
 
 def selected_codes(
@@ -354,40 +353,6 @@ def _lint_text(
     )
 
 
-def _read(path: Path) -> str:
-    with tokenize.open(path) as fh:  # honours a PEP 263 coding line
-        return fh.read()
-
-
-def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
-    """The `.py` files named or found (recursively) under `paths`, each once, sorted per folder.
-
-    Hidden folders, `__pycache__` and `node_modules` met while walking are skipped; a
-    path given explicitly is always used.
-
-    Raises:
-        UsageError: a path that does not exist.
-    """
-    seen: set[Path] = set()
-    for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
-                for name in sorted(files):
-                    if name.endswith(".py"):
-                        f = Path(root, name)
-                        if f not in seen:
-                            seen.add(f)
-                            yield f
-        elif p.is_file():
-            if p not in seen:
-                seen.add(p)
-                yield p
-        else:
-            raise UsageError(f"{raw}: no such file or folder")
-
-
 # Files read only for their summaries (imported by the files of the run, from their own
 # package, or by those files): at most this many, at most this many imports away, so one
 # file of a huge package stays quick to lint.
@@ -444,7 +409,7 @@ def _add_context(
             if hit is None or hit in sources or added >= _MAX_CONTEXT:
                 continue
             try:
-                sources[hit] = _read(hit)
+                sources[hit] = read(hit)
             except (OSError, UnicodeDecodeError, SyntaxError):
                 continue
             added += 1
@@ -520,17 +485,59 @@ def _place(f: Finding) -> tuple[str, int, int, str, int, str]:
     return (f.path, f.line, f.col, f.code, len(f.trace), f.message)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """What one lint run found.
+
+    Attributes:
+        findings: the findings reported, sorted by file, then place.
+        files: how many files were checked.
+        hidden: findings in test files that the run did not report (`tests=False`).
+    """
+
+    findings: list[Finding]
+    files: int
+    hidden: int = 0
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
     ignore: Sequence[str] | None = None,
+    *,
+    tests: bool = False,
 ) -> tuple[list[Finding], int]:
     """Lint every Python file under `paths`; returns (findings, number of files checked).
+
+    `lint_run` with the same arguments, for callers that need only these two.
+
+    Raises:
+        UsageError: an unknown rule prefix, or a path that does not exist.
+    """
+    report = lint_run(paths, select, ignore, tests=tests)
+    return report.findings, report.files
+
+
+def lint_run(
+    paths: Iterable[str | os.PathLike[str]],
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+    *,
+    tests: bool = False,
+) -> Report:
+    """Lint every Python file under `paths`.
 
     Calls are followed across the files of the run (module docstring). Findings come
     sorted by file, then line (whatever order `paths` are given in). A file that cannot
     be read or parsed gives a WB000 finding, an internal error a WB001 finding (`guard`),
-    never an exception.
+    never an exception. Findings in test files found under a folder of training code
+    (`files.tier_of`) are reported only with `tests=True`; each carries its tier.
+
+    Args:
+        paths: files and folders (walked recursively).
+        select: rule code prefixes to enable (default: all).
+        ignore: rule code prefixes to disable.
+        tests: also report the findings of test files found in folders.
 
     Raises:
         UsageError: an unknown rule prefix, or a path that does not exist.
@@ -538,12 +545,13 @@ def lint_paths(
     codes = selected_codes(select, ignore)
     # One order whatever order the paths were given in: the findings, and which call a
     # summary follows first, never depend on it.
-    files = sorted(set(iter_python_files(paths)), key=str)
+    walked = {w.path: w for w in walk(paths)}
+    files = sorted(walked, key=str)
     sources: dict[Path, str] = {}
     out: list[Finding] = []
     for f in files:
         try:
-            sources[f] = _read(f)
+            sources[f] = read(f)
         except (OSError, UnicodeDecodeError, SyntaxError) as err:
             if "WB000" in codes:
                 out.append(
@@ -600,6 +608,8 @@ def lint_paths(
         out.extend(found)
     seen: set[tuple[str, int, int, str]] = set()
     kept: list[Finding] = []
+    hidden = 0
+    by_path = {str(f): w for f, w in walked.items()}
     noqa: dict[str, dict[int, frozenset[str] | None]] = {}
     for hit in sorted(out, key=_place):
         key = (hit.path, hit.line, hit.col, hit.code)
@@ -612,5 +622,9 @@ def lint_paths(
         if hit.code == "WB102" and layers.settled(program, hit):
             continue
         seen.add(key)
-        kept.append(hit)
-    return kept, len(files)
+        w = by_path[hit.path]
+        if not (w.shown or tests):
+            hidden += 1
+            continue
+        kept.append(hit if w.tier == CODE else replace(hit, tier=w.tier))
+    return Report(findings=kept, files=len(files), hidden=hidden)

@@ -17,7 +17,7 @@ from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class
-from wholebatch.lint.names import dotted, is_step_count_name, last_name
+from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
 from wholebatch.lint.summaries import Resolver
@@ -190,8 +190,8 @@ def _accumulates(node: ast.With | ast.AsyncWith) -> bool:
 def _loss_hop(scope: Scope, node: ast.AST, note: str, path: str) -> Hop:
     return Hop(
         path=path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        line=position(node)[0],
+        col=position(node)[1],
         function=scope.qual,
         note=note,
     )
@@ -362,7 +362,7 @@ def _read_names(node: ast.expr) -> Iterator[str]:
 
 
 def _line_of(ev: Event) -> int:
-    return getattr(ev.node, "lineno", 0)
+    return position(ev.node)[0]
 
 
 def _short(node: ast.AST) -> str:
@@ -482,7 +482,9 @@ def _msg301(
     A mean over a count the code shows to vary (`V`) is always reported. The `loss`
     field of a model's output (`v`) is a mean over items the linter cannot count: exact
     when every micro-batch has the same item count, so it is left alone where the file
-    builds fixed-size batches (`drop_last=True`) or where nothing in the run trains on
+    builds fixed-size batches (`drop_last=True`), where the forward pass was not given
+    token inputs (`L`: `labels=`, `input_ids=`, `**batch`; a contrastive model's
+    `query=`/`passage=` loss is a mean over rows) or where nothing in the run trains on
     tokens (`frameworks.Evidence.tokens`: images and rows keep their count with
     `drop_last`, padded tokens do not), and reported with that condition otherwise."""
     divided = f"divided by `{_text(steps)}`" if steps is not None else f"and {by}"
@@ -492,7 +494,12 @@ def _msg301(
             f"ignore_index) {divided}: micro-batches with fewer items weigh "
             "more, so the sum is not the whole-batch mean"
         )
-    if "v" not in tags or not ctx.evidence.tokens or _FIXED_SIZE_RE.search(ctx.source):
+    if (
+        "v" not in tags
+        or "L" not in tags
+        or not ctx.evidence.tokens
+        or _FIXED_SIZE_RE.search(ctx.source)
+    ):
         return ""
     return (
         f"`{_text(loss)}` is a model's mean loss over the items of its micro-batch (tokens "

@@ -100,7 +100,7 @@ FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 
 # Text that shows the run trains on tokens (padded or masked sequences), so a model's
 # mean loss is over a count that varies between micro-batches.
-_TOKENS_RE = re.compile(r"\binput_ids\b|\bignore_index\b|\bpad_token_id\b|[=(,\[]\s*-100\b")
+_TOKENS_RE = re.compile(r"\binput_ids\b|\bignore_index\b|\bpad_token_id\b|[=(,\[]\s*-100(?![\d.])")
 # `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"` (16-bit float with
 # a loss scaler; "bf16" needs none).
 _FP16_RE = re.compile(r"""precision\s*[=:]\s*["']?16(?:-mixed)?\b""")

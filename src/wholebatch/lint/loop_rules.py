@@ -22,7 +22,7 @@ from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.frameworks import scaled_grads_hook
-from wholebatch.lint.names import dotted, last_name, names_in, walk_local
+from wholebatch.lint.names import dotted, last_name, names_in, position, walk_local
 from wholebatch.lint.rules import Finding, format_trace
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -57,7 +57,7 @@ def _in(loop: ast.stmt, ev: Event) -> bool:
 
 
 def _line(ev: Event) -> int:
-    return ev.node.lineno  # type: ignore[attr-defined,no-any-return]
+    return position(ev.node)[0]
 
 
 def check_loops(ctx: FileContext) -> Iterator[Finding]:

@@ -29,6 +29,7 @@ __all__ = [
     "is_step_count_name",
     "last_name",
     "names_in",
+    "position",
     "walk_local",
 ]
 
@@ -154,6 +155,12 @@ def dotted(node: ast.expr) -> str | None:
         return None
     parts.append(node.id)
     return ".".join(reversed(parts))
+
+
+def position(node: ast.AST) -> tuple[int, int]:
+    """(1-based line, 1-based column) of a node (statements and expressions have both;
+    the linter's events hold either, as `ast.AST`)."""
+    return getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1
 
 
 def last_name(node: ast.expr) -> str:
@@ -334,7 +341,9 @@ def counts_items(node: ast.expr) -> bool:
     for n in ast.walk(node):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
             if n.func.attr == "count_nonzero" or (
-                n.func.attr == "sum" and not n.args and not any(k.arg == "dim" for k in n.keywords)
+                n.func.attr == "sum"
+                and not n.args
+                and not any(k.arg in ("dim", "axis") and _is_set(k.value) for k in n.keywords)
             ):
                 return True
         elif isinstance(n, ast.Call) and last_name(n.func) == "count_nonzero":
@@ -342,6 +351,11 @@ def counts_items(node: ast.expr) -> bool:
         if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
             return True
     return False
+
+
+def _is_set(value: ast.expr) -> bool:
+    """A `dim=`/`axis=` argument that names a dimension (not `None`)."""
+    return not (isinstance(value, ast.Constant) and value.value is None)
 
 
 def is_scaler_name(name: str) -> bool:

@@ -97,6 +97,8 @@ class Finding:
             from where it starts to where it does harm, for a call into the functions
             it runs (and their files); empty when there is nothing beyond the reported
             line. The message names the path when it crosses functions.
+        tier: ``"code"`` (training code) or ``"test"`` (a test file, reported only when
+            asked: `wholebatch lint --tests`, `files.tier_of`).
     """
 
     path: str
@@ -106,6 +108,7 @@ class Finding:
     message: str
     fix: str
     trace: tuple[Hop, ...] = ()
+    tier: str = "code"
 
 
 # Gate words shared by a family of rules. A collective needs torch.distributed (imported,

@@ -25,6 +25,7 @@ from wholebatch.lint.names import (
     is_optimizer_name,
     is_scaler_name,
     last_name,
+    position,
     walk_local,
 )
 from wholebatch.lint.rules import RULES, Finding, Hop
@@ -661,8 +662,8 @@ def finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding
     """A `Finding` of rule `code` at `node` in the file `ctx` reads, with the rule's fix."""
     return Finding(
         path=ctx.path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        line=position(node)[0],
+        col=position(node)[1],
         code=code,
         message=message,
         fix=RULES[code].fix,

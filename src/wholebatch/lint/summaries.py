@@ -38,6 +38,7 @@ from wholebatch.lint.names import (
     is_on_subgroup,
     is_step_count_name,
     last_name,
+    position,
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
@@ -320,7 +321,7 @@ class Resolver:
             if ev.kind not in _KINDS:
                 continue
             certain = ev.certain and not ev.path and not ev.jumpy
-            line, col = ev.node.lineno, ev.node.col_offset + 1  # type: ignore[attr-defined]
+            line, col = position(ev.node)
             if ev.synthetic:
                 hop = Hop(path=ctx.path, line=line, col=col, function=scope.qual, note="")
                 hop = replace(hop, note=f"calls `{_callee_text(ev.node)}`")
@@ -439,7 +440,7 @@ class Resolver:
                 )
         if extra:
             scope.events.extend(extra)
-            scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
+            scope.events.sort(key=lambda e: position(e.node))
 
     # -- collectives through calls (WB104, WB105) -----------------------------------------
 
