@@ -99,3 +99,40 @@ def test_a_16_mixed_trainer_elsewhere_in_the_run_decides_the_hook(tmp_path: Path
     bad, _ = TWINS["lightning-16-mixed-hook"]
     write(tmp_path, {"module.py": bad["module.py"].replace("  # expect: WB303", "")})
     assert lint_paths([tmp_path])[0] == []
+
+
+@pytest.mark.parametrize("divisor", ["period(cfg)", "cfg.temperature"], ids=["steps", "other"])
+def test_mean_and_step_count_from_another_file(tmp_path: Path, divisor: str) -> None:
+    # The token mean and the step count both come from functions of another file of
+    # the run: `lm_loss` returns a mean over non-ignored tokens, `period` returns the
+    # number of accumulation steps (a division by anything else is no WB301).
+    write(
+        tmp_path,
+        {
+            "losses.py": """
+            import torch.nn.functional as F
+
+
+            def lm_loss(logits, labels):
+                return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+            def period(cfg):
+                return cfg.accum_steps
+            """,
+            "train.py": f"""
+            from losses import lm_loss, period
+
+
+            def train(model, loader, optimizer, cfg):
+                for step, (input_ids, labels) in enumerate(loader):
+                    loss = lm_loss(model(input_ids), labels)
+                    (loss / {divisor}).backward()
+                    if (step + 1) % 4 == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+            """,
+        },
+    )
+    got = [(Path(f.path).name, f.line, f.code) for f in lint_paths([tmp_path])[0]]
+    assert got == ([("train.py", 7, "WB301")] if divisor.startswith("period") else [])
