@@ -96,7 +96,8 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
     if not (branches or exits):
         return
     for scope in ctx.scopes:
-        yield from ctx.guarded(scope, partial(_rank_rules, ctx, scope, branches, exits))
+        if scope.calls:  # a scope that calls nothing calls no collective
+            yield from ctx.guarded(scope, partial(_rank_rules, ctx, scope, branches, exits))
 
 
 def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:

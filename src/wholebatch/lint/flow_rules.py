@@ -154,13 +154,15 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
 
 def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Finding]:
     # Each rule needs one of these; most scopes of a large package have none.
-    steps = _steps_calls(resolver, scope)
-    accum = bool(scope.divs) and any(
-        _is_accum_count(
-            d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope), steps
+    if scope.has_grad:
+        return results.get(scope)[0]
+    accum = False
+    if scope.divs:
+        steps, periods = _steps_calls(resolver, scope), _modulo_denominators(scope)
+        accum = any(
+            _is_accum_count(d.right if isinstance(d, ast.BinOp) else d.value, periods, steps)
+            for d in scope.divs
         )
-        for d in scope.divs
-    )
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:

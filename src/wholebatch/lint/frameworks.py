@@ -101,6 +101,7 @@ FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 # Text that shows the run trains on tokens (padded or masked sequences), so a model's
 # mean loss is over a count that varies between micro-batches.
 _TOKENS_RE = re.compile(r"\binput_ids\b|\bignore_index\b|\bpad_token_id\b|[=(,\[]\s*-100(?![\d.])")
+_TOKEN_WORDS = ("input_ids", "ignore_index", "pad_token_id", "-100")
 # `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"` (16-bit float with
 # a loss scaler; "bf16" needs none).
 _FP16_RE = re.compile(r"""precision\s*[=:]\s*["']?16(?:-mixed)?\b""")
@@ -127,7 +128,10 @@ class Evidence:
         """The evidence of these sources (the files of one run)."""
         tokens = fp16 = accum = False
         for text in texts:
-            tokens = tokens or _TOKENS_RE.search(text) is not None
+            # substrings first: the regular expression is slow on large files
+            tokens = tokens or (
+                any(w in text for w in _TOKEN_WORDS) and _TOKENS_RE.search(text) is not None
+            )
             fp16 = fp16 or ("precision" in text and _FP16_RE.search(text) is not None)
             accum = accum or (
                 "accumulate_grad_batches" in text and _LIGHTNING_ACCUM_RE.search(text) is not None

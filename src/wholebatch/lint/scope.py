@@ -214,6 +214,8 @@ class Scope:
         plain_gathers: the c10d all-gather calls (no gradient on their output).
         value_gathers: a gather that returns its output may run without a gradient here
             (`FileContext.value_gather`).
+        gather_calls: calls named like such a gather, each with whether it runs under
+            no_grad.
     """
 
     node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef
@@ -232,6 +234,7 @@ class Scope:
     local_calls: list[tuple[ast.Call, dict[str, Any]]] = field(default_factory=list)
     plain_gathers: list[ast.Call] = field(default_factory=list)
     value_gathers: bool = False
+    gather_calls: list[tuple[ast.Call, bool]] = field(default_factory=list)
     raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
     linked: bool = False
     _collectives: list[tuple[str, ast.Call]] | None = None
@@ -495,8 +498,11 @@ class FileContext:
         for call in calls:
             scope.calls.append(call)
             scope.raw.append((call, where))
-            if last_name(call.func) in DIST_GATHERS:
+            name = last_name(call.func)
+            if name in DIST_GATHERS:
                 scope.has_gather = True
+            if name in _VALUE_GATHER_NAMES:
+                scope.gather_calls.append((call, at.nograd))
 
     def _alias(self, scope: Scope, targets: list[ast.expr], value: ast.Attribute) -> None:
         """`allgather = AllGather.apply` (or `self.gather = ...`): a call of the name is a
@@ -556,10 +562,9 @@ class FileContext:
             ):
                 scope.local_calls.append((node, where))
         scope.raw = []
-        if not self.source or "gather" in self.source:
-            scope.value_gathers = any(
-                self.value_gather(c, nograd=True) is not None for c in scope.calls
-            )
+        scope.value_gathers = any(
+            self.value_gather(c, nograd=off) is not None for c, off in scope.gather_calls
+        )
         if not self.source or "all_gather" in self.source:
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`
             scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]

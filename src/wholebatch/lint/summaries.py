@@ -375,7 +375,7 @@ class Resolver:
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
         tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
-        mean = not tagged and _may_return_mean(scope)
+        mean = not tagged and _may_return_mean(scope, ctx.source)
         steps = _returns_step_count(scope)
         if not (effects or collective or reduces or tagged or mean or steps):
             return shell
@@ -507,17 +507,26 @@ class Resolver:
         return out
 
 
-def _may_return_mean(scope: Scope) -> bool:
+def _may_return_mean(scope: Scope, source: str) -> bool:
     """May the scope return a mean over a micro-batch's items, which its callers' WB301
     needs to know: a `return` that reads a `loss` field (`out["loss"]`, `outputs.loss`),
     or a scope that computes one (`ignore_index=`, a division by `mask.sum()` or
-    `num_tokens`)? (The dataflow then says what the return value holds.)"""
-    if any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs):
-        return True
-    if any(kw.arg == "ignore_index" for c in scope.calls for kw in c.keywords) and _returns_value(
-        scope
+    `num_tokens`)? (The dataflow then says what the return value holds.) `source`, the
+    file's text, rules out most functions at the cost of a substring search."""
+    if (
+        scope.divs
+        and (not source or any(w in source for w in _COUNT_WORDS))
+        and any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
     ):
         return True
+    if (
+        (not source or "ignore_index" in source)
+        and any(kw.arg == "ignore_index" for c in scope.calls for kw in c.keywords)
+        and _returns_value(scope)
+    ):
+        return True
+    if source and "loss" not in source:
+        return False
     for st in scope.stmts:
         n = st.node
         if isinstance(n, ast.Return) and n.value is not None:
@@ -529,6 +538,10 @@ def _may_return_mean(scope: Scope) -> bool:
                 ):
                     return True
     return False
+
+
+# Text without any of these has no item count to divide by (`names.counts_items`).
+_COUNT_WORDS = (".sum(", "count_nonzero", "tok", "item", "valid")
 
 
 def _returns_value(scope: Scope) -> bool:
