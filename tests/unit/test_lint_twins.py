@@ -89,6 +89,7 @@ def test_evidence_of_the_run() -> None:
     assert ev.fp16 and ev.lightning_accumulates and not ev.tokens
     ev = Evidence.of(["Trainer(precision='bf16-mixed', accumulate_grad_batches=1)"])
     assert not ev.fp16 and not ev.lightning_accumulates
+    assert Evidence.of(['parser.add_argument("--precision", default="16-mixed")']).fp16
     assert Evidence.of(["labels[pad] = -100"]).tokens
     assert Evidence.of(["batch['input_ids']"]).tokens
     assert not Evidence.of(["x = y - 100", "create_attention_mask(x)"]).tokens

@@ -102,9 +102,11 @@ FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 # mean loss is over a count that varies between micro-batches.
 _TOKENS_RE = re.compile(r"\binput_ids\b|\bignore_index\b|\bpad_token_id\b|[=(,\[]\s*-100(?![\d.])")
 _TOKEN_WORDS = ("input_ids", "ignore_index", "pad_token_id", "-100")
-# `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"` (16-bit float with
-# a loss scaler; "bf16" needs none).
+# `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"`, a "16-mixed"
+# default of an argument (16-bit float with a loss scaler; "bf16" needs none).
+# (Two tests, each starting with a literal, which `re` finds fast.)
 _FP16_RE = re.compile(r"""precision\s*[=:]\s*["']?16(?:-mixed)?\b""")
+_FP16_WORDS = ('"16-mixed"', "'16-mixed'")
 # `Trainer(accumulate_grad_batches=4)` (any value but a literal 1).
 _LIGHTNING_ACCUM_RE = re.compile(r"accumulate_grad_batches\s*=\s*(?!1\b)[\w\"'.(\[]")
 
@@ -132,7 +134,10 @@ class Evidence:
             tokens = tokens or (
                 any(w in text for w in _TOKEN_WORDS) and _TOKENS_RE.search(text) is not None
             )
-            fp16 = fp16 or ("precision" in text and _FP16_RE.search(text) is not None)
+            fp16 = fp16 or (
+                any(w in text for w in _FP16_WORDS)
+                or ("precision" in text and _FP16_RE.search(text) is not None)
+            )
             accum = accum or (
                 "accumulate_grad_batches" in text and _LIGHTNING_ACCUM_RE.search(text) is not None
             )

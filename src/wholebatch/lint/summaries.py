@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
@@ -123,6 +123,14 @@ class Resolver:
         self._facts: dict[int, Facts] = {}
         self._busy: set[int] = set()
         self._resolved: dict[int, tuple[Facts, bool] | None] = {}
+        # Which kinds of mean the file's text can hold at all (`_may_return_mean`), read
+        # once per file: per function, the substring tests cost a fifth of a run on torch.
+        src = ctx.source
+        self._hints = _MeanHints(
+            counts=not src or any(w in src for w in _COUNT_WORDS),
+            ignore_index=not src or "ignore_index" in src,
+            loss=not src or "loss" in src,
+        )
         ctx.resolver = self
 
     # -- names across files ---------------------------------------------------------------
@@ -375,7 +383,7 @@ class Resolver:
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
         tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
-        mean = not tagged and _may_return_mean(scope, ctx.source)
+        mean = not tagged and _may_return_mean(scope, self._hints)
         steps = _returns_step_count(scope)
         if not (effects or collective or reduces or tagged or mean or steps):
             return shell
@@ -507,25 +515,34 @@ class Resolver:
         return out
 
 
-def _may_return_mean(scope: Scope, source: str) -> bool:
+@dataclass(frozen=True)
+class _MeanHints:
+    """Which kinds of mean a file's text can hold (substring tests, once per file)."""
+
+    counts: bool  # an item count to divide by (`names.counts_items`)
+    ignore_index: bool
+    loss: bool  # a `loss` field
+
+
+def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
     """May the scope return a mean over a micro-batch's items, which its callers' WB301
     needs to know: a `return` that reads a `loss` field (`out["loss"]`, `outputs.loss`),
     or a scope that computes one (`ignore_index=`, a division by `mask.sum()` or
-    `num_tokens`)? (The dataflow then says what the return value holds.) `source`, the
-    file's text, rules out most functions at the cost of a substring search."""
+    `num_tokens`)? (The dataflow then says what the return value holds.) `hints`, from
+    the file's text, rule out most functions at once."""
     if (
-        scope.divs
-        and (not source or any(w in source for w in _COUNT_WORDS))
+        hints.counts
+        and scope.divs
         and any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
     ):
         return True
     if (
-        (not source or "ignore_index" in source)
+        hints.ignore_index
         and any(kw.arg == "ignore_index" for c in scope.calls for kw in c.keywords)
         and _returns_value(scope)
     ):
         return True
-    if source and "loss" not in source:
+    if not hints.loss:
         return False
     for st in scope.stmts:
         n = st.node
