@@ -345,6 +345,66 @@ def train(model, loader, optimizer, accum_steps):
             optimizer.zero_grad()
 """
 
+_METRICS_AFTER_LOSS = """
+import torch
+import torch.distributed as dist
+
+
+def gather_for_logs(values):
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, values){mark}
+    return torch.cat(parts)
+
+
+def loss_and_metrics(model, batch, kind):
+    if kind == "sft":
+        logps = model(batch)
+        losses = -logps
+    else:
+        logps = model(batch) * 2
+        losses = -logps
+{metrics}
+    return losses.mean(), logps.cpu().tolist()
+
+
+def train(model, loader, optimizer):
+    for batch in loader:
+        loss, metrics = loss_and_metrics(model, batch, "sft")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+_CLASSIFIER_ACCUM = """
+from accelerate import Accelerator
+
+
+def train(model, loader, optimizer, tokenizer):
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    for batch in loader:
+{labels}
+        with accelerator.accumulate(model):
+            outputs = model(**batch)
+            accelerator.backward(outputs.loss){mark}
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+_COUNT_VARIABLE = """
+import torch
+
+
+def train(model, loader, optimizer, n_micro_batches):
+    for step, (input_ids, loss_mask) in enumerate(loader):
+        per_token = model(input_ids)
+        valid_tokens = {count}
+        loss = torch.sum(per_token * loss_mask) / (valid_tokens + 1e-8)
+        (loss / n_micro_batches).backward(){mark}
+        if (step + 1) % n_micro_batches == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     # -- misses (issue 33's held-out repositories) --------------------------------------
     "helper-token-mean": (
@@ -477,6 +537,38 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             .replace("optimizer, accum_steps", "optimizer, accum_steps, pad_id")
         },
         {"train.py": _VISION_ACCUM.format(labels="labels", mark="")},
+    ),
+    # -- the evaluation half of benchmarks/lint_corpus.toml, after it was judged ----------
+    "no-loop-no-second-walk": (
+        {
+            "dpo.py": _METRICS_AFTER_LOSS.format(
+                mark="  # expect: WB101",
+                metrics="    logps = gather_for_logs(logps)\n    losses = losses * logps.sum()",
+            )
+        },
+        {
+            "dpo.py": _METRICS_AFTER_LOSS.format(
+                mark="", metrics="    logps = gather_for_logs(logps.detach())"
+            )
+        },
+    ),
+    "masked-labels": (
+        {
+            "train.py": _CLASSIFIER_ACCUM.format(
+                labels='        batch["labels"] = batch["labels"].masked_fill('
+                'batch["labels"] == tokenizer.pad_token_id, -100)',
+                mark="  # expect: WB301",
+            )
+        },
+        {"train.py": _CLASSIFIER_ACCUM.format(labels="        pass", mark="")},
+    ),
+    "count-in-a-variable": (
+        {
+            "train.py": _COUNT_VARIABLE.format(
+                count="torch.sum(loss_mask)", mark="  # expect: WB301"
+            )
+        },
+        {"train.py": _COUNT_VARIABLE.format(count="loss_mask.shape[0] * 1024", mark="")},
     ),
     "sequence-mean": (
         {

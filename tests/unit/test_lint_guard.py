@@ -23,19 +23,21 @@ from wholebatch.lint.rules import Finding
 
 # The shape that raised IndexError in dataflow._restored: the local slice put back in an
 # earlier arm of an if/elif/else chain, the gather in the third arm (its path is the
-# longer one), and a loss that reads the gathered list.
+# longer one), in a loop (the second walk over the loop meets the put-back after the
+# gather), and a loss that reads the gathered list.
 _ELIF_GATHER = """
 import torch
 import torch.distributed as dist
 
 
-def gather(parts, x, mode, rank):
-    if mode == "a":
-        parts[rank] = x
-    elif mode == "b":
-        pass
-    else:
-        dist.all_gather(parts, x)
+def gather(parts, xs, mode, rank):
+    for x in xs:
+        if mode == "a":
+            parts[rank] = x
+        elif mode == "b":
+            pass
+        else:
+            dist.all_gather(parts, x)
     return torch.cat(parts)
 
 
@@ -60,9 +62,9 @@ def evaluate_step(model, x, opt):
 
 def test_a_gather_in_a_later_elif_arm_than_the_put_back_is_judged() -> None:
     found = lint_source(textwrap.dedent(_ELIF_GATHER))
-    assert [(f.line, f.code) for f in found] == [(12, "WB101")]
+    assert [(f.line, f.code) for f in found] == [(13, "WB101")]
     # The put-back is on another branch: on the gather's path nothing is restored.
-    assert "put back only when `mode == 'a'` (line 8), a branch the gather is not on" in (
+    assert "put back only when `mode == 'a'` (line 9), a branch the gather is not on" in (
         found[0].message
     )
 
@@ -147,7 +149,7 @@ def test_an_error_building_one_file_is_a_note_for_that_file(
     found, files = lint_paths([tmp_path])
     assert files == 2
     got = [(Path(f.path).name, f.line, f.code) for f in found]
-    assert got == [("a.py", 1, "WB001"), ("b.py", 12, "WB101")]
+    assert got == [("a.py", 1, "WB001"), ("b.py", 13, "WB101")]
     assert found[0].message.startswith("internal error while checking this file: RecursionError")
 
 

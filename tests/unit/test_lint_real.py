@@ -255,10 +255,10 @@ def test_a_mean_loss_returned_by_a_method_and_divided_by_the_steps(
         start = text.index("    def train_step")
         end = text.index("    def train_epoch")
         text = text[:start] + _SUMMED_STEP.lstrip("\n") + "\n" + text[end:]
-    # The run's models train on tokens (LAVIS's language-model heads label padding -100):
-    # the `loss` field is a token mean (frameworks.Evidence.tokens).
-    model = "def lm_labels(ids, pad):\n    return ids.masked_fill(ids == pad, -100)\n"
-    messages = _check(tmp_path, {"runner.py": text, "models.py": model})
+    # The runner masks padded labels (-100): the `loss` field is a mean over a token
+    # count that varies (frameworks.masks_labels, read from the runner's own file).
+    text += "\n\ndef lm_labels(ids, pad):\n    return ids.masked_fill(ids == pad, -100)\n"
+    messages = _check(tmp_path, {"runner.py": text})
     assert not bad or "exact only if every micro-batch has the same item count" in messages[0]
 
 
@@ -289,15 +289,15 @@ def test_fixed_size_batches_make_a_mean_loss_over_steps_exact(
     tmp_path: Path, drop_last: str, tokens: bool, bad: bool
 ) -> None:
     # SLIP-style: a `loss` field divided by the steps. With drop_last=True every
-    # micro-batch has the same item count: exact. Bad twin: the run trains on tokens
-    # (`input_ids`) and the last batch may be short: reported, with the condition under
-    # which it would be exact. Where nothing shows tokens (rows, images: issue 33's
-    # timm), a short last batch is not reported.
+    # micro-batch has the same item count: exact. Bad twin: token inputs with padded
+    # labels masked out (-100) and a last batch that may be short: reported, with the
+    # condition under which it would be exact. Rows (images, issue 33's timm) are not.
     text = _FIXED_BATCHES.format(drop_last=drop_last, mark="  # expect: WB301" if bad else "")
-    if tokens:
+    if tokens:  # token inputs, with padded labels masked out of the loss
         text = text.replace("(images, texts)", "(images, input_ids)").replace(
             "model(images, texts)", "model(images, input_ids)"
         )
+        text += "\n\ndef collate_labels(ids, pad):\n    return ids.masked_fill(ids == pad, -100)\n"
     messages = _check(tmp_path, {"main.py": text})
     assert not bad or "fixed-size batches" in messages[0]
 

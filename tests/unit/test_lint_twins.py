@@ -18,7 +18,7 @@ import pytest
 from benchmarks.lint_twins import expected, write
 from tests.support.lint_twins import TWINS
 from wholebatch.lint import lint_paths, lint_source
-from wholebatch.lint.frameworks import FACTS, Evidence
+from wholebatch.lint.frameworks import FACTS, Evidence, masks_labels
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lint.md"
 _CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
@@ -86,13 +86,18 @@ def test_ddp_decides_at_forward_time() -> None:
 
 def test_evidence_of_the_run() -> None:
     ev = Evidence.of(["trainer = L.Trainer(precision='16-mixed', accumulate_grad_batches=4)"])
-    assert ev.fp16 and ev.lightning_accumulates and not ev.tokens
+    assert ev.fp16 and ev.lightning_accumulates
     ev = Evidence.of(["Trainer(precision='bf16-mixed', accumulate_grad_batches=1)"])
     assert not ev.fp16 and not ev.lightning_accumulates
     assert Evidence.of(['parser.add_argument("--precision", default="16-mixed")']).fp16
-    assert Evidence.of(["labels[pad] = -100"]).tokens
-    assert Evidence.of(["batch['input_ids']"]).tokens
-    assert not Evidence.of(["x = y - 100", "create_attention_mask(x)"]).tokens
+
+
+def test_masked_labels() -> None:
+    assert masks_labels("labels[pad] = -100")
+    assert masks_labels("F.cross_entropy(x, y, ignore_index=pad)")
+    assert masks_labels("collate = DataCollatorForSeq2Seq(tokenizer)")
+    assert not masks_labels("batch['input_ids']")  # tokens, but every one counted
+    assert not masks_labels("x = y - 100\nattn.masked_fill(m, float(-100.0))")
 
 
 def test_a_16_mixed_trainer_elsewhere_in_the_run_decides_the_hook(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ Tags:
     ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
                a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
                token mean for a language model, a row mean for a contrastive loss;
+    ``K``      a count of a micro-batch's items (`n = mask.sum()`): a division by it
+               is a mean over them (``V``);
     ``L``      the output of a forward pass given token inputs (``labels=``,
                ``input_ids=``, ``**batch``): its ``loss`` field (``v``) is a token mean;
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
@@ -49,7 +51,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from wholebatch.lint.facts import Facts, Origin
-from wholebatch.lint.names import counts_items, dotted, is_rank_ref, last_name, position
+from wholebatch.lint.names import (
+    counts_items,
+    dotted,
+    is_count_expr,
+    is_rank_ref,
+    last_name,
+    position,
+)
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver
@@ -91,7 +100,10 @@ def _to_number(func: ast.expr) -> bool:
 
 def _token_inputs(call: ast.Call) -> bool:
     """Does a forward pass take token inputs, so its `loss` is a token mean: `labels=`,
-    `input_ids=`, a whole batch (`model(**batch)`), or a variable named so?"""
+    `input_ids=`, a whole batch (`model(**batch)`), or a variable named so? Not when it is
+    given the global count (`num_items_in_batch=`: transformers divides by it)."""
+    if any(kw.arg == "num_items_in_batch" for kw in call.keywords):
+        return False
     for kw in call.keywords:
         if kw.arg is None or kw.arg in _TOKEN_ARGS:
             return True
@@ -192,9 +204,13 @@ class Flow:
                 product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
-                elif isinstance(n.op, ast.Div) and counts_items(n.right):
+                elif isinstance(n.op, ast.Div) and (
+                    counts_items(n.right) or "K" in self.tags(n.right)
+                ):
                     out.add("V")
         out.discard("C")
+        if "K" in out and not isinstance(expr, ast.Name | ast.BinOp):
+            out.discard("K")  # a count stays one through names and `n + eps`, not calls
         if product and any(t[:2] in ("m:", "n:") for t in out):
             out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
         if rank:
@@ -466,6 +482,8 @@ class Flow:
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
+        if is_count_expr(value):
+            tags.add("K")  # a count of items: a division by this value is a mean over them
         if self._st is not None and self._st.nograd:
             tags.add("D")  # computed with gradient recording off
         if isinstance(value, ast.Call):
@@ -562,9 +580,13 @@ class Flow:
             self._add(func.value, added)
 
     def run(self) -> Iterator[Stmt]:
-        """Walk the scope twice; yield each statement of the second walk before applying it."""
-        for st in self.scope.stmts:
-            self.apply(st)
+        """Walk the scope; yield each statement before applying it. A scope with a loop is
+        walked twice (values carried around the loop reach the statements before their
+        assignment on the second walk); one without is walked once, so a later rebinding
+        never reaches an earlier statement (issue 33: DPO's `get_batch_metrics`)."""
+        if any(st.loops for st in self.scope.stmts):
+            for st in self.scope.stmts:
+                self.apply(st)
         for st in self.scope.stmts:
             yield st
             self.apply(st)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
-from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class
+from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class, masks_labels
 from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
@@ -486,9 +486,10 @@ def _msg301(
     when every micro-batch has the same item count, so it is left alone where the file
     builds fixed-size batches (`drop_last=True`), where the forward pass was not given
     token inputs (`L`: `labels=`, `input_ids=`, `**batch`; a contrastive model's
-    `query=`/`passage=` loss is a mean over rows) or where nothing in the run trains on
-    tokens (`frameworks.Evidence.tokens`: images and rows keep their count with
-    `drop_last`, padded tokens do not), and reported with that condition otherwise."""
+    `query=`/`passage=` loss is a mean over rows) or where the file does not mask labels
+    out of the loss (`frameworks.masks_labels`: a -100 label, `ignore_index`; one label
+    per sequence, and grouped blocks of a fixed length, keep their count), and reported
+    with that condition otherwise."""
     divided = f"divided by `{_text(steps)}`" if steps is not None else f"and {by}"
     if "V" in tags:
         return (
@@ -499,7 +500,7 @@ def _msg301(
     if (
         "v" not in tags
         or "L" not in tags
-        or not ctx.evidence.tokens
+        or not masks_labels(ctx.source)
         or _FIXED_SIZE_RE.search(ctx.source)
     ):
         return ""

@@ -5,8 +5,9 @@ in a file. Each fact has a bad and a good twin in tests/support/lint_twins.py an
 in docs/lint.md ("Framework facts"), checked against `FACTS`.
 
 The evidence that decides some of them lies anywhere in the run (`Evidence`, read once
-from the text of every file): the Trainer's precision, its accumulation, whether the
-run trains on tokens at all. Nothing is imported or run.
+from the text of every file): the Trainer's precision, its accumulation. Whether a
+file masks labels out of a token loss (`masks_labels`) is read from that file. Nothing
+is imported or run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "Fact",
     "divides_by_steps",
     "lightning_class",
+    "masks_labels",
     "scaled_grads_hook",
 ]
 
@@ -98,10 +100,22 @@ _ALL = (
 )
 FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 
-# Text that shows the run trains on tokens (padded or masked sequences), so a model's
-# mean loss is over a count that varies between micro-batches.
-_TOKENS_RE = re.compile(r"\binput_ids\b|\bignore_index\b|\bpad_token_id\b|[=(,\[]\s*-100(?![\d.])")
-_TOKEN_WORDS = ("input_ids", "ignore_index", "pad_token_id", "-100")
+# Text that shows labels masked out of a token loss, so its count varies from one
+# micro-batch to the next: a -100 label, `ignore_index`, a collator that pads labels.
+_MASKED_RE = re.compile(
+    r"\bignore_index\b|\blabel_pad_token_id\b|DataCollatorFor(?:Seq2Seq|LanguageModeling|"
+    r"TokenClassification|CompletionOnlyLM)|[=(,\[]\s*-100(?![\d.])"
+)
+_MASKED_WORDS = ("ignore_index", "label_pad_token_id", "DataCollatorFor", "-100")
+
+
+def masks_labels(text: str) -> bool:
+    """Does this source mask labels out of a token loss (`-100`, `ignore_index`, a padding
+    collator)? Then a token mean's count varies between micro-batches: grouped blocks of
+    a fixed length (labels = input_ids) and one label per sequence do not."""
+    return any(w in text for w in _MASKED_WORDS) and _MASKED_RE.search(text) is not None
+
+
 # `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"`, a "16-mixed"
 # default of an argument (16-bit float with a loss scaler; "bf16" needs none).
 # (Two tests, each starting with a literal, which `re` finds fast.)
@@ -116,24 +130,18 @@ class Evidence:
     """What the text of the run shows (every file read, reported or not).
 
     Attributes:
-        tokens: it trains on tokens (`input_ids`, `ignore_index`, `-100` labels).
         fp16: a Lightning/Fabric precision of 16-bit mixed floats is written somewhere.
         lightning_accumulates: a Trainer accumulates gradients over micro-batches.
     """
 
-    tokens: bool = False
     fp16: bool = False
     lightning_accumulates: bool = False
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:
         """The evidence of these sources (the files of one run)."""
-        tokens = fp16 = accum = False
+        fp16 = accum = False
         for text in texts:
-            # substrings first: the regular expression is slow on large files
-            tokens = tokens or (
-                any(w in text for w in _TOKEN_WORDS) and _TOKENS_RE.search(text) is not None
-            )
             fp16 = fp16 or (
                 any(w in text for w in _FP16_WORDS)
                 or ("precision" in text and _FP16_RE.search(text) is not None)
@@ -141,9 +149,9 @@ class Evidence:
             accum = accum or (
                 "accumulate_grad_batches" in text and _LIGHTNING_ACCUM_RE.search(text) is not None
             )
-            if tokens and fp16 and accum:
+            if fp16 and accum:
                 break
-        return cls(tokens=tokens, fp16=fp16, lightning_accumulates=accum)
+        return cls(fp16=fp16, lightning_accumulates=accum)
 
 
 def lightning_class(cls: ast.ClassDef | None) -> bool:

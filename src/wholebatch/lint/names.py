@@ -18,6 +18,7 @@ __all__ = [
     "Imports",
     "counts_items",
     "dotted",
+    "is_count_expr",
     "is_nonfinite_test",
     "is_on_replica_group",
     "is_on_subgroup",
@@ -351,6 +352,38 @@ def counts_items(node: ast.expr) -> bool:
         if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
             return True
     return False
+
+
+_MASK_METHODS = frozenset({"ne", "eq", "bool", "float", "long", "int", "to", "type", "sum"})
+
+
+def is_count_expr(node: ast.expr) -> bool:
+    """Is `node` a whole count of a micro-batch's items: `mask.sum()`, `torch.sum(mask)`,
+    `(labels != -100).sum()`, `mask.count_nonzero()` (of a mask, not of a product: a
+    sum of `loss * mask` is a summed loss)? `counts_items` reads the division itself; this
+    reads an assignment (`n_valid = torch.sum(loss_mask)`, then `/ n_valid`)."""
+    if not isinstance(node, ast.Call) or last_name(node.func) not in ("sum", "count_nonzero"):
+        return False
+    if any(k.arg in ("dim", "axis") and _is_set(k.value) for k in node.keywords):
+        return False
+    func = node.func
+    operand: ast.expr | None
+    if isinstance(func, ast.Attribute) and dotted(func) not in ("torch.sum", "torch.count_nonzero"):
+        if node.args:
+            return False  # `x.sum(-1)`: per row
+        operand = func.value
+    else:  # `torch.sum(mask)`, `sum(mask)`
+        operand = node.args[0] if len(node.args) == 1 else None
+    while isinstance(operand, ast.Call) and isinstance(operand.func, ast.Attribute):
+        if operand.func.attr not in _MASK_METHODS:
+            return False
+        operand = operand.func.value
+    if isinstance(operand, ast.Compare):
+        return True
+    if not isinstance(operand, ast.Name | ast.Attribute | ast.Subscript):
+        return False
+    name = last_name(operand).lower()
+    return "mask" in name or "loss" not in name  # `loss.sum()` sums a loss
 
 
 def _is_set(value: ast.expr) -> bool:

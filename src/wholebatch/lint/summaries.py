@@ -34,6 +34,7 @@ from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
 from wholebatch.lint.names import (
     counts_items,
     dotted,
+    is_count_expr,
     is_on_replica_group,
     is_on_subgroup,
     is_step_count_name,
@@ -533,7 +534,13 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
     if (
         hints.counts
         and scope.divs
-        and any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
+        and (
+            any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
+            or any(
+                isinstance(st.node, ast.Assign) and is_count_expr(st.node.value)
+                for st in scope.stmts
+            )
+        )
     ):
         return True
     if (
