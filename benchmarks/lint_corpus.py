@@ -6,6 +6,7 @@ half (tuning, evaluation), per finding and on code the repository reaches.
     .venv/bin/python -m benchmarks.lint_corpus --root /tmp/corpus --half tuning
     .venv/bin/python -m benchmarks.lint_corpus --root /tmp/corpus --half evaluation
     .venv/bin/python -m benchmarks.lint_corpus --root /tmp/corpus --baseline 75b74af
+    .venv/bin/python -m benchmarks.lint_corpus --root . --markdown    # docs/lint.md's tables
 
 `--root DIR` holds one folder per repository, `DIR/<owner>+<name>/`, with the files of
 its snapshot at the manifest's commit (e.g. `git --git-dir=<mirror> archive <commit> |
@@ -39,7 +40,7 @@ import tomllib
 
 from benchmarks.bench_lint import _export
 
-__all__ = ["Tally", "judge", "load", "main"]
+__all__ = ["REVISIONS", "Tally", "judge", "load", "main", "markdown", "score"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "benchmarks" / "lint_corpus.toml"
@@ -148,6 +149,74 @@ def judge(repo: str, found: dict[str, Any], manifest: dict[str, Any]) -> Tally:
     return t
 
 
+# The linters the manifest's `found_by` names, in order, and what each stands for.
+REVISIONS = {
+    "75b74af": "before issue 33",
+    "76c1c51": "judged",
+    "ee79e62": "after the judgment",
+}
+
+
+def score(manifest: dict[str, Any], rev: str, half: str) -> dict[str, int]:
+    """TP/FP/FN of linter `rev` on one half, from the manifest's `found_by` (a test-file
+    finding counts where the linter reports it: 75b74af had no tiers)."""
+    halves = {r["repo"]: r["half"] for r in manifest["repo"]}
+    out = dict.fromkeys(("tp", "fp", "fn", "tp_r", "fp_r", "fn_r"), 0)
+    tiers = rev != "75b74af"
+    for f in manifest.get("finding", []):
+        if halves.get(f["repo"]) != half or f["verdict"] == "expected":
+            continue
+        got = rev in f.get("found_by", [])
+        reached = bool(f.get("reached", True))
+        if got:
+            kind = "tp" if f["verdict"] == "true" else "fp"
+        elif f["verdict"] == "true" and not (tiers and f.get("tier", "code") == "test"):
+            kind = "fn"
+        else:
+            continue
+        out[kind] += 1
+        out[kind + "_r"] += reached
+    return out
+
+
+def markdown(manifest: dict[str, Any]) -> str:
+    """The tables of docs/lint.md's corpus section: scores per half and linter, then
+    every judged entry with its verdict and why."""
+    lines = [
+        "| half | linter | TP | FP | FN | precision | recall | on code it reaches: "
+        "precision | recall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for half in ("tuning", "evaluation"):
+        for rev, label in REVISIONS.items():
+            c = score(manifest, rev, half)
+            lines.append(
+                f"| {half} | `{rev}` ({label}) | {c['tp']} | {c['fp']} | {c['fn']} | "
+                f"{_ratio(c['tp'], c['tp'] + c['fp'])} | {_ratio(c['tp'], c['tp'] + c['fn'])} | "
+                f"{_ratio(c['tp_r'], c['tp_r'] + c['fp_r'])} | "
+                f"{_ratio(c['tp_r'], c['tp_r'] + c['fn_r'])} |"
+            )
+    lines += [
+        "",
+        "| half | repository | file:line | code | found by | verdict | why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    halves = {r["repo"]: r["half"] for r in manifest["repo"]}
+    for f in sorted(
+        manifest.get("finding", []),
+        key=lambda f: (halves[f["repo"]] != "tuning", f["repo"], f["file"], f["line"]),
+    ):
+        by = ", ".join(f"`{r}`" for r in f.get("found_by", [])) or "(read)"
+        verdict = f["verdict"] + ("" if f.get("reached", True) else ", not reached")
+        verdict += ", test file" if f.get("tier") == "test" else ""
+        why = f["why"].replace("|", "\\|")
+        lines.append(
+            f"| {halves[f['repo']]} | {f['repo']} | `{f['file']}:{f['line']}` | {f['code']} | "
+            f"{by} | {verdict} | {why} |"
+        )
+    return "\n".join(lines)
+
+
 def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
     for r in repos:
         name = r["repo"].replace("/", "+")
@@ -181,8 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", action="append", help="only these repositories")
     parser.add_argument("--baseline", default="", help="lint with src/ at this git revision")
     parser.add_argument("--json", type=Path, help="write every finding here")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print docs/lint.md's tables from the manifest"
+    )
     args = parser.parse_args(argv)
     manifest = load()
+    if args.markdown:
+        print(markdown(manifest))
+        return 0
     repos = [r for r in manifest["repo"] if args.half in ("all", r["half"])]
     if args.repo:
         repos = [r for r in repos if r["repo"] in args.repo]

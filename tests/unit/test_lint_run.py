@@ -109,3 +109,39 @@ def test_the_command_line_names_the_hidden_and_the_tier(tmp_path: Path) -> None:
     out = io.StringIO()
     main(["--tests", "--format", "json", str(tmp_path)], out=out)
     assert sorted(f["tier"] for f in json.loads(out.getvalue())) == ["code"] + ["test"] * 3
+
+
+def test_the_corpus_manifest_and_its_tables_in_the_docs() -> None:
+    # benchmarks/lint_corpus.toml: the split is the rule written in it, every entry has
+    # a verdict and a why, and docs/lint.md shows the tables made from it, as they are.
+    import hashlib
+
+    from benchmarks.lint_corpus import load, markdown
+
+    manifest = load()
+    repos = manifest["repo"]
+    assert len(repos) >= 40
+    for r in repos:
+        parity = hashlib.sha256(r["repo"].encode()).digest()[-1] & 1
+        assert r["half"] == ("tuning" if parity == 0 else "evaluation"), r["repo"]
+        assert len(r["commit"]) == 40
+    names = {r["repo"] for r in repos}
+    assert not names & _KEPT_ASIDE, "issue 26's corpus and issue 33's held-out repositories"
+    for f in manifest["finding"]:
+        assert f["repo"] in names and f["verdict"] in ("true", "false", "expected") and f["why"]
+    doc = (ROOT / "docs" / "lint.md").read_text()
+    assert markdown(manifest) in doc, "run `python -m benchmarks.lint_corpus --root . --markdown`"
+
+
+# Issue 26's 17 repositories (tuned on) and issue 33's 18 (kept for an independent judgment).
+_KEPT_ASIDE = frozenset(
+    """facebookresearch/moco facebookresearch/moco-v3 facebookresearch/SLIP facebookresearch/swav
+    facebookresearch/barlowtwins facebookresearch/contriever sthalles/SimCLR Spijkervet/SimCLR
+    mlfoundations/open_clip lightly-ai/lightly salesforce/ALBEF salesforce/BLIP salesforce/LAVIS
+    princeton-nlp/SimCSE texttron/tevatron luyug/GradCache KevinMusgrave/pytorch-metric-learning
+    facebookresearch/dino facebookresearch/vicreg facebookresearch/simsiam facebookresearch/mae
+    karpathy/nanoGPT facebookresearch/DPR stanford-futuredata/ColBERT OFA-Sys/Chinese-CLIP
+    baaivision/EVA facebookresearch/MetaCLIP LAION-AI/CLAP lucidrains/x-clip UCSC-VLAA/CLIPA
+    vturrisi/solo-learn Lightning-AI/litgpt allenai/open-instruct OpenRLHF/OpenRLHF
+    openai/improved-diffusion""".split()
+)
