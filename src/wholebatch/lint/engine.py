@@ -23,7 +23,7 @@ from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
-from wholebatch.lint.files import CODE, UsageError, iter_python_files, read, walk
+from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
 from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
@@ -549,23 +549,8 @@ def lint_run(
     # first more often than a plain sort of all the files does.)
     walked = {w.path: w for w in walk(sorted((os.fspath(x) for x in paths), key=str))}
     files = list(walked)
-    sources: dict[Path, str] = {}
     out: list[Finding] = []
-    for f in files:
-        try:
-            sources[f] = read(f)
-        except (OSError, UnicodeDecodeError, SyntaxError) as err:
-            if "WB000" in codes:
-                out.append(
-                    Finding(
-                        path=str(f),
-                        line=1,
-                        col=1,
-                        code="WB000",
-                        message=f"cannot read: {err}",
-                        fix=RULES["WB000"].fix,
-                    )
-                )
+    sources = _read_all(files, codes, out)
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
     named = ModuleMap(list(sources), _relative(sources))
@@ -608,25 +593,62 @@ def lint_run(
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
+    kept, hidden = _reported(
+        out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
+    )
+    return Report(findings=kept, files=len(files), hidden=hidden)
+
+
+def _read_all(files: list[Path], codes: frozenset[str], out: list[Finding]) -> dict[Path, str]:
+    """The text of each file; one that cannot be read is a WB000 finding in `out`."""
+    sources: dict[Path, str] = {}
+    for f in files:
+        try:
+            sources[f] = read(f)
+        except (OSError, UnicodeDecodeError, SyntaxError) as err:
+            if "WB000" in codes:
+                out.append(
+                    Finding(
+                        path=str(f),
+                        line=1,
+                        col=1,
+                        code="WB000",
+                        message=f"cannot read: {err}",
+                        fix=RULES["WB000"].fix,
+                    )
+                )
+    return sources
+
+
+def _reported(
+    found: list[Finding],
+    walked: dict[Path, Walked],
+    with_noqa: dict[str, str],
+    settled: Callable[[Finding], bool],
+    tests: bool,
+) -> tuple[list[Finding], int]:
+    """The findings a run reports, in order, and how many in test files it does not:
+    one per place and rule, none in a file read only for its summaries, none a `# noqa`
+    suppresses or a use in another file settles (`settled`, WB102)."""
     seen: set[tuple[str, int, int, str]] = set()
     kept: list[Finding] = []
     hidden = 0
     by_path = {str(f): w for f, w in walked.items()}
     noqa: dict[str, dict[int, frozenset[str] | None]] = {}
-    for hit in sorted(out, key=_place):
+    for hit in sorted(found, key=_place):
         key = (hit.path, hit.line, hit.col, hit.code)
-        if hit.path not in run:
+        w = by_path.get(hit.path)
+        if w is None:
             continue  # in a file read only for its summaries
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
             continue
-        if hit.code == "WB102" and layers.settled(program, hit):
+        if hit.code == "WB102" and settled(hit):
             continue
         seen.add(key)
-        w = by_path[hit.path]
         if not (w.shown or tests):
             hidden += 1
             continue
         kept.append(hit if w.tier == CODE else replace(hit, tier=w.tier))
-    return Report(findings=kept, files=len(files), hidden=hidden)
+    return kept, hidden
