@@ -173,3 +173,10 @@ _KEPT_ASIDE = frozenset(
         "openai/improved-diffusion",
     ]
 )
+
+
+def test_a_file_that_cannot_be_read_is_a_wb000(tmp_path: Path) -> None:
+    (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")  # not UTF-8, no coding line
+    findings, files = lint_paths([tmp_path])
+    assert files == 1
+    assert [(f.code, f.message.split(":")[0]) for f in findings] == [("WB000", "cannot read")]
