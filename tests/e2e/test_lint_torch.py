@@ -6,7 +6,8 @@ is written down there. The speed is benchmarks/bench_lint.py's business.
 
 A finding is keyed on what does not move between torch releases: its file, its rule,
 the function it sits in (qualified, `Class.method`) and the text of its line, never the
-line number (torch 2.14 has the same findings as 2.13, 2 to 5 lines lower).
+line number (torch 2.14 has the same findings as 2.13, 2 to 5 lines lower). The run
+reports test files too (`tests=True`): eight of the ten findings are in torch/testing/.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.bench_lint import torch_dir
-from wholebatch.lint import lint_paths
+from wholebatch.lint import lint_run
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lint.md"
 # | `torch/x.py` | `Class.method` | `optimizer.step()` | WB201 | verdict |
@@ -80,8 +81,13 @@ def test_lint_whole_torch_package_matches_the_documented_verdicts(
 ) -> None:
     root = torch_dir()
     t0 = time.perf_counter()
-    findings, files = lint_paths([root])
+    report = lint_run([root], tests=True)
     seconds = time.perf_counter() - t0
+    findings, files = report.findings, report.files
+    # torch/testing/ is a test folder: its findings carry the test tier, and a default
+    # run (tests off) does not report them (issue 33).
+    assert {f.tier for f in findings if "/testing/" in f.path} == {"test"}
+    assert {f.tier for f in findings if "/testing/" not in f.path} == {"code"}
     by_code = Counter(f.code for f in findings)
     record_property("files", files)
     record_property("findings", len(findings))

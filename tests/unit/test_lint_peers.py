@@ -7,7 +7,8 @@ open_clip's `loss.py` gathers the other ranks' features with plain
 `torch.distributed.all_gather` in `gather_features` and puts the local slice back only
 when `not local_loss`; `ClipLoss.get_logits` builds the logits from them and
 `ClipLoss.forward` returns the loss: with `local_loss=True, gather_with_grad=False` the
-gradient misses every cross-rank term (issue 16). lightly and sentence-transformers
+gradient misses every cross-rank term (issue 16); its Horovod branch gathers under
+`torch.no_grad()` with the same put-back, the same mistake (issue 33). lightly and sentence-transformers
 gather with a gradient (or under `no_grad` on purpose): nothing to report there.
 """
 
@@ -30,9 +31,9 @@ def _need(*packages: str) -> list[Path]:
     return [d for p in packages if (d := DIRS[p]) is not None]
 
 
-def _line_of(path: Path, text: str) -> int:
+def _line_of(path: Path, text: str, after: int = 0) -> int:
     lines = path.read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return next(i for i, line in enumerate(lines, 1) if text in line and i > after)
 
 
 def test_open_clip_gather_without_gradient_reaching_clip_loss() -> None:
@@ -42,10 +43,17 @@ def test_open_clip_gather_without_gradient_reaching_clip_loss() -> None:
     loss_py = folders[0] / "loss.py"
     img_line = _line_of(loss_py, "dist.all_gather(gathered_image_features, image_features)")
     txt_line = _line_of(loss_py, "dist.all_gather(gathered_text_features, text_features)")
+    # The Horovod branch holds the same mistake: `hvd.allgather` under torch.no_grad(),
+    # the local slice put back only when `not local_loss` (issue 33).
+    no_grad = _line_of(loss_py, "with torch.no_grad():")
+    hvd_img = _line_of(loss_py, "all_image_features = hvd.allgather(image_features)", no_grad)
+    hvd_txt = _line_of(loss_py, "all_text_features = hvd.allgather(text_features)", no_grad)
     got = {
         (Path(f.path).relative_to(folders[0].parent).as_posix(), f.line, f.code) for f in findings
     }
     assert got == {
+        ("open_clip/loss.py", hvd_img, "WB101"),
+        ("open_clip/loss.py", hvd_txt, "WB101"),
         ("open_clip/loss.py", img_line, "WB101"),
         ("open_clip/loss.py", txt_line, "WB101"),
     }

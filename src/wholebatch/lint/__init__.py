@@ -13,16 +13,26 @@ every rule, with a wrong and a right example, is in docs/lint.md.
 from __future__ import annotations
 
 from wholebatch.lint.cli import main
-from wholebatch.lint.engine import UsageError, iter_python_files, lint_paths, lint_source, lint_tree
+from wholebatch.lint.engine import (
+    Report,
+    UsageError,
+    iter_python_files,
+    lint_paths,
+    lint_run,
+    lint_source,
+    lint_tree,
+)
 from wholebatch.lint.rules import RULES, Finding, Rule
 
 __all__ = [
     "RULES",
     "Finding",
+    "Report",
     "Rule",
     "UsageError",
     "iter_python_files",
     "lint_paths",
+    "lint_run",
     "lint_source",
     "lint_tree",
     "main",

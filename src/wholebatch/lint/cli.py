@@ -4,6 +4,7 @@
     wholebatch lint train.py src/             # ruff-style lines; exit 1 if anything found
     wholebatch lint --select WB1 --ignore WB105 .
     wholebatch lint --format json train.py
+    wholebatch lint --tests .                 # test files' findings too (tier "test")
     wholebatch lint --list-rules
 
 Exit codes: 0 clean, 1 findings, 2 usage error (bad option, unknown rule, missing path).
@@ -18,23 +19,27 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TextIO
 
-from wholebatch.lint.engine import UsageError, lint_paths, selected_codes
+from wholebatch.lint.engine import UsageError, lint_run, selected_codes
 from wholebatch.lint.rules import RULES, Finding
 
 __all__ = ["build_parser", "format_json", "format_rules", "format_text", "main"]
 
 
-def format_text(findings: Sequence[Finding], *, show_fixes: bool = False, files: int = 0) -> str:
+def format_text(
+    findings: Sequence[Finding], *, show_fixes: bool = False, files: int = 0, hidden: int = 0
+) -> str:
     """One line per finding, then a summary line, as ruff prints them.
 
     Args:
         findings: what to print, in order.
         show_fixes: add a `  fix: ...` line under each finding.
         files: how many files were checked (for the summary; 0 leaves it out).
+        hidden: findings in test files not reported (named in the summary).
     """
     lines: list[str] = []
     for f in findings:
-        lines.append(f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}")
+        tier = " (test file)" if f.tier != "code" else ""
+        lines.append(f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}{tier}")
         if show_fixes:
             lines.append(f"  fix: {f.fix}")
     plural = "s" if files != 1 else ""
@@ -45,6 +50,11 @@ def format_text(findings: Sequence[Finding], *, show_fixes: bool = False, files:
     else:
         lines.append(
             f"All checks passed! ({files} file{plural})" if files else "All checks passed!"
+        )
+    if hidden:
+        lines.append(
+            f"({hidden} finding{'s' if hidden != 1 else ''} in test files not shown: --tests "
+            "shows them)"
         )
     return "\n".join(lines)
 
@@ -99,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--show-fixes", action="store_true", help="print the fix under each finding (text)"
     )
+    parser.add_argument(
+        "--tests",
+        action="store_true",
+        help="also report findings in test files found in the folders given (tests/, "
+        "test_*.py, *_test.py, conftest.py); a test file or folder named on the command "
+        "line is always reported",
+    )
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even with findings")
     parser.add_argument("--list-rules", action="store_true", help="print the rule table and exit")
     return parser
@@ -125,12 +142,16 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         return 2
     try:
         selected_codes(args.select, args.ignore)
-        findings, files = lint_paths(args.paths, select=args.select, ignore=args.ignore)
+        report = lint_run(args.paths, select=args.select, ignore=args.ignore, tests=args.tests)
     except UsageError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    findings = report.findings
     if args.format == "json":
         print(format_json(findings), file=stream)
     else:
-        print(format_text(findings, show_fixes=args.show_fixes, files=files), file=stream)
+        text = format_text(
+            findings, show_fixes=args.show_fixes, files=report.files, hidden=report.hidden
+        )
+        print(text, file=stream)
     return 1 if findings and not args.exit_zero else 0

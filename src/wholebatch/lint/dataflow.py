@@ -21,6 +21,10 @@ Tags:
     ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
                a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
                token mean for a language model, a row mean for a contrastive loss;
+    ``K``      a count of a micro-batch's items (`n = mask.sum()`): a division by it
+               is a mean over them (``V``);
+    ``L``      the output of a forward pass given token inputs (``labels=``,
+               ``input_ids=``, ``**batch``): its ``loss`` field (``v``) is a token mean;
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
@@ -43,12 +47,18 @@ from __future__ import annotations
 
 import ast
 import builtins
-import re
 from collections.abc import Iterator
 from dataclasses import replace
 
 from wholebatch.lint.facts import Facts, Origin
-from wholebatch.lint.names import dotted, is_rank_ref, last_name
+from wholebatch.lint.names import (
+    counts_items,
+    dotted,
+    is_count_expr,
+    is_rank_ref,
+    last_name,
+    position,
+)
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver
@@ -60,8 +70,6 @@ _REDUCERS = frozenset(
     {"sum", "mean", "add", "add_", "reduce", "nansum", "sum_to_size", "all_reduce", "fsum"}
 )
 _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
-# Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
-_COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
 _BUILTINS = frozenset(dir(builtins))
 # What a tag becomes where it meets a similarity product (see `m:` and `N:`).
 _MET = {"m:": "g:", "n:": "N:"}
@@ -90,9 +98,24 @@ def _to_number(func: ast.expr) -> bool:
     return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
 
 
+def _token_inputs(call: ast.Call) -> bool:
+    """Does a forward pass take token inputs, so its `loss` is a token mean: `labels=`,
+    `input_ids=`, a whole batch (`model(**batch)`), or a variable named so? Not when it is
+    given the global count (`num_items_in_batch=`: transformers divides by it)."""
+    if any(kw.arg == "num_items_in_batch" for kw in call.keywords):
+        return False
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg in _TOKEN_ARGS:
+            return True
+    return any(isinstance(a, ast.Name) and a.id in _TOKEN_ARGS for a in call.args)
+
+
+_TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvT" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
 
 
 class Flow:
@@ -112,6 +135,7 @@ class Flow:
         self._made: dict[int, str] = {}  # id(gather call) -> its tag (one per call, both walks)
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
+        self._puts_back: bool | None = None  # computed on first need (`_restores_somewhere`)
         node = scope.node
         self.params: set[str] = set()
         if not isinstance(node, ast.Module):
@@ -137,10 +161,16 @@ class Flow:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
                     continue
+                gathered = self._value_gather(n)
+                if gathered is not None:
+                    out |= gathered
+                    continue
                 if _to_number(n.func):
                     continue  # `float(x)`, `x.item()`: a Python number, no gradient
                 if self._forward_call(n.func):
                     out.add("T")
+                    if _token_inputs(n):
+                        out.add("L")
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self.t.get(n.id, set())
@@ -174,9 +204,13 @@ class Flow:
                 product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
-                elif isinstance(n.op, ast.Div) and self._counts_items(n.right):
+                elif isinstance(n.op, ast.Div) and (
+                    counts_items(n.right) or "K" in self.tags(n.right)
+                ):
                     out.add("V")
         out.discard("C")
+        if "K" in out and not isinstance(expr, ast.Name | ast.BinOp):
+            out.discard("K")  # a count stays one through names and `n + eps`, not calls
         if product and any(t[:2] in ("m:", "n:") for t in out):
             out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
         if rank:
@@ -190,8 +224,8 @@ class Flow:
     def _hop(self, node: ast.AST, note: str) -> Hop:
         return Hop(
             path=self.ctx.path,
-            line=node.lineno,  # type: ignore[attr-defined]
-            col=node.col_offset + 1,  # type: ignore[attr-defined]
+            line=position(node)[0],
+            col=position(node)[1],
             function=self.scope.qual,
             note=note,
         )
@@ -228,7 +262,7 @@ class Flow:
                         if any(t.startswith("G:") for t in vt):
                             out.add(new)
                         out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
-            elif tag in ("V", "v"):
+            elif tag in ("V", "v", "L"):
                 out.add(tag)
         return out
 
@@ -271,14 +305,67 @@ class Flow:
         self.entered.setdefault(new, self._st.path if self._st else ())
         return {new if met else f"m:{new[2:]}"}
 
-    @staticmethod
-    def _counts_items(node: ast.expr) -> bool:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call) and last_name(n.func) in ("sum", "count_nonzero"):
-                return True
-            if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
-                return True
-        return False
+    def _nograd_here(self) -> bool:
+        return (self._st is not None and self._st.nograd) or self.scope.nograd
+
+    def _restores_somewhere(self) -> bool:
+        """Does this scope put the local slice back anywhere (`parts[rank] = x`,
+        `parts.pop(rank)`)? Then its gathers are meant to carry this rank's gradient."""
+        if self._puts_back is None:
+            self._puts_back = any(
+                (
+                    isinstance(n, ast.Subscript)
+                    and isinstance(n.ctx, ast.Store)
+                    and any(is_rank_ref(x) for x in ast.walk(n.slice))
+                )
+                or (
+                    isinstance(n, ast.Call)
+                    and last_name(n.func) == "pop"
+                    and any(is_rank_ref(x) for a in n.args for x in ast.walk(a))
+                )
+                for st in self.scope.stmts
+                for n in st.walk()
+            )
+        return self._puts_back
+
+    def _value_gather(self, call: ast.Call) -> set[str] | None:
+        """The tags of a gather that returns its output (Horovod's `hvd.allgather`,
+        `torch.distributed.nn.all_gather`, accelerate's `accelerator.gather`, Lightning's
+        `self.all_gather`) when that output has no gradient here; None for any other call
+        (and for a differentiable gather with gradients on: its value keeps the input's
+        tags)."""
+        kind = self.ctx.value_gather(call, nograd=self._nograd_here())
+        if kind is None or not call.args:
+            return None
+        text = f"`{dotted(call.func) or last_name(call.func)}()`"
+        if kind == "no_grad":
+            what = f"{text} runs under torch.no_grad(), so what it gathers carries no gradient"
+            note = f"{text} gathers under no_grad"
+        else:
+            what = f"{text} gathers without a gradient ({kind})"
+            note = f"{text} gathers without a gradient"
+        return self._gathered_without_grad(call.args[0], call, note, what)
+
+    def _gathered_without_grad(
+        self, value: ast.expr, call: ast.Call, note: str, what: str = "", name: str = ""
+    ) -> set[str]:
+        """A value gathered with no gradient (a gather under `torch.no_grad()`, or one that
+        never carries one), in a function where gradients are on: the put-back idiom in
+        the same function shows the gradient is wanted (`g`, as for a c10d gather);
+        otherwise momentum keys and detached values lose nothing, a parameter leaves it
+        to the callers (`n`), and a forward pass's output loses its cross-rank terms
+        where it meets a similarity product (`m`)."""
+        vt = self.tags(value)
+        if "D" in vt:
+            return set()
+        gtag = self._origin("g", call, name or dotted(value) or "", note, what)
+        if self._restores_somewhere():
+            return {gtag}
+        if isinstance(value, ast.Name) and value.id in self.params:
+            return {f"n:{value.id}:{gtag[2:]}"}
+        if "T" in vt:
+            return {f"m:{gtag[2:]}"}
+        return set()
 
     # -- writing ------------------------------------------------------------------------
 
@@ -341,7 +428,14 @@ class Flow:
         entered = self.entered.get(tag, ())
         if entered[: len(here)] == here:
             return True
-        fork = next((p for p, q in zip(here, entered, strict=False) if p != q), here[len(entered)])
+        # The first step where the store's path leaves the gather's: the condition the
+        # store is under and the gather is not (`entered` may be the longer path: a
+        # gather in a later `elif` arm, the store in an earlier arm).
+        depth = next(
+            (i for i, (p, q) in enumerate(zip(here, entered, strict=False)) if p != q),
+            len(entered),
+        )
+        fork = here[depth]
         cond = "a condition"
         if self._st is not None:
             for c in self._st.conds:
@@ -352,6 +446,8 @@ class Flow:
         o = self.origins.get(tag)
         if not o.partial:
             note = f"the local slice is put back only when {cond} (line {line})"
+            if depth < len(entered) and entered[depth][0] == fork[0]:
+                note += ", a branch the gather is not on"
             self.origins.items[int(tag[2:])] = replace(o, partial=note)
         return False
 
@@ -386,6 +482,8 @@ class Flow:
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
+        if is_count_expr(value):
+            tags.add("K")  # a count of items: a division by this value is a mean over them
         if self._st is not None and self._st.nograd:
             tags.add("D")  # computed with gradient recording off
         if isinstance(value, ast.Call):
@@ -401,7 +499,7 @@ class Flow:
                 tags.add(self._origin("q", value, "", "all-gathers gradients"))
         return tags
 
-    def _origin(self, kind: str, call: ast.Call, name: str, note: str) -> str:
+    def _origin(self, kind: str, call: ast.Call, name: str, note: str, what: str = "") -> str:
         """The tag of the value `call` produces (the same tag on both walks)."""
         key = id(call) * 2 + (kind == "q")
         tag = self._made.get(key)
@@ -412,6 +510,7 @@ class Flow:
                 col=call.col_offset + 1,
                 name=name,
                 trace=(self._hop(call, note),),
+                what=what,
             )
             tag = self.origins.new(kind, o)
             self._made[key] = tag
@@ -440,6 +539,11 @@ class Flow:
             elif self.scope.nograd:
                 g = self._origin("g", call, key, f"{short} fills `{key}` (under no_grad)")
                 out_tags.update(f"n:{t[2:]}:{g[2:]}" for t in in_tags if t.startswith("a:"))
+            elif inp is not None:
+                # inside `with torch.no_grad():` in a function with gradients on
+                out_tags |= self._gathered_without_grad(
+                    inp, call, f"{short} fills `{key}` (under no_grad)", name=key
+                )
             if any(t.startswith("G:") for t in in_tags):
                 out_tags.add(self._origin("q", call, key, "all-gathers gradients"))
             for t in in_tags:
@@ -476,9 +580,13 @@ class Flow:
             self._add(func.value, added)
 
     def run(self) -> Iterator[Stmt]:
-        """Walk the scope twice; yield each statement of the second walk before applying it."""
-        for st in self.scope.stmts:
-            self.apply(st)
+        """Walk the scope; yield each statement before applying it. A scope with a loop is
+        walked twice (values carried around the loop reach the statements before their
+        assignment on the second walk); one without is walked once, so a later rebinding
+        never reaches an earlier statement (issue 33: DPO's `get_batch_metrics`)."""
+        if any(st.loops for st in self.scope.stmts):
+            for st in self.scope.stmts:
+                self.apply(st)
         for st in self.scope.stmts:
             yield st
             self.apply(st)

@@ -15,9 +15,11 @@ import ast
 import builtins
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 from wholebatch.lint.names import (
     dotted,
+    is_on_replica_group,
     is_on_subgroup,
     is_rank_local_test,
     is_rank_test,
@@ -26,7 +28,7 @@ from wholebatch.lint.names import (
     walk_local,
 )
 from wholebatch.lint.rules import Finding, Hop, format_trace
-from wholebatch.lint.scope import FileContext, Scope, finding as _finding
+from wholebatch.lint.scope import FileContext, Scope, Stmt, finding as _finding
 
 __all__ = ["check_dist", "layer_uses"]
 
@@ -94,77 +96,95 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
     if not (branches or exits):
         return
     for scope in ctx.scopes:
-        if _calls_collective(ctx, scope):
-            if branches:
-                yield from _rank_branches(ctx, scope)
-            if exits and scope.has_exit:
-                yield from _early_exits(ctx, scope)
+        if scope.calls:  # a scope that calls nothing calls no collective
+            yield from ctx.guarded(scope, partial(_rank_rules, ctx, scope, branches, exits))
+
+
+def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
+    out: list[Finding] = []
+    if _calls_collective(ctx, scope):
+        if branches:
+            out += _rank_branches(ctx, scope)
+        if exits and scope.has_exit:
+            out += _early_exits(ctx, scope)
+    return out
 
 
 # -- WB102 ------------------------------------------------------------------------------
 
 
 def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
-    text = "all_gather" in ctx.source  # else only a helper of another file can gather
     for cls in ctx.classes:
-        if not any(last_name(b) == "Function" for b in cls.bases):
-            continue
-        methods = {
-            m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
-        }
-        fwd, bwd = methods.get("forward"), methods.get("backward")
-        if fwd is None or bwd is None:
-            continue
-        fwd_scope = ctx.scope_of.get(id(fwd))
-        via: tuple[Hop, ...] = ()
-        if not (
-            text
-            and any(
-                isinstance(n, ast.Call) and ctx.imports.plain_gather(n) for n in walk_local(fwd)
-            )
-        ):
-            if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
-                continue
-            via = _gathering_call(ctx, fwd_scope)
-            if not via:
-                continue
-        bwd_scope = ctx.scope_of.get(id(bwd))
-        reduces = False
-        for n in walk_local(bwd):
-            if isinstance(n, ast.Call):
-                name = last_name(n.func).lower()
-                if (
-                    ctx.imports.collective(n) is not None
-                    or name == "apply"  # another autograd.Function does the collective
-                    or "reduce" in name
-                    or "scatter" in name
-                    or "all_to_all" in name
-                ):
-                    reduces = True
-                    break
-                # a helper that reduces (`_sum_over_ranks(grads)`), or one we cannot see
-                if bwd_scope is not None and _helper_reduces(ctx, n, bwd_scope):
-                    reduces = True
-                    break
-        if not reduces:
-            uses = [local for name, local in _applies(ctx) if name == cls.name]
-            if uses and not any(uses):
-                # Every use gathers all of its inputs and the loss reads only gathered
-                # rows: every rank computes the same whole-batch loss, and its own slice
-                # of that loss's gradient is exactly 1/W of the whole (a learning-rate
-                # scale), the convention `gathered[rank] = local` is accepted for.
-                continue
-            f = _finding(
-                ctx,
-                bwd,
-                "WB102",
-                f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
-                "ranks: each rank keeps only its own loss's gradient for its slice, so the "
-                f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
-            )
-            if not uses:
-                ctx.layers[f.line] = cls.name  # the uses may be in other files
-            yield replace(f, trace=via)
+        if any(last_name(b) == "Function" for b in cls.bases):
+            found: list[Finding] = []
+            yield from ctx.failures.run(cls.name, cls.lineno, partial(_layer, ctx, cls), found)
+
+
+def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
+    """WB102 for one autograd.Function class."""
+    text = "all_gather" in ctx.source  # else only a helper of another file can gather
+    methods = {m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
+    fwd, bwd = methods.get("forward"), methods.get("backward")
+    if fwd is None or bwd is None:
+        return []
+    if _never_returns(bwd):
+        return []  # `raise NotImplementedError`: no gradient at all, never a wrong one
+    fwd_scope = ctx.scope_of.get(id(fwd))
+    via: tuple[Hop, ...] = ()
+    gathers = [
+        n for n in walk_local(fwd) if isinstance(n, ast.Call) and ctx.imports.plain_gather(n)
+    ]
+    if not (text and gathers):
+        if fwd_scope is None or _fwd_differentiable(ctx, fwd_scope):
+            return []
+        via = _gathering_call(ctx, fwd_scope)
+        if not via:
+            return []
+    elif all(is_on_replica_group(n) for n in gathers):
+        return []  # tensor parallelism: the ranks after the gather compute alike
+    bwd_scope = ctx.scope_of.get(id(bwd))
+    for n in walk_local(bwd):
+        if isinstance(n, ast.Call):
+            name = last_name(n.func).lower()
+            if (
+                ctx.imports.collective(n) is not None
+                or name == "apply"  # another autograd.Function does the collective
+                or "reduce" in name
+                or "scatter" in name
+                or "all_to_all" in name
+            ):
+                return []
+            # a helper that reduces (`_sum_over_ranks(grads)`), or one we cannot see
+            if bwd_scope is not None and _helper_reduces(ctx, n, bwd_scope):
+                return []
+    uses = [local for name, local in _applies(ctx) if name == cls.name]
+    if uses and not any(uses):
+        # Every use gathers all of its inputs and the loss reads only gathered rows:
+        # every rank computes the same whole-batch loss, and its own slice of that
+        # loss's gradient is exactly 1/W of the whole (a learning-rate scale), the
+        # convention `gathered[rank] = local` is accepted for.
+        return []
+    f = _finding(
+        ctx,
+        bwd,
+        "WB102",
+        f"`{cls.name}.forward` all-gathers but `{cls.name}.backward` never sums across "
+        "ranks: each rank keeps only its own loss's gradient for its slice, so the "
+        f"other ranks' terms are lost{_local_use(uses)}{_path(via, ctx.path)}",
+    )
+    if not uses:
+        ctx.layers[f.line] = cls.name  # the uses may be in other files
+    return [replace(f, trace=via)]
+
+
+def _never_returns(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Does `fn` always raise (its body ends in `raise`, and it returns nothing)?"""
+    body = fn.body
+    return (
+        bool(body)
+        and isinstance(body[-1], ast.Raise)
+        and not any(isinstance(n, ast.Return) and n.value is not None for n in walk_local(fn))
+    )
 
 
 def _local_use(uses: list[bool]) -> str:
@@ -182,17 +202,81 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
     hit = ctx.applies
     if hit is None:
         hit = ctx.applies = []
+        aliases = ctx.apply_aliases
         for scope in ctx.scopes:
+            uses: list[tuple[str, Stmt, ast.Call]] = []
             for st in scope.stmts:
                 for n in st.walk():
+                    if not isinstance(n, ast.Call):
+                        continue
+                    func = n.func
                     if (
-                        isinstance(n, ast.Call)
-                        and isinstance(n.func, ast.Attribute)
-                        and n.func.attr == "apply"
-                        and isinstance(n.func.value, ast.Name)
+                        isinstance(func, ast.Attribute)
+                        and func.attr == "apply"
+                        and isinstance(func.value, ast.Name)
                     ):
-                        hit.append((n.func.value.id, _reads_again(scope, st.node, n)))
+                        cls: str | None = func.value.id
+                    else:
+                        # `allgather(x)` after `allgather = AllGather.apply`
+                        cls = aliases.get(dotted(func) or "") if aliases else None
+                    if cls is not None:
+                        uses.append((cls, st, n))
+            calls = {id(n) for _, _, n in uses}
+            for cls, st, n in uses:
+                local = _reads_again(scope, st.node, n) or _local_product(scope, st, calls)
+                hit.append((cls, local))
     return hit
+
+
+_PRODUCTS = frozenset({"matmul", "mm", "bmm", "einsum", "cosine_similarity", "cdist", "inner"})
+
+
+def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
+    """After the use in `at`, does a similarity product pair a value that no gather
+    produced with one (`text @ all_video.T`, `text` never gathered)? Values assigned
+    from a use (any of `uses`, the ids of the scope's use calls) or from a gathered value
+    count as gathered (`z = torch.cat((z_i, z_j))`)."""
+    gathered: set[str] = set()
+    start = at.node.lineno
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.Assign):
+            reads = {x.id for x in ast.walk(node.value) if isinstance(x, ast.Name)}
+            targets = {x.id for t in node.targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+            if reads & gathered or any(id(x) in uses for x in ast.walk(node.value)):
+                gathered |= targets
+            else:
+                gathered -= targets  # rebound to something else
+        if node.lineno < start:
+            continue
+        for x in st.walk():
+            operands: list[ast.expr] = []
+            if isinstance(x, ast.BinOp) and isinstance(x.op, ast.MatMult):
+                operands = [x.left, x.right]
+            elif isinstance(x, ast.Call) and last_name(x.func) in _PRODUCTS:
+                operands = [a for a in x.args if not isinstance(a, ast.Constant)]
+            roots = [_root(o) for o in operands]
+            names = [r for r in roots if r is not None]
+            if (
+                len(names) >= 2
+                and any(r in gathered for r in names)
+                and any(r not in gathered for r in names)
+            ):
+                return True
+    return False
+
+
+def _root(node: ast.expr) -> str | None:
+    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`."""
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute | ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        else:
+            return None
 
 
 def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
@@ -224,7 +308,7 @@ def layer_uses(ctx: FileContext) -> list[tuple[str, bool]]:
     """The file's `Layer.apply(...)` uses of imported classes, by absolute name (for
     `facts.ModuleFacts.applies`)."""
     r = ctx.resolver
-    if r is None or ".apply(" not in ctx.source:
+    if r is None or ".apply" not in ctx.source:
         return []
     out: list[tuple[str, bool]] = []
     for name, local in _applies(ctx):
@@ -242,7 +326,7 @@ def _gathering_call(ctx: FileContext, scope: Scope) -> tuple[Hop, ...]:
         return ()
     for call, _ in scope.local_calls:
         found = r.resolve(call, scope)
-        if found is not None and found[0].gathers:
+        if found is not None and found[0].gathers and not found[0].replicated:
             f = found[0]
             name = dotted(call.func) or last_name(call.func)
             return (

@@ -17,11 +17,16 @@ import os
 import re
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
+from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
+from wholebatch.lint.frameworks import Evidence
+from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
     ModuleMap,
@@ -36,9 +41,11 @@ from wholebatch.lint.scope import FileContext
 from wholebatch.lint.summaries import Resolver
 
 __all__ = [
+    "Report",
     "UsageError",
     "iter_python_files",
     "lint_paths",
+    "lint_run",
     "lint_source",
     "lint_tree",
     "selected_codes",
@@ -47,7 +54,6 @@ __all__ = [
 _NOQA_RE = re.compile(
     r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.IGNORECASE
 )
-_SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
 # Each rule's gate words are its own (`rules.Rule.words`); the engine maps a rule's
 # `check` family to the function that runs it.
 _Check = Callable[[FileContext], Iterable[Finding]]
@@ -56,10 +62,6 @@ _ANY_WORD = tuple(dict.fromkeys(w for r in RULES.values() for w in r.words))
 # A rule without words is never gated, so a file may hold something for it whatever
 # its text says.
 _UNGATED = any(r.check and not r.words for r in RULES.values())
-
-
-class UsageError(ValueError):
-    """A bad command line: unknown rule prefix, missing path."""
 
 
 def selected_codes(
@@ -87,6 +89,9 @@ def selected_codes(
         return out
 
     chosen = expand(select) if select else set(RULES)
+    # An internal error means a rule did not judge a function: reported whatever is
+    # selected, so a run never passes what it did not check (only `--ignore` hides it).
+    chosen.add("WB001")
     return frozenset(chosen - expand(ignore or ()))
 
 
@@ -161,33 +166,84 @@ def _lint_module(
         if program is None or not module:
             return [], None
         return [], ModuleFacts(path=path, names=_import_names(tree, module, is_package))
-    ctx = FileContext(tree, path, source)
-    resolver = Resolver(ctx, program, module, is_package=is_package)
-    attach(resolver)
-    resolver.link()
-    # A call followed into another file brings that file's events with it, so every
-    # rule may apply even when this file's own text has none of its words.
-    ctx.codes = _open_codes(enabled, source, not gate or resolver.cross) if report else frozenset()
-    active = [check for name, check in _CHECKERS.items() if _family(name) & ctx.codes]
-    seen: set[tuple[str, int, int, str]] = set()
+    failures = Failures()
     out: list[Finding] = []
-    for check in active:
-        for f in check(ctx):
-            key = (f.path, f.line, f.col, f.code)
-            if f.code in enabled and key not in seen:
-                seen.add(key)
-                out.append(f)
-    out.sort(key=lambda f: (f.path != path, f.path, f.line, f.col, f.code))
-    facts = resolver.export() if program is not None else None
-    if facts is not None:
-        if program is not None and program.open_layers:
+    facts: ModuleFacts | None = None
+    try:
+        facts = _analyse(
+            FileContext(tree, path, source, failures),
+            out,
+            enabled,
+            program,
+            module,
+            is_package,
+            report=report,
+            gate=gate,
+        )
+    except Exception as err:  # an error outside any one function: the file's own note
+        failures.note(MODULE_LEVEL, 1, err)
+    if report and "WB001" in enabled:
+        out.extend(failures.findings(path))
+    return _deduplicated(out, path), facts
+
+
+def _analyse(
+    ctx: FileContext,
+    out: list[Finding],
+    enabled: frozenset[str],
+    program: Program | None,
+    module: str,
+    is_package: bool,
+    *,
+    report: bool,
+    gate: bool,
+) -> ModuleFacts | None:
+    """Run the enabled rules over one file into `out`; its summaries for other files."""
+    if program is not None:
+        ctx.evidence = program.evidence
+    resolver = Resolver(ctx, program, module, is_package=is_package)
+    try:
+        attach(resolver)
+        resolver.link()
+        # A call followed into another file brings that file's events with it, so every
+        # rule may apply even when this file's own text has none of its words.
+        every = not gate or resolver.cross
+        ctx.codes = _open_codes(enabled, ctx.source, every) if report else frozenset()
+        for name, check in _CHECKERS.items():
+            if _family(name) & ctx.codes:
+                # Each check guards its functions one by one (a check is a generator: it
+                # runs inside `extend`); this catches the rest.
+                ctx.failures.run(MODULE_LEVEL, 1, partial(out.extend, check(ctx)), None)
+        out[:] = [f for f in out if f.code in enabled]
+        if program is None:
+            return None
+        facts = resolver.export()
+        if program.open_layers:
             facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
         facts.layers = dict(ctx.layers)
-    # The resolver and the file point at each other: cut the cycle so the file's syntax
-    # tree is freed now, by reference counting, not by a full garbage collection later
-    # (which, over a package, costs a fifth of the run).
-    resolver.close()
-    return out, facts
+        return facts
+    finally:
+        # The resolver and the file point at each other: cut the cycle so the file's
+        # syntax tree is freed now, by reference counting, not by a full garbage
+        # collection later (which, over a package, costs a fifth of the run).
+        resolver.close()
+
+
+def _deduplicated(found: list[Finding], path: str) -> list[Finding]:
+    """One finding per place and rule, in a fixed order (this file's first, then by
+    place); of two with the same place, the shorter path (then message) is kept, so
+    the result does not depend on the order a walk met them in (hash seeds)."""
+    found.sort(
+        key=lambda f: (f.path != path, f.path, f.line, f.col, f.code, len(f.trace), f.message)
+    )
+    seen: set[tuple[str, int, int, str]] = set()
+    out: list[Finding] = []
+    for f in found:
+        key = (f.path, f.line, f.col, f.code)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
 
 
 def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
@@ -276,12 +332,12 @@ def _lint_text(
         return [], None  # read for its summaries, and it can have none worth keeping
     try:
         tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as err:
+    except (SyntaxError, ValueError, RecursionError) as err:  # (nested too deep to parse)
         if "WB000" not in codes or not report:
             return [], None
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
-        msg = getattr(err, "msg", None) or str(err)
+        msg = getattr(err, "msg", None) or str(err) or type(err).__name__
         return [
             Finding(
                 path=path,
@@ -295,40 +351,6 @@ def _lint_text(
     return _lint_module(
         tree, source, path, codes, program, module, is_package, follows, report=report
     )
-
-
-def _read(path: Path) -> str:
-    with tokenize.open(path) as fh:  # honours a PEP 263 coding line
-        return fh.read()
-
-
-def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
-    """The `.py` files named or found (recursively) under `paths`, each once, sorted per folder.
-
-    Hidden folders, `__pycache__` and `node_modules` met while walking are skipped; a
-    path given explicitly is always used.
-
-    Raises:
-        UsageError: a path that does not exist.
-    """
-    seen: set[Path] = set()
-    for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
-                for name in sorted(files):
-                    if name.endswith(".py"):
-                        f = Path(root, name)
-                        if f not in seen:
-                            seen.add(f)
-                            yield f
-        elif p.is_file():
-            if p not in seen:
-                seen.add(p)
-                yield p
-        else:
-            raise UsageError(f"{raw}: no such file or folder")
 
 
 # Files read only for their summaries (imported by the files of the run, from their own
@@ -387,7 +409,7 @@ def _add_context(
             if hit is None or hit in sources or added >= _MAX_CONTEXT:
                 continue
             try:
-                sources[hit] = _read(hit)
+                sources[hit] = read(hit)
             except (OSError, UnicodeDecodeError, SyntaxError):
                 continue
             added += 1
@@ -458,39 +480,77 @@ def _aliases(
                 program.modules[name] = old
 
 
+def _place(f: Finding) -> tuple[str, int, int, str, int, str]:
+    """The order findings are reported in, and which of two at one place is kept."""
+    return (f.path, f.line, f.col, f.code, len(f.trace), f.message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """What one lint run found.
+
+    Attributes:
+        findings: the findings reported, sorted by file, then place.
+        files: how many files were checked.
+        hidden: findings in test files that the run did not report (`tests=False`).
+    """
+
+    findings: list[Finding]
+    files: int
+    hidden: int = 0
+
+
 def lint_paths(
     paths: Iterable[str | os.PathLike[str]],
     select: Sequence[str] | None = None,
     ignore: Sequence[str] | None = None,
+    *,
+    tests: bool = False,
 ) -> tuple[list[Finding], int]:
     """Lint every Python file under `paths`; returns (findings, number of files checked).
 
+    `lint_run` with the same arguments, for callers that need only these two.
+
+    Raises:
+        UsageError: an unknown rule prefix, or a path that does not exist.
+    """
+    report = lint_run(paths, select, ignore, tests=tests)
+    return report.findings, report.files
+
+
+def lint_run(
+    paths: Iterable[str | os.PathLike[str]],
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+    *,
+    tests: bool = False,
+) -> Report:
+    """Lint every Python file under `paths`.
+
     Calls are followed across the files of the run (module docstring). Findings come
-    in the order of the files, then by line. A file that cannot be read or parsed gives
-    a WB000 finding, never an exception.
+    sorted by file, then line (whatever order `paths` are given in). A file that cannot
+    be read or parsed gives a WB000 finding, an internal error a WB001 finding (`guard`),
+    never an exception. Findings in test files found under a folder of training code
+    (`files.tier_of`) are reported only with `tests=True`; each carries its tier.
+
+    Args:
+        paths: files and folders (walked recursively).
+        select: rule code prefixes to enable (default: all).
+        ignore: rule code prefixes to disable.
+        tests: also report the findings of test files found in folders.
 
     Raises:
         UsageError: an unknown rule prefix, or a path that does not exist.
     """
     codes = selected_codes(select, ignore)
-    files = list(iter_python_files(paths))
-    sources: dict[Path, str] = {}
+    # One order whatever order the paths were given in: the findings, and which call a
+    # summary follows first, never depend on it. (The paths sorted, each walked as the
+    # folders come: files before sub-folders, which lets imports meet their modules
+    # first more often than a plain sort of all the files does.)
+    walked = {w.path: w for w in walk(sorted((os.fspath(x) for x in paths), key=str))}
+    files = list(walked)
     out: list[Finding] = []
-    for f in files:
-        try:
-            sources[f] = _read(f)
-        except (OSError, UnicodeDecodeError, SyntaxError) as err:
-            if "WB000" in codes:
-                out.append(
-                    Finding(
-                        path=str(f),
-                        line=1,
-                        col=1,
-                        code="WB000",
-                        message=f"cannot read: {err}",
-                        fix=RULES["WB000"].fix,
-                    )
-                )
+    sources = _read_all(files, codes, out)
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
     named = ModuleMap(list(sources), _relative(sources))
@@ -501,6 +561,7 @@ def lint_paths(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
+    program.evidence = Evidence.of(sources.values())
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -532,20 +593,62 @@ def lint_paths(
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
-    order = {str(f): i for i, f in enumerate(files)}
+    kept, hidden = _reported(
+        out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
+    )
+    return Report(findings=kept, files=len(files), hidden=hidden)
+
+
+def _read_all(files: list[Path], codes: frozenset[str], out: list[Finding]) -> dict[Path, str]:
+    """The text of each file; one that cannot be read is a WB000 finding in `out`."""
+    sources: dict[Path, str] = {}
+    for f in files:
+        try:
+            sources[f] = read(f)
+        except (OSError, UnicodeDecodeError, SyntaxError) as err:
+            if "WB000" in codes:
+                out.append(
+                    Finding(
+                        path=str(f),
+                        line=1,
+                        col=1,
+                        code="WB000",
+                        message=f"cannot read: {err}",
+                        fix=RULES["WB000"].fix,
+                    )
+                )
+    return sources
+
+
+def _reported(
+    found: list[Finding],
+    walked: dict[Path, Walked],
+    with_noqa: dict[str, str],
+    settled: Callable[[Finding], bool],
+    tests: bool,
+) -> tuple[list[Finding], int]:
+    """The findings a run reports, in order, and how many in test files it does not:
+    one per place and rule, none in a file read only for its summaries, none a `# noqa`
+    suppresses or a use in another file settles (`settled`, WB102)."""
     seen: set[tuple[str, int, int, str]] = set()
     kept: list[Finding] = []
+    hidden = 0
+    by_path = {str(f): w for f, w in walked.items()}
     noqa: dict[str, dict[int, frozenset[str] | None]] = {}
-    for hit in sorted(out, key=lambda h: (order.get(h.path, len(order)), h.line, h.col, h.code)):
+    for hit in sorted(found, key=_place):
         key = (hit.path, hit.line, hit.col, hit.code)
-        if hit.path not in run:
+        w = by_path.get(hit.path)
+        if w is None:
             continue  # in a file read only for its summaries
         if hit.path in with_noqa and hit.path not in noqa:
             noqa[hit.path] = _noqa_lines(with_noqa[hit.path])
         if key in seen or _suppressed(hit, noqa.get(hit.path, {})):
             continue
-        if hit.code == "WB102" and layers.settled(program, hit):
+        if hit.code == "WB102" and settled(hit):
             continue
         seen.add(key)
-        kept.append(hit)
-    return kept, len(files)
+        if not (w.shown or tests):
+            hidden += 1
+            continue
+        kept.append(hit if w.tier == CODE else replace(hit, tier=w.tier))
+    return kept, hidden

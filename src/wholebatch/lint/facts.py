@@ -13,6 +13,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.rules import Hop
 
 __all__ = ["Effect", "Facts", "ModuleFacts", "Origin", "Origins", "Program"]
@@ -51,7 +52,14 @@ class Facts:
         collective: (qualified name, trace) of a collective it calls on every call.
         reduces: it calls a collective somewhere (itself or through a call).
         gathers: it (or a function it calls) fills a tensor by c10d all-gather.
+        nograd_gathers: it (or a function it calls) may gather a value without a
+            gradient by a gather that returns its output (Horovod's under no_grad,
+            accelerate's, Lightning's; `scope.FileContext.value_gather`).
+        replicated: every such gather is over a tensor/model-parallel group, whose ranks
+            replicate the computation after it (`names.is_on_replica_group`).
         returns: the tags of its return value; None when not computed (no gather).
+        steps: it returns a count of accumulation steps (`return self.accum_steps`), so
+            a division by its value is a division by the steps (WB301).
     """
 
     qual: str
@@ -64,12 +72,23 @@ class Facts:
     collective: tuple[str, tuple[Hop, ...]] | None = None
     reduces: bool = False
     gathers: bool = False
+    nograd_gathers: bool = False
+    replicated: bool = False
     returns: frozenset[str] | None = None
+    steps: bool = False
 
     @property
     def interesting(self) -> bool:
         """Worth keeping for other files: it does something a rule follows."""
-        return bool(self.effects or self.collective or self.gathers or self.reduces or self.returns)
+        return bool(
+            self.effects
+            or self.collective
+            or self.gathers
+            or self.nograd_gathers
+            or self.reduces
+            or self.returns
+            or self.steps
+        )
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
         """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either
@@ -101,6 +120,8 @@ class Origin:
         line: 1-based line of the gather call.
         col: 1-based column.
         name: the name the gather wrote into.
+        what: how a message says where the value lost its gradient (default: "`name` is
+            filled by torch.distributed.all_gather, which carries no gradient").
         trace: the steps so far, the gather first.
         partial: why a `gathered[rank] = local` did not count (it runs only under a
             condition), or "".
@@ -112,6 +133,14 @@ class Origin:
     name: str
     trace: tuple[Hop, ...]
     partial: str = ""
+    what: str = ""
+
+    @property
+    def clause(self) -> str:
+        """The start of a WB101 message: what has no gradient, and why."""
+        return self.what or (
+            f"`{self.name}` is filled by torch.distributed.all_gather, which carries no gradient"
+        )
 
 
 class Origins:
@@ -175,6 +204,7 @@ class Program:
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
         self.open_layers = False  # a WB102 finding waits on uses in other files
+        self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 
 from wholebatch.lint.dataflow import Flow, returned_tags
-from wholebatch.lint.names import dotted, last_name
+from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class, masks_labels
+from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
 from wholebatch.lint.summaries import Resolver
@@ -22,9 +25,6 @@ from wholebatch.lint.summaries import Resolver
 __all__ = ["attach", "check_flow"]
 
 _INPLACE = frozenset({"sub_", "add_", "addcdiv_", "addcmul_", "mul_", "div_", "copy_", "lerp_"})
-_ACCUM_RE = re.compile(
-    r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
-)
 
 
 def _text(node: ast.expr) -> str:
@@ -93,15 +93,23 @@ def _modulo_denominators(scope: Scope) -> set[str]:
     }
 
 
-def _is_accum_count(node: ast.expr, periods: set[str]) -> bool:
-    if isinstance(node, ast.Call) and last_name(node.func) == "len" and node.args:
-        return _is_accum_count(node.args[0], periods)
+def _is_accum_count(
+    node: ast.expr, periods: set[str], steps: Callable[[ast.Call], bool] | None = None
+) -> bool:
+    """Is `node` the number of accumulation steps: a name for it, the period of the
+    scope's `% k == 0`, `len()` of one, or a call that returns one (named for it,
+    `cfg.accumulation_iters(step)`, or a function of the run that returns such a
+    name, `steps(call)`)?"""
+    if isinstance(node, ast.Call):
+        if last_name(node.func) == "len" and node.args:
+            return _is_accum_count(node.args[0], periods)
+        return is_step_count_name(last_name(node.func)) or (steps is not None and steps(node))
     if isinstance(node, ast.Name | ast.Attribute):
-        return _text(node) in periods or _ACCUM_RE.search(last_name(node)) is not None
+        return _text(node) in periods or is_step_count_name(last_name(node))
     return False
 
 
-class _Results:
+class Results:
     """Per-scope results of the value-following walk, computed once: a gathering function
     is walked when a caller needs its return tags, and again never."""
 
@@ -113,8 +121,11 @@ class _Results:
         key = id(scope)
         out = self.done.get(key)
         if out is None:
-            self.done[key] = ([], frozenset())  # recursion: no findings, no tags
-            out = _check_scope(self.ctx, scope)
+            empty: tuple[list[Finding], frozenset[str]] = ([], frozenset())
+            self.done[key] = empty  # recursion: no findings, no tags
+            out = self.ctx.failures.run(
+                scope.qual, scope.line, lambda: _check_scope(self.ctx, scope), empty
+            )
             self.done[key] = out
         return out
 
@@ -124,9 +135,9 @@ class _Results:
 
 def attach(resolver: Resolver) -> None:
     """Let `resolver` summarise what gathering functions return (walks them on demand)."""
-    results = _Results(resolver.ctx)
+    results = Results(resolver.ctx)
     resolver.returns_fn = results.returns
-    resolver.ctx.flow_results = results  # type: ignore[attr-defined]
+    resolver.ctx.flow_results = results
 
 
 def check_flow(ctx: FileContext) -> Iterator[Finding]:
@@ -134,26 +145,55 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
     resolver = ctx.resolver if ctx.resolver is not None else Resolver(ctx)
     if resolver.returns_fn is None:
         attach(resolver)
-    results: _Results = ctx.flow_results  # type: ignore[attr-defined]
+    results = ctx.flow_results
+    assert results is not None  # attach() sets it
     for scope in ctx.scopes:
-        if not scope.stmts:
-            continue
-        # Each rule needs one of these; most scopes of a large package have none.
-        accum = bool(scope.divs) and any(
-            _is_accum_count(
-                d.right if isinstance(d, ast.BinOp) else d.value, _modulo_denominators(scope)
-            )
+        if scope.stmts:
+            yield from ctx.guarded(scope, partial(_flow_scope, resolver, results, scope))
+
+
+def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Finding]:
+    # Each rule needs one of these; most scopes of a large package have none.
+    if scope.has_grad:
+        return results.get(scope)[0]
+    accum = False
+    if scope.divs:
+        steps, periods = _steps_calls(resolver, scope), _modulo_denominators(scope)
+        accum = any(
+            _is_accum_count(d.right if isinstance(d, ast.BinOp) else d.value, periods, steps)
             for d in scope.divs
         )
-        if scope.has_grad or accum or resolver.scope_gathers(scope):
-            yield from results.get(scope)[0]
+    if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
+        accum = True  # a framework that divides by the steps itself
+    if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
+        accum = lightning_class(scope.cls)
+    if scope.has_grad or accum or resolver.scope_gathers(scope):
+        return results.get(scope)[0]
+    return []
+
+
+def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]:
+    """Is a call one of a function of the run that returns a number of steps?"""
+
+    def steps(call: ast.Call) -> bool:
+        r = resolver.resolve(call, scope)
+        return r is not None and r[0].steps
+
+    return steps
+
+
+def _accumulates(node: ast.With | ast.AsyncWith) -> bool:
+    return any(
+        isinstance(i.context_expr, ast.Call) and last_name(i.context_expr.func) == "accumulate"
+        for i in node.items
+    )
 
 
 def _loss_hop(scope: Scope, node: ast.AST, note: str, path: str) -> Hop:
     return Hop(
         path=path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        line=position(node)[0],
+        col=position(node)[1],
         function=scope.qual,
         note=note,
     )
@@ -165,22 +205,38 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         id(e.node): e for e in scope.events if e.kind == BACKWARD and not e.synthetic
     }
     loss_fn = _is_loss_function(scope)
+    lightning_step = (
+        scope.name == "training_step"
+        and ctx.evidence.lightning_accumulates
+        and lightning_class(scope.cls)
+    )
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
+    steps = _steps_calls(ctx.resolver, scope) if ctx.resolver is not None else None
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
+    # WB205: `.data` updates waiting for a backward that reuses a graph built before them
+    pending: list[tuple[int, Finding]] = []
+    assigned: dict[str, int] = {}  # name -> line of its latest assignment (this walk)
     for st in flow.run():
         node = st.node
         for sub in st.walk():
             ev = backward.get(id(sub))
             if ev is not None:
+                if pending:
+                    found += _reused_graph(flow, ev, pending, assigned)
+                if isinstance(sub, ast.Call):
+                    found += _framework_divides(ctx, flow, scope, sub, ev)
                 for loss in ev.losses:
-                    for tag in flow.tags(loss):
+                    for tag in sorted(flow.tags(loss)):
                         if tag.startswith("g:"):
                             hop = _loss_hop(scope, sub, f"reaches {_short(sub)}", ctx.path)
                             to_loss.setdefault(tag, hop)
+        _note_assigned(node, assigned)
         if isinstance(node, ast.Return) and node.value is not None:
+            if lightning_step:
+                found += _lightning_divides(ctx, flow, node)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs
@@ -192,8 +248,12 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             if tag.startswith("q:"):
                 to_grad.setdefault(tag, _loss_hop(scope, node, "stored as .grad", ctx.path))
         if not (st.nograd or scope.nograd):
-            found.extend(_manual_update(ctx, flow, st, params))
-        found.extend(_mean_over_steps(ctx, flow, st, periods))
+            for f in _manual_update(ctx, flow, st, params):
+                if f.code == "WB205":
+                    pending.append((node.lineno, f))
+                else:
+                    found.append(f)
+        found.extend(_mean_over_steps(ctx, flow, st, periods, steps))
     origins = flow.origins
     for tag, hop in to_loss.items():
         o = origins.get(tag)
@@ -208,8 +268,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 line=o.line,
                 col=o.col,
                 code="WB101",
-                message=f"`{o.name}` is filled by torch.distributed.all_gather, which carries no "
-                f"gradient, and {where}: the other ranks' terms get no gradient{partial}"
+                message=f"{o.clause}, and {where}: the other ranks' terms get no gradient{partial}"
                 f"{path_text}",
                 fix=RULES["WB101"].fix,
                 trace=trace,
@@ -234,6 +293,78 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
             )
         )
     return found, returned_tags(flow.returns)
+
+
+def _framework_divides(
+    ctx: FileContext, flow: Flow, scope: Scope, call: ast.Call, ev: Event
+) -> list[Finding]:
+    """WB301 where the framework divides by the accumulation steps itself (no `/ k` in
+    the source): a per-micro-batch mean backpropagated by `accelerator.backward` inside
+    `accelerator.accumulate()` (`frameworks.divides_by_steps`)."""
+    fact = divides_by_steps(call, scope.withs)
+    if fact is None or not ev.losses:
+        return []
+    loss = ev.losses[0]
+    msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
+    return [_finding(ctx, call, "WB301", msg)] if msg else []
+
+
+def _lightning_divides(ctx: FileContext, flow: Flow, node: ast.Return) -> list[Finding]:
+    """WB301 for a LightningModule's `training_step` that returns a per-micro-batch mean
+    while the Trainer accumulates (`frameworks.FACTS["lightning-accumulation"]`)."""
+    assert node.value is not None
+    loss_fn = not isinstance(node.value, ast.Dict)  # the whole value, or its "loss" entries
+    out: list[Finding] = []
+    for loss in _returned_losses(node.value, loss_fn):
+        msg = _msg301(ctx, flow.tags(loss), loss, None, by=FACTS["lightning-accumulation"].says)
+        if msg:
+            out.append(_finding(ctx, node, "WB301", msg))
+    return out
+
+
+def _note_assigned(node: ast.stmt, assigned: dict[str, int]) -> None:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.AsyncFor):
+        targets = [node.target]
+    for t in targets:
+        for x in ast.walk(t):
+            if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+                assigned[d] = node.lineno
+
+
+def _reused_graph(
+    flow: Flow, ev: Event, pending: list[tuple[int, Finding]], assigned: dict[str, int]
+) -> list[Finding]:
+    """The pending `.data` updates that this backward makes harmful: its loss reads the
+    output of a forward pass (`T`) assigned before the update, so the graph it runs
+    through saved the old value. A graph rebuilt after the update (the next step's
+    forward) is not affected: the update then equals a `no_grad` one."""
+    out: list[Finding] = []
+    reads = {d for loss in ev.losses for d in _read_names(loss)}
+    for line, f in list(pending):
+        old = [n for n in reads if assigned.get(n, line) < line and "T" in flow.t.get(n, ())]
+        if old:
+            out.append(
+                replace(
+                    f,
+                    message=f"{f.message}: `{sorted(old)[0]}` was computed before this update "
+                    f"and is backpropagated at line {_line_of(ev)}",
+                )
+            )
+            pending.remove((line, f))
+    return out
+
+
+def _read_names(node: ast.expr) -> Iterator[str]:
+    for x in ast.walk(node):
+        if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+            yield d
+
+
+def _line_of(ev: Event) -> int:
+    return position(ev.node)[0]
 
 
 def _short(node: ast.AST) -> str:
@@ -318,11 +449,15 @@ def _manual_update(ctx: FileContext, flow: Flow, st: Stmt, params: set[str]) -> 
 
 
 def _mean_over_steps(
-    ctx: FileContext, flow: Flow, st: Stmt, periods: set[str]
+    ctx: FileContext,
+    flow: Flow,
+    st: Stmt,
+    periods: set[str],
+    steps: Callable[[ast.Call], bool] | None,
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
-        if _is_accum_count(node.value, periods):
+        if _is_accum_count(node.value, periods, steps):
             msg = _msg301(ctx, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
@@ -331,7 +466,7 @@ def _mean_over_steps(
         if (
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
-            and _is_accum_count(sub.right, periods)
+            and _is_accum_count(sub.right, periods, steps)
         ):
             msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
             if msg:
@@ -341,25 +476,37 @@ def _mean_over_steps(
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")
 
 
-def _msg301(ctx: FileContext, tags: set[str], loss: ast.expr, steps: ast.expr) -> str:
+def _msg301(
+    ctx: FileContext, tags: set[str], loss: ast.expr, steps: ast.expr | None, *, by: str = ""
+) -> str:
     """The WB301 message for a loss with these tags divided by the step count; "" for none.
 
     A mean over a count the code shows to vary (`V`) is always reported. The `loss`
     field of a model's output (`v`) is a mean over items the linter cannot count: exact
     when every micro-batch has the same item count, so it is left alone where the file
-    builds fixed-size batches (`drop_last=True`), and reported with that condition
-    otherwise."""
+    builds fixed-size batches (`drop_last=True`), where the forward pass was not given
+    token inputs (`L`: `labels=`, `input_ids=`, `**batch`; a contrastive model's
+    `query=`/`passage=` loss is a mean over rows) or where the file does not mask labels
+    out of the loss (`frameworks.masks_labels`: a -100 label, `ignore_index`; one label
+    per sequence, and grouped blocks of a fixed length, keep their count), and reported
+    with that condition otherwise."""
+    divided = f"divided by `{_text(steps)}`" if steps is not None else f"and {by}"
     if "V" in tags:
         return (
             f"`{_text(loss)}` is a mean over a data-dependent number of items (tokens, "
-            f"ignore_index) divided by `{_text(steps)}`: micro-batches with fewer items weigh "
+            f"ignore_index) {divided}: micro-batches with fewer items weigh "
             "more, so the sum is not the whole-batch mean"
         )
-    if "v" not in tags or _FIXED_SIZE_RE.search(ctx.source):
+    if (
+        "v" not in tags
+        or "L" not in tags
+        or not masks_labels(ctx.source)
+        or _FIXED_SIZE_RE.search(ctx.source)
+    ):
         return ""
     return (
         f"`{_text(loss)}` is a model's mean loss over the items of its micro-batch (tokens "
-        f"or rows) divided by `{_text(steps)}`: exact only if every micro-batch has the same "
+        f"or rows) {divided}: exact only if every micro-batch has the same "
         "item count (fixed-size batches, no padding tokens); where the count varies, "
         "micro-batches with fewer items weigh more"
     )

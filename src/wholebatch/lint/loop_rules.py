@@ -19,8 +19,10 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 
-from wholebatch.lint.names import dotted, last_name, names_in, walk_local
+from wholebatch.lint.frameworks import scaled_grads_hook
+from wholebatch.lint.names import dotted, last_name, names_in, position, walk_local
 from wholebatch.lint.rules import Finding, format_trace
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -55,7 +57,7 @@ def _in(loop: ast.stmt, ev: Event) -> bool:
 
 
 def _line(ev: Event) -> int:
-    return ev.node.lineno  # type: ignore[attr-defined,no-any-return]
+    return position(ev.node)[0]
 
 
 def check_loops(ctx: FileContext) -> Iterator[Finding]:
@@ -65,9 +67,13 @@ def check_loops(ctx: FileContext) -> Iterator[Finding]:
     for scope in ctx.scopes:
         if scope.events:
             for check in on_events:
-                yield from check(ctx, scope)
+                yield from ctx.guarded(scope, partial(_listed, check, ctx, scope))
         if no_sync and scope.withs:
-            yield from _no_sync_without_forward(ctx, scope)
+            yield from ctx.guarded(scope, partial(_listed, _no_sync_without_forward, ctx, scope))
+
+
+def _listed(check: _ScopeCheck, ctx: FileContext, scope: Scope) -> list[Finding]:
+    return list(check(ctx, scope))
 
 
 # -- WB201 ------------------------------------------------------------------------------
@@ -99,7 +105,9 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             # one), else the helper may be a whole training step with its own zeroing.
             if step.synthetic and not any(e.certain for e in backs):
                 break
-            if not any(e.kind in (ZERO, SETGRAD) for e in inside):
+            if not any(e.kind in (ZERO, SETGRAD) for e in inside) and not _fresh_each_iteration(
+                scope, loop, step.recv
+            ):
                 own = [e for e in backs if not e.synthetic]
                 back = (
                     "calls backward"
@@ -118,6 +126,26 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 yield replace(f, trace=trace)
                 break
             break
+
+
+def _fresh_each_iteration(scope: Scope, loop: ast.stmt, recv: str) -> bool:
+    """Is optimizer `recv` built inside `loop`, over tensors also made inside it
+    (`x = latents.detach().requires_grad_(); opt = SGD([x])`)? Then every iteration
+    starts from new leaves with no gradient: nothing piles up."""
+    if not recv:
+        return False
+    made: set[str] = set()
+    params: set[str] | None = None
+    for st in scope.stmts:
+        if not any(outer is loop for outer in st.loops):
+            continue
+        node = st.node
+        if isinstance(node, ast.Assign):
+            targets = {d for t in node.targets if (d := dotted(t)) is not None}
+            if recv in targets and isinstance(node.value, ast.Call) and node.value.args:
+                params = {x.id for x in ast.walk(node.value.args[0]) if isinstance(x, ast.Name)}
+            made |= {x.id for t in node.targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+    return bool(params) and params is not None and params <= made
 
 
 # -- WB202 ------------------------------------------------------------------------------
@@ -255,6 +283,22 @@ def _computed_loss(scope: Scope, loop: ast.stmt | None) -> str | None:
 
 def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     seq = scope.events
+    fact = scaled_grads_hook(scope.cls, scope.name, ctx.evidence)
+    if fact is not None:
+        # A framework hook that runs before the framework unscales (Lightning's
+        # `on_after_backward` under 16-bit mixed precision): every clip here is early.
+        for clip in seq:
+            if clip.kind == CLIP and clip.certain:
+                yield _finding(
+                    ctx,
+                    clip.node,
+                    "WB303",
+                    f"gradients are clipped in `{scope.qual}`, but {fact.says}: the threshold "
+                    "applies to gradients multiplied by the loss scale; clip in "
+                    "`configure_gradient_clipping` (or `on_before_optimizer_step`), or set "
+                    "`Trainer(gradient_clip_val=...)`",
+                )
+        return
     for i, clip in enumerate(seq):
         if clip.kind != CLIP or clip.synthetic:
             continue

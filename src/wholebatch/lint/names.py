@@ -10,23 +10,27 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
     "DIST_GATHERS",
     "Imports",
+    "counts_items",
     "dotted",
-    "is_nograd_context",
+    "is_count_expr",
     "is_nonfinite_test",
+    "is_on_replica_group",
     "is_on_subgroup",
     "is_optimizer_name",
     "is_rank_local_test",
     "is_rank_ref",
     "is_rank_test",
     "is_scaler_name",
+    "is_step_count_name",
     "last_name",
     "names_in",
+    "position",
     "walk_local",
 ]
 
@@ -154,6 +158,12 @@ def dotted(node: ast.expr) -> str | None:
     return ".".join(reversed(parts))
 
 
+def position(node: ast.AST) -> tuple[int, int]:
+    """(1-based line, 1-based column) of a node (statements and expressions have both;
+    the linter's events hold either, as `ast.AST`)."""
+    return getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1
+
+
 def last_name(node: ast.expr) -> str:
     """The identifier a reader would call this expression by: `self.opt[0]` -> `opt`."""
     while True:
@@ -220,16 +230,13 @@ class Imports:
 
     aliases: dict[str, str] = field(default_factory=dict)
     relative: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # module-level `name = a.b.c` assignments, resolved by `finish` once every import is known
+    _bound: list[tuple[str, ast.expr]] = field(default_factory=list)
 
-    @classmethod
-    def of(cls, tree: ast.AST) -> Imports:
-        """Collect the import aliases of a module (imports inside functions included)."""
-        out = cls()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                out.add(node)
-        out.finish()
-        return out
+    def bind(self, name: str, value: ast.expr) -> None:
+        """`name = torch.distributed.all_gather` at module level: `name` is another name
+        for what `value` names (resolved through the imports by `finish`)."""
+        self._bound.append((name, value))
 
     def add(self, node: ast.Import | ast.ImportFrom) -> None:
         """Record the names one import statement binds."""
@@ -250,7 +257,8 @@ class Imports:
                 self.relative[a.asname or a.name] = (node.level, prefix + a.name)
 
     def finish(self) -> None:
-        """Add the conventional names snippets use without importing (notebooks, docs)."""
+        """Add the conventional names snippets use without importing (notebooks, docs),
+        then the module-level aliases (`gather = dist.all_gather`) of imported names."""
         for name, full in (
             ("torch", "torch"),
             ("dist", "torch.distributed"),
@@ -258,6 +266,12 @@ class Imports:
             ("F", "torch.nn.functional"),
         ):
             self.aliases.setdefault(name, full)
+        for name, value in self._bound:
+            d = dotted(value)
+            if d is not None and d.split(".")[0] in self.aliases and name not in self.aliases:
+                meant = self.qualname(value)
+                if meant is not None:
+                    self.aliases[name] = meant
 
     def qualname(self, node: ast.expr) -> str | None:
         """The fully qualified dotted name of `node`, resolving the root through imports."""
@@ -307,14 +321,79 @@ def is_optimizer_name(name: str) -> bool:
     return "optim" in low or low in _OPT_CLASSES or _OPT_RE.search(name) is not None
 
 
+# Names of a count of accumulation steps: `accum_steps`, `gradient_accumulation_steps`,
+# `update_freq`, `num_micro_batches`, `cfg.accumulation_iters(...)`.
+_STEPS_RE = re.compile(
+    r"accum|accumulat|grad_acc|micro|n_?chunks|num_?chunks|update_freq", re.IGNORECASE
+)
+# Denominators that count items of this micro-batch: `num_tokens`, `n_items`, ...
+_COUNT_RE = re.compile(r"n_?tok|num_?tok|ntok|tokens?_count|n_?items|num_?items|num_valid|n_valid")
+
+
+def is_step_count_name(name: str) -> bool:
+    """Does an identifier read like a number of accumulation steps?"""
+    return _STEPS_RE.search(name) is not None
+
+
+def counts_items(node: ast.expr) -> bool:
+    """Does `node` count the items of a micro-batch: a whole `mask.sum()` (no `dim`),
+    `count_nonzero`, a `num_tokens`-like name? A per-row count (`mask.sum(-1)`) is
+    not: dividing by it gives per-row means, which a later `.mean()` averages over rows."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr == "count_nonzero" or (
+                n.func.attr == "sum"
+                and not n.args
+                and not any(k.arg in ("dim", "axis") and _is_set(k.value) for k in n.keywords)
+            ):
+                return True
+        elif isinstance(n, ast.Call) and last_name(n.func) == "count_nonzero":
+            return True
+        if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
+            return True
+    return False
+
+
+_MASK_METHODS = frozenset({"ne", "eq", "bool", "float", "long", "int", "to", "type", "sum"})
+
+
+def is_count_expr(node: ast.expr) -> bool:
+    """Is `node` a whole count of a micro-batch's items: `mask.sum()`, `torch.sum(mask)`,
+    `(labels != -100).sum()`, `mask.count_nonzero()` (of a mask, not of a product: a
+    sum of `loss * mask` is a summed loss)? `counts_items` reads the division itself; this
+    reads an assignment (`n_valid = torch.sum(loss_mask)`, then `/ n_valid`)."""
+    if not isinstance(node, ast.Call) or last_name(node.func) not in ("sum", "count_nonzero"):
+        return False
+    if any(k.arg in ("dim", "axis") and _is_set(k.value) for k in node.keywords):
+        return False
+    func = node.func
+    operand: ast.expr | None
+    if isinstance(func, ast.Attribute) and dotted(func) not in ("torch.sum", "torch.count_nonzero"):
+        if node.args:
+            return False  # `x.sum(-1)`: per row
+        operand = func.value
+    else:  # `torch.sum(mask)`, `sum(mask)`
+        operand = node.args[0] if len(node.args) == 1 else None
+    while isinstance(operand, ast.Call) and isinstance(operand.func, ast.Attribute):
+        if operand.func.attr not in _MASK_METHODS:
+            return False
+        operand = operand.func.value
+    if isinstance(operand, ast.Compare):
+        return True
+    if not isinstance(operand, ast.Name | ast.Attribute | ast.Subscript):
+        return False
+    name = last_name(operand).lower()
+    return "mask" in name or "loss" not in name  # `loss.sum()` sums a loss
+
+
+def _is_set(value: ast.expr) -> bool:
+    """A `dim=`/`axis=` argument that names a dimension (not `None`)."""
+    return not (isinstance(value, ast.Constant) and value.value is None)
+
+
 def is_scaler_name(name: str) -> bool:
     """Does an identifier read like an AMP GradScaler?"""
     return "scaler" in name.lower()
-
-
-def is_nograd_context(imports: Imports, with_node: ast.With | ast.AsyncWith) -> bool:
-    """Does this `with` turn gradient recording off for its body?"""
-    return any(imports.is_no_grad_call(item.context_expr) for item in with_node.items)
 
 
 def is_rank_ref(node: ast.AST) -> bool:
@@ -338,6 +417,26 @@ def is_on_subgroup(call: ast.Call) -> bool:
     return False
 
 
+# Groups whose ranks hold the same batch and replicate the computation (Megatron's tensor
+# and model parallelism): a gather over one is followed by the same computation on every
+# rank of it, so each rank's gradient for its own slice is already the whole gradient.
+_REPLICA_GROUP_RE = re.compile(
+    r"tensor_model_parallel|tensor_parallel|model_parallel|\btp_?group|_tp_group|\bmp_?group",
+    re.IGNORECASE,
+)
+
+
+def is_on_replica_group(call: ast.Call) -> bool:
+    """`dist.all_gather(parts, x, group=get_tensor_model_parallel_group())`: a collective
+    over the ranks of a tensor/model-parallel group (they see the same batch)."""
+    group: ast.expr | None = next(
+        (k.value for k in call.keywords if k.arg in ("group", "process_group", "pg")), None
+    )
+    if group is None and len(call.args) >= 3:
+        group = call.args[2]
+    return group is not None and _REPLICA_GROUP_RE.search(ast.unparse(group)) is not None
+
+
 def _is_membership(test: ast.expr) -> bool:
     """`rank in ranks`: a sub-group test; collectives on that sub-group are fine inside."""
     return any(
@@ -346,19 +445,55 @@ def _is_membership(test: ast.expr) -> bool:
     )
 
 
+def _int(node: ast.expr) -> int | None:
+    """The value of an integer literal (`3`, `-1`), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int(node.operand)
+        return None if inner is None else -inner
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    return None
+
+
+# `rank OP c` for every rank r = 0, 1, 2, ...: true on all of them, or on none.
+_SAME_ON_EVERY_RANK: dict[type[ast.cmpop], Callable[[int], bool]] = {
+    ast.GtE: lambda c: c <= 0,  # rank >= 0 (all), or >= a negative number
+    ast.Gt: lambda c: c < 0,  # rank > -1
+    ast.Lt: lambda c: c <= 0,  # rank < 0 (none)
+    ast.LtE: lambda c: c < 0,  # rank <= -1 (none)
+    ast.Eq: lambda c: c < 0,  # rank == -1 (none: the "not distributed" sentinel)
+    ast.NotEq: lambda c: c < 0,  # rank != -1 (all)
+}
+_FLIPPED: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Gt: ast.Lt,
+    ast.Lt: ast.Gt,
+    ast.GtE: ast.LtE,
+    ast.LtE: ast.GtE,
+    ast.Eq: ast.Eq,
+    ast.NotEq: ast.NotEq,
+}
+
+
 def _is_distributed_test(node: ast.Compare) -> bool:
-    """`local_rank != -1` / `rank is None`: "are we distributed at all", true on every rank."""
+    """A comparison with the same outcome on every rank: `local_rank != -1` and `rank is
+    None` ("are we distributed at all"), `rank >= 0`, `rank < world_size`."""
     others = [node.left, *node.comparators]
-    return any(
-        (isinstance(o, ast.Constant) and o.value is None)
-        or (
-            isinstance(o, ast.UnaryOp)
-            and isinstance(o.op, ast.USub)
-            and isinstance(o.operand, ast.Constant)
-            and o.operand.value == 1
-        )
-        for o in others
-    )
+    if any(isinstance(o, ast.Constant) and o.value is None for o in others):
+        return True
+    if len(node.ops) != 1:
+        return False
+    left, op, right = node.left, node.ops[0], node.comparators[0]
+    if is_rank_ref(right) and not is_rank_ref(left):
+        left, right = right, left
+        op = _FLIPPED.get(type(op), ast.Is)()
+    if not is_rank_ref(left):
+        return False
+    c = _int(right)
+    if c is not None:
+        same = _SAME_ON_EVERY_RANK.get(type(op))
+        return same is not None and same(c)
+    # `rank < world_size`: every rank is below the world size
+    return isinstance(op, ast.Lt) and "world" in (dotted(right) or ast.unparse(right)).lower()
 
 
 def is_rank_test(test: ast.expr) -> bool:

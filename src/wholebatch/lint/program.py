@@ -106,7 +106,7 @@ class ModuleMap:
         if len(parts) < 2:
             return None
         n = len(parts)
-        hits = [f for f, fp in self._by_tail.get(parts[-2:], ()) if fp[-n:] == parts]  # type: ignore[arg-type]
+        hits = [f for f, fp in self._by_tail.get((parts[-2], parts[-1]), ()) if fp[-n:] == parts]
         return hits[0] if len(hits) == 1 else None
 
 

@@ -2,7 +2,7 @@
 
 Codes never change meaning once published; a retired rule keeps its number.
 
-- `WB0xx` — the linter itself (a file that does not parse).
+- `WB0xx` — the linter itself (a file that does not parse, an internal error).
 - `WB1xx` — distributed: collectives, gradients across ranks, hangs.
 - `WB2xx` — the optimisation loop: backward, zero_grad, step, hand-written updates.
 - `WB3xx` — gradient accumulation and mixed precision (AMP).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RULES", "Finding", "Hop", "Rule", "format_trace", "rule"]
+__all__ = ["OWN", "RULES", "Finding", "Hop", "Rule", "format_trace", "rule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +27,7 @@ class Rule:
         summary: the one-line message shown in the rule table.
         fix: one line saying what to write instead.
         check: the family of checks that runs it (``"dist"``, ``"flow"``, ``"loops"``;
-            ``""`` for the linter's own WB000), one of `engine`'s checkers.
+            ``""`` for the linter's own WB000 and WB001), one of `engine`'s checkers.
         words: its gate: the rule can fire in a file only if one of these occurs in the
             file's text (or a call of the file is followed into another file, which
             brings that file's events); ``()`` means no gate, it always runs. Every
@@ -97,6 +97,8 @@ class Finding:
             from where it starts to where it does harm, for a call into the functions
             it runs (and their files); empty when there is nothing beyond the reported
             line. The message names the path when it crosses functions.
+        tier: ``"code"`` (training code) or ``"test"`` (a test file, reported only when
+            asked: `wholebatch lint --tests`, `files.tier_of`).
     """
 
     path: str
@@ -106,6 +108,7 @@ class Finding:
     message: str
     fix: str
     trace: tuple[Hop, ...] = ()
+    tier: str = "code"
 
 
 # Gate words shared by a family of rules. A collective needs torch.distributed (imported,
@@ -121,6 +124,14 @@ _ALL = (
         name="syntax-error",
         summary="file could not be parsed, so it was not checked",
         fix="fix the syntax error (or run lint with the Python version the file targets)",
+    ),
+    Rule(
+        code="WB001",
+        name="internal-error",
+        summary="the linter failed on this function, so it was not fully checked (the rest "
+        "of the run was)",
+        fix="report it (the message names the exception and where the linter raised it); "
+        "`--ignore WB001` hides it",
     ),
     Rule(
         code="WB101",
@@ -251,6 +262,8 @@ _ALL = (
 )
 
 RULES: dict[str, Rule] = {r.code: r for r in _ALL}
+# The linter's own codes (no checker runs them): a file that does not parse, an internal error.
+OWN = frozenset(c for c, r in RULES.items() if not r.check)
 
 
 def rule(code: str) -> Rule:

@@ -12,10 +12,12 @@ known to step (and, if that helper zeroes, to zero).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from wholebatch.lint.frameworks import Evidence
+from wholebatch.lint.guard import Failures
 from wholebatch.lint.names import (
     DIST_GATHERS,
     Imports,
@@ -23,11 +25,13 @@ from wholebatch.lint.names import (
     is_optimizer_name,
     is_scaler_name,
     last_name,
+    position,
     walk_local,
 )
 from wholebatch.lint.rules import RULES, Finding, Hop
 
 if TYPE_CHECKING:
+    from wholebatch.lint.flow_rules import Results
     from wholebatch.lint.summaries import Resolver
 
 __all__ = [
@@ -61,7 +65,24 @@ _ZERO_FUNCS = frozenset(
 # Receivers whose `.backward(loss)` takes the loss as an argument (accelerate, fabric, deepspeed).
 _BACKWARD_WRAPPERS = frozenset({"accelerator", "fabric", "engine", "model_engine", "trainer"})
 _NOT_OPTIMIZER = frozenset({"Accumulator", "CachedStep"})
+# Gathers that return their output and carry a gradient (with gradients on): Horovod's,
+# torch.distributed.nn's, wholebatch's.
+_DIFFERENTIABLE_GATHERS = frozenset(
+    {
+        "horovod.torch.allgather",
+        "horovod.torch.mpi_ops.allgather",
+        "torch.distributed.nn.all_gather",
+        "torch.distributed.nn.functional.all_gather",
+        "wholebatch.all_gather",
+        "wholebatch.comm.all_gather",
+    }
+)
+# Framework gathers that never carry one, by method and owner: accelerate's `gather`,
+# Lightning's `all_gather` (unless `sync_grads=True`).
+_FRAMEWORK_GATHERS = {"gather": ("accelerator",), "all_gather": ("self", "fabric")}
+_VALUE_GATHER_NAMES = frozenset({"allgather", "all_gather", "gather"})
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
+_T = TypeVar("_T")
 _Loop = ast.For | ast.AsyncFor | ast.While
 
 
@@ -191,6 +212,10 @@ class Scope:
         local_calls: calls that may resolve to a function the linter knows (`f()`,
             `self.m()`, `mod.f()`, `super().m()`), each with its place (Event fields).
         plain_gathers: the c10d all-gather calls (no gradient on their output).
+        value_gathers: a gather that returns its output may run without a gradient here
+            (`FileContext.value_gather`).
+        gather_calls: calls named like such a gather, each with whether it runs under
+            no_grad.
     """
 
     node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef
@@ -208,6 +233,8 @@ class Scope:
     mods: list[ast.BinOp] = field(default_factory=list)
     local_calls: list[tuple[ast.Call, dict[str, Any]]] = field(default_factory=list)
     plain_gathers: list[ast.Call] = field(default_factory=list)
+    value_gathers: bool = False
+    gather_calls: list[tuple[ast.Call, bool]] = field(default_factory=list)
     raw: list[tuple[ast.AST, dict[str, Any]]] = field(default_factory=list)
     linked: bool = False
     _collectives: list[tuple[str, ast.Call]] | None = None
@@ -221,6 +248,11 @@ class Scope:
     def qual(self) -> str:
         """`Class.method`, `function`, or "" for the module."""
         return f"{self.cls.name}.{self.name}" if self.cls is not None else self.name
+
+    @property
+    def line(self) -> int:
+        """The line of the function's `def` (1 for the module)."""
+        return 1 if isinstance(self.node, ast.Module) else self.node.lineno
 
     def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
         """(qualified name, call) of every collective called in this scope."""
@@ -247,7 +279,12 @@ class FileContext:
     import and assignment is known.
     """
 
-    def __init__(self, tree: ast.Module, path: str, source: str = "") -> None:
+    def __init__(
+        self, tree: ast.Module, path: str, source: str = "", failures: Failures | None = None
+    ) -> None:
+        # Internal errors while one function is analysed (`guard`): that function is
+        # left out, the rest of the file is still checked.
+        self.failures = failures if failures is not None else Failures()
         self.tree = tree
         self.path = path
         self.source = source
@@ -263,6 +300,9 @@ class FileContext:
         self.scope_of: dict[int, Scope] = {}
         self.scopes: list[Scope] = []
         self.resolver: Resolver | None = None  # set by summaries.Resolver
+        self.flow_results: Results | None = None  # set by flow_rules.attach
+        # What the run's text shows (the whole run's, set by `engine`; else this file's).
+        self._evidence: Evidence | None = None
         self.may_collective: bool | None = None  # the text names dist/wholebatch (cached)
         # The rules to run here (None: all): the enabled ones whose gate is open, set by
         # `engine` from each rule's words (`rules.Rule.words`).
@@ -272,6 +312,8 @@ class FileContext:
         self.constructed: dict[str, str] = {}
         # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
         self.applies: list[tuple[str, bool]] | None = None
+        # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
+        self.apply_aliases: dict[str, str] = {}
         self.layers: dict[int, str] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
@@ -279,6 +321,22 @@ class FileContext:
         for scope in self.scopes:
             self._classify_scope(scope)
         # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
+
+    def guarded(self, scope: Scope, fn: Callable[[], list[_T]]) -> list[_T]:
+        """`fn()` for one scope; an internal error there is noted (WB001), giving []."""
+        return self.failures.run(scope.qual, scope.line, fn, [])
+
+    @property
+    def evidence(self) -> Evidence:
+        """What the text of the run shows (`frameworks.Evidence`): the whole run's when
+        `engine` lints a tree, else this file's own."""
+        if self._evidence is None:
+            self._evidence = Evidence.of([self.source])
+        return self._evidence
+
+    @evidence.setter
+    def evidence(self, value: Evidence) -> None:
+        self._evidence = value
 
     def runs(self, code: str) -> bool:
         """Is rule `code` to be checked in this file?"""
@@ -410,6 +468,8 @@ class FileContext:
                     scope.has_exit = True
                 elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Call):
                     self._assign_calls.append((st.value.func, st.targets))
+                elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Attribute):
+                    self._alias(scope, st.targets, st.value)
                 scope.stmts.append(at.stmt(st))
                 self._events(scope, st, at)
 
@@ -438,8 +498,25 @@ class FileContext:
         for call in calls:
             scope.calls.append(call)
             scope.raw.append((call, where))
-            if last_name(call.func) in DIST_GATHERS:
+            name = last_name(call.func)
+            if name in DIST_GATHERS:
                 scope.has_gather = True
+            if name in _VALUE_GATHER_NAMES:
+                scope.gather_calls.append((call, at.nograd))
+
+    def _alias(self, scope: Scope, targets: list[ast.expr], value: ast.Attribute) -> None:
+        """`allgather = AllGather.apply` (or `self.gather = ...`): a call of the name is a
+        use of the Function; `gather = dist.all_gather` at module level: another name for
+        the collective."""
+        if value.attr == "apply" and isinstance(value.value, ast.Name):
+            for t in targets:
+                d = dotted(t)
+                if d is not None:
+                    self.apply_aliases[d] = value.value.id
+        elif isinstance(scope.node, ast.Module) and len(targets) == 1:
+            t = targets[0]
+            if isinstance(t, ast.Name):
+                self.imports.bind(t.id, value)
 
     # -- classification -----------------------------------------------------------------
 
@@ -456,6 +533,12 @@ class FileContext:
                 scope.events.append(Event(kind=kind, node=node, recv="", **where))
                 continue
             ev = self._classify(node)
+            if ev is not None and ev[0] == BACKWARD and self._context_backward(node):
+                # torch.distributed.autograd: each `dist_autograd.context()` holds its own
+                # gradients, so every backward starts from zero (a zeroing, then backward).
+                scope.events.append(
+                    Event(kind=ZERO, node=node, recv="", synthetic=True, certain=True, **where)
+                )
             if ev is not None:
                 kind, recv, losses, scaler, bare = ev
                 scope.events.append(
@@ -479,11 +562,54 @@ class FileContext:
             ):
                 scope.local_calls.append((node, where))
         scope.raw = []
+        scope.value_gathers = any(
+            self.value_gather(c, nograd=off) is not None for c, off in scope.gather_calls
+        )
         if not self.source or "all_gather" in self.source:
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`
             scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]
         else:
             scope.plain_gathers = []
+
+    def value_gather(self, call: ast.Call, *, nograd: bool) -> str | None:
+        """Why `call`'s output has no gradient here, if it is a gather that returns it
+        ("no_grad", or the framework's reason; `nograd`: recording is off where it runs): a
+        differentiable gather (Horovod's, torch.distributed.nn's, wholebatch's) under
+        no_grad, or a framework gather that never carries one (accelerate's
+        `accelerator.gather`, Lightning's `self.all_gather` / `fabric.all_gather`
+        without `sync_grads=True`). None for any other call."""
+        func = call.func
+        if last_name(func) not in _VALUE_GATHER_NAMES:
+            return None
+        q = self.imports.qualname(func) or ""
+        if q in _DIFFERENTIABLE_GATHERS:
+            return "no_grad" if nograd else None
+        if not isinstance(func, ast.Attribute):
+            return None
+        owner = last_name(func.value)
+        if owner not in _FRAMEWORK_GATHERS.get(func.attr, ()) or q.startswith("torch."):
+            return None
+        if func.attr == "all_gather":
+            if owner == "self" and not self.is_lightning:
+                return None  # a method of the user's own class
+            sync = next((k.value for k in call.keywords if k.arg == "sync_grads"), None)
+            if sync is not None and not (isinstance(sync, ast.Constant) and not sync.value):
+                return None  # `sync_grads=True` (or a flag we cannot read): differentiable
+        if func.attr == "gather":
+            return "accelerate's gather is not differentiable"
+        return "Lightning's all_gather carries one only with sync_grads=True"
+
+    @property
+    def is_lightning(self) -> bool:
+        """Does the file define a LightningModule (so `self.all_gather` is Lightning's)?"""
+        return any(
+            last_name(b) in ("LightningModule", "LitModule") for c in self.classes for b in c.bases
+        )
+
+    def _context_backward(self, call: ast.Call) -> bool:
+        """`dist_autograd.backward(context_id, [loss])` (torch.distributed.autograd)."""
+        q = self.imports.qualname(call.func) or ""
+        return q == "torch.distributed.autograd.backward"
 
     def _classify(self, call: ast.Call) -> tuple[str, str, tuple[ast.expr, ...], bool, bool] | None:
         """(kind, recv, losses, scaler, bare) for a training-loop call, else None."""
@@ -502,6 +628,8 @@ class FileContext:
         attr, recv = func.attr, func.value
         if attr in ("backward", "manual_backward"):
             q = self.imports.qualname(recv)
+            if q == "torch.distributed.autograd":
+                return BACKWARD, "", tuple(call.args[1:2]), False, True
             if (
                 q in ("torch.autograd", "torch")
                 or attr == "manual_backward"
@@ -530,6 +658,8 @@ class FileContext:
             q = self.imports.qualname(func) or ""
             if q.startswith("torch.nn.utils") or ".utils." in f".{q}":
                 return CLIP, "", (), False, True
+        if attr == "clip_gradients" and isinstance(recv, ast.Name) and recv.id == "self":
+            return CLIP, "", (), False, True  # LightningModule.clip_gradients
         return None
 
 
@@ -537,8 +667,8 @@ def finding(ctx: FileContext, node: ast.AST, code: str, message: str) -> Finding
     """A `Finding` of rule `code` at `node` in the file `ctx` reads, with the rule's fix."""
     return Finding(
         path=ctx.path,
-        line=node.lineno,  # type: ignore[attr-defined]
-        col=node.col_offset + 1,  # type: ignore[attr-defined]
+        line=position(node)[0],
+        col=position(node)[1],
         code=code,
         message=message,
         fix=RULES[code].fix,

@@ -27,10 +27,20 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.names import dotted, is_on_subgroup, last_name
+from wholebatch.lint.names import (
+    counts_items,
+    dotted,
+    is_count_expr,
+    is_on_replica_group,
+    is_on_subgroup,
+    is_step_count_name,
+    last_name,
+    position,
+)
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -114,6 +124,14 @@ class Resolver:
         self._facts: dict[int, Facts] = {}
         self._busy: set[int] = set()
         self._resolved: dict[int, tuple[Facts, bool] | None] = {}
+        # Which kinds of mean the file's text can hold at all (`_may_return_mean`), read
+        # once per file: per function, the substring tests cost a fifth of a run on torch.
+        src = ctx.source
+        self._hints = _MeanHints(
+            counts=not src or any(w in src for w in _COUNT_WORDS),
+            ignore_index=not src or "ignore_index" in src,
+            loss=not src or "loss" in src,
+        )
         ctx.resolver = self
 
     # -- names across files ---------------------------------------------------------------
@@ -295,7 +313,10 @@ class Resolver:
             return shell  # recursion (or a call chain deeper than any real one): unknown
         self._busy.add(key)
         try:
-            out = self._summarise(scope, d, shell)
+            # An internal error here leaves the function unknown to its callers (WB001).
+            out = self.ctx.failures.run(
+                scope.qual, d.lineno, lambda: self._summarise(scope, d, shell), shell
+            )
         finally:
             self._busy.discard(key)
         self._facts[key] = out
@@ -309,7 +330,7 @@ class Resolver:
             if ev.kind not in _KINDS:
                 continue
             certain = ev.certain and not ev.path and not ev.jumpy
-            line, col = ev.node.lineno, ev.node.col_offset + 1  # type: ignore[attr-defined]
+            line, col = position(ev.node)
             if ev.synthetic:
                 hop = Hop(path=ctx.path, line=line, col=col, function=scope.qual, note="")
                 hop = replace(hop, note=f"calls `{_callee_text(ev.node)}`")
@@ -321,6 +342,9 @@ class Resolver:
         collective: tuple[str, tuple[Hop, ...]] | None = None
         reduces = False
         gathers = bool(scope.plain_gathers)
+        nograd_gathers = scope.value_gathers
+        # all of its gathers (its own and its callees') over tensor/model-parallel groups
+        replicated = all(is_on_replica_group(c) for c in scope.plain_gathers)
         colls = scope.collectives(ctx.imports) if _may_call_collective(ctx) else []
         if colls:
             reduces = True
@@ -345,6 +369,8 @@ class Resolver:
             f = r[0]
             reduces = reduces or f.reduces
             gathers = gathers or f.gathers
+            nograd_gathers = nograd_gathers or f.nograd_gathers
+            replicated = replicated and (f.replicated or not f.gathers)
             if collective is None and f.collective is not None:
                 if on_path_calls is None:
                     on_path_calls = {id(n) for st in unconditional(d.body) for n in _calls_of(st)}
@@ -357,8 +383,10 @@ class Resolver:
                         note=f"calls `{_callee_text(call)}`",
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
-        mean = not gathers and _may_return_mean(scope)
-        if not (effects or collective or reduces or gathers or mean):
+        tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
+        mean = not tagged and _may_return_mean(scope, self._hints)
+        steps = _returns_step_count(scope)
+        if not (effects or collective or reduces or tagged or mean or steps):
             return shell
         out = replace(
             shell,
@@ -366,20 +394,26 @@ class Resolver:
             collective=collective,
             reduces=reduces,
             gathers=gathers,
+            nograd_gathers=nograd_gathers,
+            replicated=gathers and replicated,
+            steps=steps,
         )
-        if (gathers or mean) and self.returns_fn is not None:
+        if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
         return out
 
     def scope_gathers(self, scope: Scope) -> bool:
-        """Does this scope fill a tensor by c10d all-gather, itself or through a call?"""
+        """Does this scope gather without a gradient (a c10d all-gather, or a gather that
+        returns its output and may have none here), itself or through a call?"""
         if not isinstance(scope.node, ast.Module):
-            return self.facts(scope.node).gathers
-        if scope.plain_gathers:
+            f = self.facts(scope.node)
+            return f.gathers or f.nograd_gathers
+        if scope.plain_gathers or scope.value_gathers:
             return True
         return any(
-            (r := self.resolve(c, scope)) is not None and r[0].gathers for c, _ in scope.local_calls
+            (r := self.resolve(c, scope)) is not None and (r[0].gathers or r[0].nograd_gathers)
+            for c, _ in scope.local_calls
         )
 
     # -- synthetic events -----------------------------------------------------------------
@@ -387,7 +421,7 @@ class Resolver:
     def link(self) -> None:
         """Add to every scope the events of the functions it calls (synthetic events)."""
         for scope in self.ctx.scopes:
-            self.link_scope(scope)
+            self.ctx.failures.run(scope.qual, scope.line, partial(self.link_scope, scope), None)
 
     def link_scope(self, scope: Scope) -> None:
         """Add the synthetic events of one scope (once)."""
@@ -415,7 +449,7 @@ class Resolver:
                 )
         if extra:
             scope.events.extend(extra)
-            scope.events.sort(key=lambda e: (e.node.lineno, e.node.col_offset))  # type: ignore[attr-defined]
+            scope.events.sort(key=lambda e: position(e.node))
 
     # -- collectives through calls (WB104, WB105) -----------------------------------------
 
@@ -442,7 +476,7 @@ class Resolver:
     def close(self) -> None:
         """Drop the links between this resolver, its file and the flow results (a cycle)."""
         self.ctx.resolver = None
-        self.ctx.flow_results = None  # type: ignore[attr-defined]
+        self.ctx.flow_results = None
         self.returns_fn = None
         self._facts.clear()
         self._resolved.clear()
@@ -482,9 +516,41 @@ class Resolver:
         return out
 
 
-def _may_return_mean(scope: Scope) -> bool:
-    """Does a `return` of the scope read a `loss` field (`out["loss"]`, `outputs.loss`)?
-    Then its value may be a mean over items, which its callers' WB301 needs to know."""
+@dataclass(frozen=True)
+class _MeanHints:
+    """Which kinds of mean a file's text can hold (substring tests, once per file)."""
+
+    counts: bool  # an item count to divide by (`names.counts_items`)
+    ignore_index: bool
+    loss: bool  # a `loss` field
+
+
+def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
+    """May the scope return a mean over a micro-batch's items, which its callers' WB301
+    needs to know: a `return` that reads a `loss` field (`out["loss"]`, `outputs.loss`),
+    or a scope that computes one (`ignore_index=`, a division by `mask.sum()` or
+    `num_tokens`)? (The dataflow then says what the return value holds.) `hints`, from
+    the file's text, rule out most functions at once."""
+    if (
+        hints.counts
+        and scope.divs
+        and (
+            any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
+            or any(
+                isinstance(st.node, ast.Assign) and is_count_expr(st.node.value)
+                for st in scope.stmts
+            )
+        )
+    ):
+        return True
+    if (
+        hints.ignore_index
+        and any(kw.arg == "ignore_index" for c in scope.calls for kw in c.keywords)
+        and _returns_value(scope)
+    ):
+        return True
+    if not hints.loss:
+        return False
     for st in scope.stmts:
         n = st.node
         if isinstance(n, ast.Return) and n.value is not None:
@@ -495,6 +561,27 @@ def _may_return_mean(scope: Scope) -> bool:
                     and x.slice.value == "loss"
                 ):
                     return True
+    return False
+
+
+# Text without any of these has no item count to divide by (`names.counts_items`).
+_COUNT_WORDS = (".sum(", "count_nonzero", "tok", "item", "valid")
+
+
+def _returns_value(scope: Scope) -> bool:
+    return any(isinstance(st.node, ast.Return) and st.node.value is not None for st in scope.stmts)
+
+
+def _returns_step_count(scope: Scope) -> bool:
+    """Does the scope return a number of accumulation steps (`return self.accum_steps`)?"""
+    for st in scope.stmts:
+        n = st.node
+        if (
+            isinstance(n, ast.Return)
+            and isinstance(n.value, ast.Name | ast.Attribute)
+            and is_step_count_name(last_name(n.value))
+        ):
+            return True
     return False
 
 

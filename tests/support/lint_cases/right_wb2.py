@@ -198,3 +198,19 @@ def ddp_all_reduce_grads(model, world_size):
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= world_size
+
+
+def manual_sgd_data_graph_rebuilt(model, loader, criterion, lr):
+    # Through .data, but after the backward and before the next forward: no saved graph
+    # sees the change, so the result equals a no_grad update (not WB205).
+    for x, y in loader:
+        model.zero_grad()
+        criterion(model(x), y).backward()
+        for p in model.parameters():
+            p.data -= lr * p.grad
+
+
+def manual_sgd_data_method(params, lr):
+    for p in params:
+        d_p = p.grad
+        p.data.add_(d_p, alpha=-lr)

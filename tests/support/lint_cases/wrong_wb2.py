@@ -67,15 +67,18 @@ def manual_sgd_inplace(w, b, x, y, lr):
     b.add_(b.grad, alpha=-lr)  # expect: WB204
 
 
-def manual_sgd_data(model, loader, criterion, lr):
-    for x, y in loader:
-        model.zero_grad()
-        criterion(model(x), y).backward()
-        for p in model.parameters():
-            p.data -= lr * p.grad  # expect: WB205
+def manual_sgd_data_before_backward(model, x, y, criterion, lr):
+    # The graph of `out` saved the old weights; the second backward runs through it.
+    out = model(x)
+    criterion(out, y).backward(retain_graph=True)
+    for p in model.parameters():
+        p.data -= lr * p.grad  # expect: WB205
+    criterion(out, y).backward()
 
 
-def manual_sgd_data_method(params, lr):
+def manual_sgd_data_method(model, params, x, lr):
+    feats = model(x)
     for p in params:
         d_p = p.grad
         p.data.add_(d_p, alpha=-lr)  # expect: WB205
+    feats.sum().backward()

@@ -1,0 +1,205 @@
+"""What a training framework does with the loss and the gradients, as facts the rules
+ask about ("what does this framework do here") instead of matching a name: one `Fact`
+per behaviour, with where the framework does it, and the predicates that recognise it
+in a file. Each fact has a bad and a good twin in tests/support/lint_twins.py and a row
+in docs/lint.md ("Framework facts"), checked against `FACTS`.
+
+The evidence that decides some of them lies anywhere in the run (`Evidence`, read once
+from the text of every file): the Trainer's precision, its accumulation. Whether a
+file masks labels out of a token loss (`masks_labels`) is read from that file. Nothing
+is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from wholebatch.lint.names import dotted, last_name
+
+__all__ = [
+    "FACTS",
+    "Evidence",
+    "Fact",
+    "divides_by_steps",
+    "lightning_class",
+    "masks_labels",
+    "scaled_grads_hook",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fact:
+    """One behaviour of a framework that decides a rule.
+
+    Attributes:
+        name: stable key, e.g. ``"accelerate-backward"``.
+        framework: the library (``"accelerate"``, ``"lightning"``, ``"torch"``).
+        says: what it does, as a message clause ("`accelerator.backward` divides ...").
+        where: the framework's code that does it (checked against accelerate 1.15 and
+            lightning 2.6; torch 2.13).
+        rules: the rule codes it feeds.
+    """
+
+    name: str
+    framework: str
+    says: str
+    where: str
+    rules: tuple[str, ...]
+
+
+_ALL = (
+    Fact(
+        name="accelerate-backward",
+        framework="accelerate",
+        says="`accelerator.backward` divides the loss by gradient_accumulation_steps "
+        "(inside `accelerator.accumulate()`)",
+        where="accelerate/accelerator.py: Accelerator.backward (`loss / "
+        "self.gradient_accumulation_steps`)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="lightning-accumulation",
+        framework="lightning",
+        says="Lightning's automatic optimisation divides the loss `training_step` returns by "
+        "accumulate_grad_batches",
+        where="lightning/pytorch/loops/optimization/automatic.py: ClosureResult."
+        "from_training_step_output(..., trainer.accumulate_grad_batches)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="lightning-after-backward",
+        framework="lightning",
+        says="under 16-bit mixed precision Lightning calls `on_after_backward` before it "
+        "unscales the gradients (it unscales just before `on_before_optimizer_step`)",
+        where="lightning/pytorch/plugins/precision/precision.py: post_backward -> "
+        "on_after_backward; amp.py: MixedPrecision.optimizer_step -> scaler.unscale_ -> "
+        "_after_closure -> on_before_optimizer_step",
+        rules=("WB303",),
+    ),
+    Fact(
+        name="distributed-autograd",
+        framework="torch",
+        says="torch.distributed.autograd keeps each `dist_autograd.context()`'s gradients "
+        "apart: every backward in a new context starts from zero",
+        where="torch/distributed/autograd: context(), backward(context_id, roots), "
+        "DistributedOptimizer.step(context_id)",
+        rules=("WB201",),
+    ),
+    Fact(
+        name="ddp-no-sync",
+        framework="torch",
+        says="DDP decides at forward time whether the backward all-reduces: the forward "
+        "must run inside `no_sync()`, the backward may run after it",
+        where="torch/nn/parallel/distributed.py: DistributedDataParallel.forward "
+        "(`require_backward_grad_sync` -> reducer.prepare_for_backward)",
+        rules=("WB302",),
+    ),
+)
+FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
+
+# Text that shows labels masked out of a token loss, so its count varies from one
+# micro-batch to the next: a -100 label, `ignore_index`, a collator that pads labels.
+_MASKED_RE = re.compile(
+    r"\bignore_index\b|\blabel_pad_token_id\b|DataCollatorFor(?:Seq2Seq|LanguageModeling|"
+    r"TokenClassification|CompletionOnlyLM)|[=(,\[]\s*-100(?![\d.])"
+)
+_MASKED_WORDS = ("ignore_index", "label_pad_token_id", "DataCollatorFor", "-100")
+
+
+def masks_labels(text: str) -> bool:
+    """Does this source mask labels out of a token loss (`-100`, `ignore_index`, a padding
+    collator)? Then a token mean's count varies between micro-batches: grouped blocks of
+    a fixed length (labels = input_ids) and one label per sequence do not."""
+    return any(w in text for w in _MASKED_WORDS) and _MASKED_RE.search(text) is not None
+
+
+# `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"`, a "16-mixed"
+# default of an argument (16-bit float with a loss scaler; "bf16" needs none).
+# (Two tests, each starting with a literal, which `re` finds fast.)
+_FP16_RE = re.compile(r"""precision\s*[=:]\s*["']?16(?:-mixed)?\b""")
+_FP16_WORDS = ('"16-mixed"', "'16-mixed'")
+# `Trainer(accumulate_grad_batches=4)` (any value but a literal 1).
+_LIGHTNING_ACCUM_RE = re.compile(r"accumulate_grad_batches\s*=\s*(?!1\b)[\w\"'.(\[]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evidence:
+    """What the text of the run shows (every file read, reported or not).
+
+    Attributes:
+        fp16: a Lightning/Fabric precision of 16-bit mixed floats is written somewhere.
+        lightning_accumulates: a Trainer accumulates gradients over micro-batches.
+    """
+
+    fp16: bool = False
+    lightning_accumulates: bool = False
+
+    @classmethod
+    def of(cls, texts: Iterable[str]) -> Evidence:
+        """The evidence of these sources (the files of one run)."""
+        fp16 = accum = False
+        for text in texts:
+            fp16 = fp16 or (
+                any(w in text for w in _FP16_WORDS)
+                or ("precision" in text and _FP16_RE.search(text) is not None)
+            )
+            accum = accum or (
+                "accumulate_grad_batches" in text and _LIGHTNING_ACCUM_RE.search(text) is not None
+            )
+            if fp16 and accum:
+                break
+        return cls(fp16=fp16, lightning_accumulates=accum)
+
+
+def lightning_class(cls: ast.ClassDef | None) -> bool:
+    """Is `cls` a LightningModule (by its bases as written)?"""
+    return cls is not None and any(
+        last_name(b) in ("LightningModule", "LitModule") for b in cls.bases
+    )
+
+
+def _accumulate_block(withs: Iterable[ast.With | ast.AsyncWith], node: ast.AST) -> bool:
+    line = getattr(node, "lineno", 0)
+    for w in withs:
+        if not (w.lineno <= line <= (w.end_lineno or w.lineno)):
+            continue
+        for item in w.items:
+            expr = item.context_expr
+            if (
+                isinstance(expr, ast.Call)
+                and isinstance(expr.func, ast.Attribute)
+                and expr.func.attr == "accumulate"
+                and "accelerat" in (dotted(expr.func.value) or last_name(expr.func.value))
+            ):
+                return True
+    return False
+
+
+def divides_by_steps(
+    call: ast.Call,
+    withs: Iterable[ast.With | ast.AsyncWith],
+) -> Fact | None:
+    """The fact by which this backward call divides its loss by the accumulation
+    steps itself, with no `/ k` in the source: `accelerator.backward(loss)` inside
+    `with accelerator.accumulate(model):`."""
+    func = call.func
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr == "backward"
+        and "accelerat" in last_name(func.value)
+        and _accumulate_block(withs, call)
+    ):
+        return FACTS["accelerate-backward"]
+    return None
+
+
+def scaled_grads_hook(cls: ast.ClassDef | None, method: str, evidence: Evidence) -> Fact | None:
+    """The fact by which gradients are still multiplied by the loss scale inside this
+    method: `on_after_backward` of a LightningModule, where the run trains in 16-bit
+    mixed precision."""
+    if method == "on_after_backward" and evidence.fp16 and lightning_class(cls):
+        return FACTS["lightning-after-backward"]
+    return None
