@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from wholebatch.losses import fused, siglip_loss
-from wholebatch.losses.tiles import _softplus_sum
+from wholebatch.losses.sigmoid import _softplus_sum
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

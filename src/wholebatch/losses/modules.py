@@ -18,7 +18,7 @@ open_clip, lightly and sentence-transformers expect from a loss module:
 
 A learnable scalar is a replicated parameter: keep the module inside the DDP
 module, or give it to the optimizer beside it; every rank's copy receives the
-same whole-batch gradient (see `wholebatch.losses.common`).
+same whole-batch gradient (see `wholebatch.losses.call`).
 
     loss_fn = wholebatch.ClipLoss(normalize=True, logit_scale=1 / 0.07, learn_scale=True)
     loss = loss_fn(image_features, text_features)   # every rank: the whole batch's loss

@@ -167,7 +167,7 @@ class PlanConfig:
         if dirs != DIRECTIONS[:1] and self.loss not in _WITH_DIRECTIONS:
             raise bad("directions", self.directions, f"applies to {_losses(_WITH_DIRECTIONS)} only")
         spec = SPECS.get(self.loss)
-        if self.strategy and (spec is None or not spec.offers(self.strategy)):
+        if self.strategy and (spec is None or self.strategy not in spec.offered()):
             offered = spec.strategies if spec else ()
             raise bad("strategy", self.strategy, f"is not one of {offered} for loss={self.loss!r}")
         if self.world > 65536:

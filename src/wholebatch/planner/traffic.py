@@ -1,36 +1,30 @@
 """Bytes each rank sends and receives per step, collective by collective, from the library's own size bookkeeping.
 
 Every count here walks the sequence of collectives a loss issues (read off
-`wholebatch.losses.common`, `.contrastive`, `.info_nce` and `.tiles`; the tests
+`wholebatch.losses.call`, the loss modules and their kernels; the tests
 count the real calls on gloo and compare, every rank, every primitive) and
 takes each call's split sizes from `wholebatch.comm.sizes` and the exchange's
 row from `wholebatch.losses.sizing`, the functions the collectives and the
 losses themselves call. So a count at W = 65,536 runs the same bookkeeping as
 a real run, for one virtual rank, without a process.
 
-Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
+Every loss call on W > 1 ranks (losses/call.py `validate`, `Call.choose` and `Call.whole`):
 
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
-  all-gather of one float64 row per rank, `exchange_row_elements` long
-  (header, options, the sizes= fingerprint, scalars): the same length at any W;
-  and a zero-padded room for the rank's rows (the small path uses them). A plan is
-  of the call repeated (steady state): the room is `sizing.fitted_room` of this
-  call's rows, the smallest power of two >= 1 KiB holding the largest rank's B·R·e
-  bytes while that fits `sizing.carry_bytes(W)` (256 KiB at W = 2,
-  (W - 1)·carry_bytes(W) <= 256 KiB received per rank), else none; the first
-  call on a group carries `carry_bytes(W)` (`wholebatch.losses.room`);
+  all-gather of one float64 row per rank, `specs.exchange_fields(spec)` long
+  (header, per-rank numbers, options, the sizes= fingerprint, scalars): the same
+  length at any W, and nothing else; a call's bytes depend on its own sizes only;
 - the agreement: after the exchange none in the forward (it checked the
   scalars equal), backward one all-reduce of the scalars' gradients; without
   it an all-reduce (max) of the scalars and the reduction code, backward one
   all-reduce of twice that (the gradient and the tie count);
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
-A small batch (`wholebatch.losses.sizing.replicates`, losses/replicated.py) makes
-instead the exchange alone when it carried every rank's rows (B·R·e within the room,
-R = (2 + k)·D); otherwise (and without the exchange) ONE all-gather of every
-rank's rows of all its embeddings (B·R·e bytes per rank, plus the agreement's
-float64 row of the scalars and the reduction code without the exchange); and
-backward one all-reduce of one element (the upstream gradient of L, its mean).
+A small batch (`wholebatch.losses.sizing.choose`, losses/small.py) makes instead
+the exchange (if it runs) and ONE all-gather of every rank's rows of all its
+embeddings (B·R·e bytes per rank, R = (2 + k)·D, plus the agreement's float64
+row of the scalars and the reduction code without the exchange); and backward
+one all-reduce of one element (the upstream gradient of L, its mean).
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
 negatives per query; e the embeddings' element size, a the kernels' compute
@@ -50,14 +44,8 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import (
-    exchange_row_elements,
-    fitted_room,
-    replicates,
-    small_rows,
-    stats_gathered,
-)
-from wholebatch.losses.specs import SPECS, LossSpec
+from wholebatch.losses.sizing import replicates, small_rows, stats_gathered
+from wholebatch.losses.specs import SPECS, LossSpec, exchange_fields
 
 __all__ = [
     "SCALARS",
@@ -214,9 +202,8 @@ def loss_traffic(
     scalars = len(spec.scalars)
     row_elements = spec.embeddings_per_row(negatives) * dim
     limit = small_rows() if small is None else small
-    room = fitted_room([max(sizes) * row_elements * elem], w)  # the call repeated: steady
     if spec.replicable(strategy) and replicates(sum(sizes), row_elements, elem, limit):
-        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange, acc, room)
+        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange, acc)
     stats: list[Collective]
     if strategy == "ring" and spec.kernel == "positive":
         moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
@@ -225,7 +212,7 @@ def loss_traffic(
         moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
     out = []
     if exchange:  # the exchange checks the scalars equal: no forward agreement
-        out.append(_exchange(spec, w, rank, room))
+        out.append(_exchange(spec, w, rank))
     else:
         out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
@@ -239,11 +226,10 @@ def loss_traffic(
     return out
 
 
-def _exchange(spec: LossSpec, w: int, rank: int, room: int) -> Collective:
-    """The exchange: every rank's float64 row and its room for rows (`room` bytes, padded)."""
-    row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
-    name = "agree shapes, dtypes, options (float64 row) + rows carried"
-    return _gather(name, "forward", [1] * w, rank, 8 * row + room)
+def _exchange(spec: LossSpec, w: int, rank: int) -> Collective:
+    """The exchange: every rank's float64 row (`specs.exchange_fields`), nothing else."""
+    name = "agree shapes, dtypes, options (float64 row)"
+    return _gather(name, "forward", [1] * w, rank, 8 * len(exchange_fields(spec)))
 
 
 def _replicated_traffic(
@@ -253,20 +239,18 @@ def _replicated_traffic(
     row_bytes: int,
     exchange: bool,
     acc: int,
-    room: int,
 ) -> list[Collective]:
-    """The small path's collectives: the exchange (if it runs), one all-gather of raw bytes
-    unless the exchange carried every rank's rows; backward, the upstream gradient's mean."""
+    """The small path's collectives: the exchange (if it runs), one all-gather of raw bytes;
+    backward, the upstream gradient's mean."""
     w = len(sizes)
     out = []
     head = 0
     if exchange:
-        out.append(_exchange(spec, w, rank, room))
+        out.append(_exchange(spec, w, rank))
     else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
         head = 8 * (len(spec.scalars) + 1)
-    if not exchange or max(sizes) * row_bytes > room:
-        payload = [b * row_bytes + head for b in sizes]
-        out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
+    payload = [b * row_bytes + head for b in sizes]
+    out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
     out.append(_all_reduce("upstream gradient of L (mean)", "backward", 1, acc, w, 1))
     return out
 
