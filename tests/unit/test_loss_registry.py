@@ -28,8 +28,7 @@ import torch
 
 import wholebatch.losses
 from wholebatch.errors import WholebatchError
-from wholebatch.losses import call as call_path
-from wholebatch.losses import examples
+from wholebatch.losses import call as call_path, examples
 from wholebatch.losses.specs import SPECS, LossSpec, docs_table, exchange_fields
 
 ROOT = Path(__file__).resolve().parents[2]
