@@ -62,6 +62,16 @@ CASES = [
     Case(loss="clip", sizes=(37, 0, 21), small=40),
     # the small path with rows of 256 dims (rows past what the exchange once carried)
     Case(loss="clip", sizes=(300, 200, 0), dim=256),
+    # the losses of round 4: every path of each
+    Case(loss="dcl", sizes=(7, 0, 5)),
+    Case(loss="dcl", sizes=(7, 0, 5), small=0),
+    Case(loss="dcl", sizes=(7, 0, 5), strategy="ring"),
+    Case(loss="supcon", sizes=(9, 1, 0, 4)),
+    Case(loss="supcon", sizes=(9, 1, 0, 4), small=0),
+    Case(loss="supcon", sizes=(9, 1, 0, 4), strategy="ring", known_sizes=True),
+    Case(loss="maxsim", sizes=(6, 0, 3)),
+    Case(loss="maxsim", sizes=(6, 0, 3), small=0, dtype="bf16"),
+    Case(loss="maxsim", sizes=(6, 0, 3), strategy="ring"),
     # statistics past sizing.STATS_GATHER_BYTES: combined by two all-reduces, not one all-gather
     Case(loss="clip", sizes=(2500, 0, 2600), dim=8),
     Case(loss="nt_xent", sizes=(1500, 0, 1200), dim=8),
@@ -180,6 +190,11 @@ MEMORY = [
     "clip/ring:4608:256:256:fp32",
     "info_nce/ring:4608:256:256:bf16:1:q2d+d2q",
     "info_nce/ring:4608:256:256:fp32:1:q2d+q2q+d2d",
+    # round 4's losses (coefficients read at W = 3 and 2: docs/plan.md)
+    "dcl/ring:4608:256:256:fp32",
+    "supcon/ring:4608:256:256:fp32",
+    "maxsim:1536:128:256:fp32",
+    "maxsim/ring:1536:128:256:fp32",
 ]
 
 
@@ -190,7 +205,7 @@ def _planned_memory(spec: str, world: int) -> int:
     return loss_memory(
         c.loss, strategy=strategy, n=sum(c.sizes),
         b=c.sizes[0], dim=c.dim, elem=elem, acc=max(4, elem), tile=c.tile or 512, w=world,
-        negatives=c.k, directions=c.directions,
+        negatives=c.k, directions=c.directions, tokens=c.tokens, device="cpu",
     )  # fmt: skip
 
 

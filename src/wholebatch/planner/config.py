@@ -49,6 +49,16 @@ class PlanConfig:
     """info_nce's directions, comma-separated: query_to_doc (always), doc_to_query,
     query_to_query, doc_to_doc."""
 
+    classes: int = 0
+    """supcon: the labels that have a positive in the whole batch (their sums are all-reduced);
+    0: N // 2, the most there can be."""
+
+    query_tokens: int = 32
+    """maxsim: tokens per query (the largest rank's, after padding)."""
+
+    doc_tokens: int = 180
+    """maxsim: tokens per document (the largest rank's, after padding)."""
+
     strategy: str = ""
     """How the loss reaches other ranks' rows: gather, ring (clip, info_nce; siglip always
     rings) or auto (ring past wholebatch.losses.sizing.AUTO_RING_BYTES of gathered keys);
@@ -142,12 +152,13 @@ class PlanConfig:
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
         self._check_mesh(bad)
-        names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes")
+        names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes",
+                 "query_tokens", "doc_tokens")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, value, "must be a positive int")
-        for name in ("micro_batches", "tile", "negatives"):
+        for name in ("micro_batches", "tile", "negatives", "classes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(

@@ -207,8 +207,12 @@ def _act(c: PlanConfig, rows: int) -> int:
 
 
 def _embeddings(c: PlanConfig, b: int) -> int:
-    """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k negatives)."""
-    return SPECS[c.loss].embeddings_per_row(c.negatives) * b * c.dim * c.elem
+    """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k
+    negatives; maxsim's token sets)."""
+    spec = SPECS[c.loss]
+    if spec.kernel == "tokens":
+        return (c.query_tokens + c.doc_tokens) * b * c.dim * c.elem
+    return spec.embeddings_per_row(c.negatives) * b * c.dim * c.elem
 
 
 def resolved_strategy(c: PlanConfig, n: int) -> str:
@@ -229,6 +233,7 @@ def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None 
     return loss_memory(
         c.loss, strategy=strategy or _own(c, n), n=n, b=b, dim=c.dim, elem=c.elem,
         acc=c.acc, tile=tile, w=c.shards, negatives=c.negatives, directions=c.direction_list,
+        tokens=(c.query_tokens, c.doc_tokens),
     )  # fmt: skip
 
 
@@ -287,11 +292,12 @@ def _sweep(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) ->
     spec = SPECS.get(c.loss)
     if spec is None:  # tokens: no sweep
         return b, n
-    if spec.kernel == "symmetric":
+    ring = resolved_strategy(c, n) == "ring"
+    if spec.kernel == "symmetric" and not ring:
         return spec.views * n, spec.views * n
-    if spec.kernel == "sigmoid":
+    if spec.kernel == "sigmoid" or (spec.kernel == "tokens" and ring):
         return b, max(sizes) if sizes else b
-    if resolved_strategy(c, n) == "ring":  # one block at a time: the largest
+    if ring:  # one block at a time: the largest
         return b, (max(sizes) if sizes else b) * spec.key_rows(c.negatives)
     return b, n * spec.key_rows(c.negatives)
 
@@ -370,6 +376,8 @@ def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
         dirs = c.direction_list
         cands = n * spec.key_rows(c.negatives)
         cols = cands * (1 + ("doc_to_doc" in dirs)) + n * ("query_to_query" in dirs)
+        if spec.kernel == "tokens":  # every (query token, document token) pair is a product
+            cols = n * c.query_tokens * c.doc_tokens
         elements = float(b) * cols
         mm = 8.0 * b * cols * c.dim
         passes += COLUMN_PASSES * n / cols if spec.has_columns(dirs) else 0
@@ -384,7 +392,10 @@ def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
 # Elements per row of the blocks each loss moves: the keys (texts; InfoNCE's
 # [document | negatives]; NT-Xent's [z1 | z2]).
 def _key_width(c: PlanConfig) -> int:
-    return SPECS[c.loss].key_rows(c.negatives) * c.dim
+    spec = SPECS[c.loss]
+    if spec.kernel == "tokens":
+        return c.doc_tokens * c.dim
+    return spec.key_rows(c.negatives) * c.dim
 
 
 class _Traffic:
@@ -408,6 +419,7 @@ class _Traffic:
             return loss_traffic(
                 c.loss, sizes, rank, c.dim, c.elem, c.acc, negatives=c.negatives,
                 directions=c.direction_list, exchange=not c.known_sizes, strategy=own,
+                classes=c.classes, tokens=(c.query_tokens, c.doc_tokens),
             )  # fmt: skip
         width = _key_width(c)
         if strategy == "ring + tiled":

@@ -178,11 +178,13 @@ def loss_traffic(
     exchange: bool = True,
     strategy: str = "gather",
     small: int | None = None,
+    classes: int = 0,
+    tokens: tuple[int, int] = (0, 0),
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
     Args:
-        loss: "clip", "siglip", "nt_xent" or "info_nce".
+        loss: a key of `SPECS`.
         sizes: every rank's rows B (queries, for info_nce).
         rank: the rank to count for.
         dim: D.
@@ -193,6 +195,8 @@ def loss_traffic(
         exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
         strategy: "gather" or "ring" (resolved: what the loss runs; siglip always rings).
         small: the small-batch row limit (`sizing.small_rows`; None: this process's).
+        classes: supcon's labels that have a positive (0: N // 2, the most there can be).
+        tokens: maxsim's (query, document) tokens per row.
     """
     w = len(sizes)
     if w <= 1:
@@ -200,16 +204,19 @@ def loss_traffic(
     spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
     scalars = len(spec.scalars)
-    row_elements = spec.embeddings_per_row(negatives) * dim
+    decides, row_bytes = small_rows_of(spec, sum(sizes), dim, elem, negatives, tokens)
     limit = small_rows() if small is None else small
-    if spec.replicable(strategy) and replicates(sum(sizes), row_elements, elem, limit):
-        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange, acc)
-    stats: list[Collective]
-    if strategy == "ring" and spec.kernel == "positive":
+    if spec.replicable(strategy) and replicates(sum(sizes), decides, elem, limit):
+        return _replicated_traffic(spec, sizes, rank, row_bytes, exchange, acc)
+    stats: list[Collective] = []
+    if spec.kernel == "tokens":
+        moves = _token_moves(spec, sizes, rank, dim, elem, acc, strategy, tokens)
+    elif strategy == "ring" and spec.kernel in ("positive", "symmetric"):
         moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
-        stats = []
     else:
         moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
+    if spec.name == "supcon":  # the labels, agreed rows; the label sums, chunk by chunk
+        moves += _label_sums(sizes, rank, dim, acc, classes or sum(sizes) // 2)
     out = []
     if exchange:  # the exchange checks the scalars equal: no forward agreement
         out.append(_exchange(spec, w, rank))
@@ -224,6 +231,55 @@ def loss_traffic(
     else:  # the agreement's backward: the scalars' gradients and their tie counts, summed
         out.append(_all_reduce("scalars' gradients (and ties)", bwd, 2 * (scalars + 1), acc, w, 1))
     return out
+
+
+def small_rows_of(
+    spec: LossSpec, n: int, dim: int, elem: int, negatives: int, tokens: tuple[int, int]
+) -> tuple[int, int]:
+    """(elements per row that decide the small path, bytes per row it gathers), as the losses
+    count them: every embedding's row; maxsim's dense N x N x Q x T similarities too (and its
+    masks, a byte per token); supcon's labels, 8 bytes per row."""
+    if spec.kernel == "tokens":
+        q, t = tokens
+        return max((q + t) * dim, n * q * t), (q + t) * dim * elem + q + t
+    elements = spec.embeddings_per_row(negatives) * dim
+    return elements, elements * elem + (8 if spec.name == "supcon" else 0)
+
+
+def _label_sums(
+    sizes: Sequence[int], rank: int, dim: int, acc: int, classes: int
+) -> list[Collective]:
+    """supcon: its labels all-gathered (int64), then the sums of the `classes` labels that have
+    a positive, all-reduced max(B) labels at a time (backward: the same all-reduces)."""
+    w, chunk = len(sizes), max(max(sizes), 1)
+    out = [_gather("all_gather labels", "forward", sizes, rank, 8)]
+    for phase in ("forward", "backward"):
+        for c0 in range(0, classes, chunk):
+            rows = min(chunk, classes - c0)
+            out.append(_all_reduce(f"label sums ({phase})", phase, rows * dim, acc, w, 1))
+    return out
+
+
+def _token_moves(
+    spec: LossSpec, sizes: Sequence[int], rank: int, dim: int, elem: int, acc: int,
+    strategy: str, tokens: tuple[int, int],
+) -> list[Collective]:  # fmt: skip
+    """maxsim's document blocks (T x D and their masks, a byte per token): all-gathered
+    (their gradient reduce-scattered), or around the ring (`late.MaxSimRing`)."""
+    t = tokens[1]
+    if strategy == "ring":
+        w = len(sizes)
+        steps = range(w - 1)
+        return [
+            _ring(f"ring_shift {spec.keys}", "forward", sizes, rank, steps, t * dim * elem + t),
+            _ring("ring_shift block and gradient", "backward", sizes, rank, steps,
+                  t * dim * (elem + acc) + t),
+            _ring("ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), t * dim * acc),
+        ]  # fmt: skip
+    return [
+        *gather_traffic(spec.keys, sizes, rank, t * dim * elem),
+        _gather("all_gather document masks", "forward", sizes, rank, t),
+    ]
 
 
 def _exchange(spec: LossSpec, w: int, rank: int) -> Collective:
@@ -338,10 +394,14 @@ def _positive_rings(
     negatives: int,
     directions: Sequence[str],
 ) -> list[Collective]:
-    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py)."""
+    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py);
+    two views (dcl): each view's rows sweep the [a | b] blocks, two rings."""
     width = spec.key_rows(negatives) * dim
     cols = spec.has_columns(directions)
     out = positive_ring_traffic(spec.keys, sizes, rank, width, elem, acc, cols)
+    if spec.views > 1:
+        out += positive_ring_traffic(f"{spec.keys} (second views)", sizes, rank, width, elem, acc,
+                                     cols)  # fmt: skip
     if "query_to_query" in directions:
         out += positive_ring_traffic("queries", sizes, rank, dim, elem, acc, False)
     if "doc_to_doc" in directions:
