@@ -218,3 +218,39 @@ def test_measure_model_counts_saved_activations_per_sample() -> None:
     assert act_mib * 2**20 == pytest.approx(96 * 4, rel=0.35)
     with pytest.raises(WholebatchError, match="rows=0"):
         measure_model(model, lambda m: m(x), rows=0)
+
+
+def test_docs_16_bit_gather_formula_is_the_planners() -> None:
+    # docs/plan.md's CLIP 16-bit gather row, evaluated at N = 1,048,576 over dp = 32, D = 768
+    # (issue 35: the page's 11·G·D + 26·B·D gave 9.65 GiB where the planner printed 8.92:
+    # the page was stale; the planner's coefficients are the re-measured ones)
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    alpha, beta = map(
+        float, re.search(r"16-bit: ([\d.]+)·G·D \+ ([\d.]+)·B·D bytes", page).groups()
+    )  # type: ignore[union-attr]
+    c = PlanConfig(loss="clip", batch=1_048_576, world=32, dim=768, dtype="bf16")
+    p = plan(c)
+    n, b, d, t = c.batch, c.batch // 32, c.dim, p.tile
+    from_page = alpha * n * d + beta * b * d + 2.5 * t * t * 4 + 4 * n * 4  # + tiles, columns
+    assert p.memory.loss == int(from_page)
+    assert abs(p.memory.loss / 2**30 - 8.92) < 0.01
+
+
+def test_a_tokens_plan_speaks_of_items_not_tiles() -> None:
+    c = PlanConfig(loss="tokens", batch=4096, mesh="dp=2,tp=2", params=1e9, act_mib=10)
+    text = plan(c).format()
+    assert "tile" not in text.lower() and "gathers over" not in text, text
+    assert "the items are counted over them" in text
+    assert "tile " in plan(PlanConfig(loss="clip", batch=4096)).format()  # a loss with tiles
+
+
+def test_a_pipeline_plan_names_its_bubble() -> None:
+    p = plan(PlanConfig(loss="tokens", batch=4096, mesh="dp=2,pp=8", params=1e9, act_mib=10,
+                        micro_batches=2))  # fmt: skip
+    assert p.bubble == pytest.approx(7 / 9)
+    assert "pipeline bubble at pp = 8: (pp - 1) / (K + pp - 1) = 78%" in p.format()
+    assert p.to_json()["pipeline_bubble"] == pytest.approx(7 / 9)
+    assert plan(PlanConfig(loss="tokens", batch=4096, params=1e9)).bubble is None

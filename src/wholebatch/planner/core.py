@@ -130,6 +130,16 @@ class Plan:
     """On a mesh with pp > 1: the peak of a rank of any stage but the last (which holds the
     loss, and is the busiest one `memory` describes): its parameters and activations."""
 
+    @property
+    def bubble(self) -> float | None:
+        """On a mesh with pp > 1: the share of a GPipe / 1F1B schedule a stage idles at this K,
+        (pp - 1) / (K + pp - 1); None without a pipeline."""
+        m = self.config.mesh_shape
+        pp = m.size("pp") if m is not None else 1
+        if pp <= 1:
+            return None
+        return (pp - 1) / (self.micro_batches + pp - 1)
+
     def bytes(self, phase: str | None = None) -> tuple[int, int]:
         """(sent, received) bytes per rank per step, over `phase` ("forward"/"backward") or both."""
         rows = [c for c in self.collectives if phase is None or c.phase == phase]
@@ -148,6 +158,7 @@ class Plan:
         out = dataclasses.asdict(self)
         out["config"] = dataclasses.asdict(self.config)
         out["times"] = {**dataclasses.asdict(self.times), "step": self.times.step}
+        out["pipeline_bubble"] = self.bubble
         fs, fr = self.bytes("forward")
         bs, br = self.bytes("backward")
         out["bytes_per_rank"] = {
@@ -524,9 +535,10 @@ def _parallel_assumption(c: PlanConfig) -> str:
         return (
             "DDP replicas (no FSDP sharding); the model's activations scale with micro-batch rows"
         )
+    over = "the loss gathers over them" if c.loss != "tokens" else "the items are counted over them"
     out = (
         f"mesh {m.describe()}: the items are split over the {m.batch} ranks of {m.batch_label} "
-        "(the loss gathers over them); tp ranks replicate them; parameters, gradients and "
+        f"({over}); tp ranks replicate them; parameters, gradients and "
         f"optimizer state are 1/(tp x pp) per rank, FSDP2 keeping 1/{m.shard} of that "
         "(dp x cp); act_mib is one rank's activations per item as measured on its part "
         "of the model; tensor-parallel collectives and pipeline sends are not counted"
@@ -547,16 +559,16 @@ def _assumptions(c: PlanConfig) -> list[str]:
         f"per GPU per direction, {c.latency_us:g} us per message round; no overlap of communication and compute",
         "all-reduce: ring model 2(W-1)/W of the tensor (NCCL trees/NVLS move less at scale)",
         _parallel_assumption(c),
-        f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute for 16-bit; "
-        "CUDA's 16-bit path skips some float32 copies), an even split",
-        "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
-        "replicated scalars (logit_scale, ...) are learnable: their gradients are agreed in the backward",
     ]
-    if c.loss != "tokens":
-        out.append(
+    if c.loss != "tokens":  # a per-item loss: no loss kernels, tiles or replicated scalars
+        out += [
+            f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute "
+            "for 16-bit; CUDA's 16-bit path skips some float32 copies), an even split",
+            "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
+            "replicated scalars (logit_scale, ...) are learnable: their gradients are agreed in the backward",
             "K > 1 uses gradient caching (wholebatch.GradCache / CachedStep): K - 1 extra forwards, "
-            "the last micro-batch's graph kept through the loss"
-        )
+            "the last micro-batch's graph kept through the loss",
+        ]
     if c.loss != "tokens" and not c.known_sizes and c.shards > 1:
         row = 8 * (c.shards - 1) * 15
         if row > 2**20:

@@ -86,10 +86,18 @@ def _header(p: Plan) -> list[str]:
 def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     verdict = "fits" if p.fits else "DOES NOT FIT"
+    tile = "" if p.config.loss == "tokens" else f", tile {p.tile}"  # a per-item loss has no tiles
     out = [
-        f"memory per rank (busiest), K = {p.micro_batches} micro-batch(es) of {p.micro_batch_rows:,} rows, "
-        f"tile {p.tile}: {verdict} in {human_bytes(m.budget)} usable"
+        f"memory per rank (busiest), K = {p.micro_batches} micro-batch(es) of {p.micro_batch_rows:,} rows"
+        f"{tile}: {verdict} in {human_bytes(m.budget)} usable"
     ]
+    if p.bubble is not None:
+        pp = p.config.mesh_shape.size("pp") if p.config.mesh_shape else 1
+        out.append(
+            f"pipeline bubble at pp = {pp}: (pp - 1) / (K + pp - 1) = {p.bubble:.0%} of the schedule "
+            f"idle at K = {p.micro_batches} (GPipe / 1F1B); K >= {4 * pp} keeps it under 20%, "
+            "at the memory of more micro-batches in flight (--micro-batches)"
+        )
     rows = [
         ["weights, gradients, optimizer state", human_bytes(m.static)],
         [
