@@ -113,10 +113,8 @@ def info_nce_loss(
     inputs), computed exactly over every rank's rows, uneven sizes included
     (its `hardness_mode` is not offered).
 
-    With `ids_B`, rows of one id (the same anchor twice in the batch, on any
-    rank) are never each other's negatives: query i's logits against the
-    document and the query of a row j ≠ i of its id are dropped (in every
-    direction); hard negatives stay negatives.
+    With `ids_B`, rows of one id (the same anchor twice, on any rank) are never
+    each other's negatives, in every direction; hard negatives stay negatives.
 
     Every rank of `group` must call it (the same k, directions and
     partition_mode); each gets L. One all-gather of [document | negatives]
@@ -133,9 +131,8 @@ def info_nce_loss(
     those of one process computing L on the concatenated batch; with ``"sum"``,
     after a sum over ranks.
 
-    A small whole batch takes the small path (`wholebatch.losses.small`)
-    unless "ring" is asked for. A whole batch of one query without hard
-    negatives has no negative: its loss is 0 with gradient exactly 0.
+    A small batch takes the small path (`losses.small`) unless "ring" is asked;
+    one query without hard negatives has none: loss 0, gradient exactly 0.
 
     Memory: O(C·D + T²) peak (the gathered candidates, their gradient, a few
     tiles); never the B x C logits.
