@@ -153,12 +153,10 @@ def info_nce_loss(
         {common}
     """
     negs = negatives_BKD
-    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
-    mask, err = _check_options(directions, partition_mode)
-    partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
+    k, options, err = _options(negs, directions, partition_mode, ids_B)
     tensors = {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negs}
     call = validate(
-        SPEC, tensors, {"logit_scale": logit_scale}, options=[k, mask, partition, ids_B is not None],
+        SPEC, tensors, {"logit_scale": logit_scale}, options=options,
         labels={"ids_B": ids_B}, error=err, group=group, mesh=mesh, batch_dims=batch_dims,
         grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
         strategy=strategy,
@@ -173,6 +171,16 @@ def info_nce_loss(
     parts = terms(call, query_BD, document_BD, negs, ids_B, s, wanted)
     rows_B = _row_losses(parts, per_direction, "doc_to_query" in wanted)
     return call.whole(rows_B.sum() / call.n)
+
+
+def _options(
+    negs: Tensor | None, directions: object, partition_mode: object, ids_B: object
+) -> tuple[int, list[float], str | None]:
+    """(k, the codes of the spec's options: k, directions, partition mode, ids; why unusable)."""
+    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
+    mask, err = _check_options(directions, partition_mode)
+    partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
+    return k, [k, mask, partition, ids_B is not None], err
 
 
 def _row_losses(parts: list[Tensor], per_direction: bool, doc_to_query: bool) -> Tensor:
