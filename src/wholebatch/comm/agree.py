@@ -216,8 +216,7 @@ def start_rows(
     numbers: list[float] = []  # every field's numbers; a tensor field's are written after
     tensors: list[tuple[int, Tensor]] = []
     for name, value in row.items():
-        if type(value) in _PLAIN and value.device.type == "cpu" and value.numel() == 1:  # type: ignore[union-attr]
-            value = value.item()  # type: ignore[union-attr]  # on the host: no sync, no copy op
+        value = _host_number(value)
         if isinstance(value, (bool, int, float)):
             layout[name] = (len(numbers), 1)
             numbers.append(value)
@@ -244,6 +243,13 @@ def start_rows(
 
 _CPU = torch.device("cpu")
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may communicate)
+
+
+def _host_number(value: Field) -> Field:
+    """A one-element plain tensor on the host as its number (no sync, no copy op); else `value`."""
+    if isinstance(value, Tensor) and type(value) in _PLAIN and value.device.type == "cpu":
+        return value.item() if value.numel() == 1 else value
+    return value
 
 
 def agree_rows(

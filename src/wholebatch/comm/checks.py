@@ -356,9 +356,16 @@ def agree_call(
     arrive(op, x, group)
     if need_sizes or checks_enabled(check):
         return exchange(
-            op, x, dim=dim, arg=arg, wire_dtype=wire_dtype, vec_a=vec_a, vec_b=vec_b,
-            local_error=local_error, group=group,
-        )  # fmt: skip
+            op,
+            x,
+            dim=dim,
+            arg=arg,
+            wire_dtype=wire_dtype,
+            vec_a=vec_a,
+            vec_b=vec_b,
+            local_error=local_error,
+            group=group,
+        )
     if local_error is not None:
         raise WholebatchError(f"{op}: {local_error}")
     return None

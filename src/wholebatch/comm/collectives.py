@@ -46,6 +46,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "apply",
     "broadcast",
     "gather_rows",
     "reduce_scatter",
@@ -55,6 +56,14 @@ __all__ = [
 ]
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
+
+
+def apply(fn: Any, *args: Any) -> Any:
+    """`fn.apply(*args)` for an autograd Function `fn`: torch leaves `Function.apply` untyped,
+    so every call site would need a suppression; here none does."""
+    return fn.apply(*args)
+
+
 _REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
 
 
@@ -65,7 +74,7 @@ _REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any, x: Tensor, dim: int, sizes: tuple[int, ...], wire: torch.dtype | None, group: Any
     ) -> Tensor:
         ctx.dim, ctx.sizes, ctx.wire, ctx.group = dim, sizes, wire, group
@@ -84,7 +93,7 @@ class _AllGather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any, x: Tensor, dim: int, sizes: tuple[int, ...], wire: torch.dtype | None, group: Any
     ) -> Tensor:
         ctx.dim, ctx.sizes, ctx.wire, ctx.group = dim, sizes, wire, group
@@ -102,7 +111,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         x: Tensor,
         dim: int,
@@ -125,7 +134,7 @@ class _AllToAll(torch.autograd.Function):
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, op: str, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, op: str, group: Any) -> Tensor:  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx.op, ctx.group = op, group
         ctx.world_size = get_world_size(group)
         out = x.contiguous().clone()
@@ -158,7 +167,7 @@ class _AllReduce(torch.autograd.Function):
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, src: int, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, src: int, group: Any) -> Tensor:  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx.src, ctx.group = src, group
         ctx.is_src = get_rank(group) == src
         out = x.contiguous().clone()
@@ -178,7 +187,7 @@ class _Broadcast(torch.autograd.Function):
 
 class _RingShift(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         x: Tensor,
         shift: int,
@@ -256,9 +265,16 @@ def all_gather(
     if checks.alone(op, world_size, err):
         return x
     fps = checks.agree_call(
-        op, x, need_sizes=sizes is None, check=check, local_error=err, dim=d,
-        wire_dtype=wire_dtype, vec_a=sizes, group=group,
-    )  # fmt: skip
+        op,
+        x,
+        need_sizes=sizes is None,
+        check=check,
+        local_error=err,
+        dim=d,
+        wire_dtype=wire_dtype,
+        vec_a=sizes,
+        group=group,
+    )
     if fps is not None:
         checks.check_shapes_except(op, fps, d)
         if sizes is not None:
@@ -267,7 +283,7 @@ def all_gather(
             )
         sizes = fps.sizes()
     assert sizes is not None
-    out: Tensor = _AllGather.apply(x, d, tuple(int(s) for s in sizes), wire_dtype, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_AllGather, x, d, tuple(int(s) for s in sizes), wire_dtype, group)
     return out
 
 
@@ -315,15 +331,22 @@ def reduce_scatter(
     if checks.alone(op, world_size, err):
         return x
     fps = checks.agree_call(
-        op, x, need_sizes=False, check=check, local_error=err, dim=d,
-        wire_dtype=wire_dtype, vec_a=split, group=group,
-    )  # fmt: skip
+        op,
+        x,
+        need_sizes=False,
+        check=check,
+        local_error=err,
+        dim=d,
+        wire_dtype=wire_dtype,
+        vec_a=split,
+        group=group,
+    )
     if fps is not None:
         checks.check_shapes_except(op, fps, None)
         checks.check_arg(
             op, "sizes", [tuple(v or ()) for v in fps.vec_a], "pass the same list on every rank"
         )
-    out: Tensor = _ReduceScatter.apply(x, d, tuple(split), wire_dtype, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_ReduceScatter, x, d, tuple(split), wire_dtype, group)
     return out
 
 
@@ -369,9 +392,17 @@ def all_to_all(
     send = [int(s) for s in send_sizes] if err is None else [0] * world_size
     recv = [int(s) for s in recv_sizes] if recv_sizes is not None and err is None else None
     fps = checks.agree_call(
-        op, x, need_sizes=recv is None, check=check, local_error=err, dim=d,
-        wire_dtype=wire_dtype, vec_a=send, vec_b=recv, group=group,
-    )  # fmt: skip
+        op,
+        x,
+        need_sizes=recv is None,
+        check=check,
+        local_error=err,
+        dim=d,
+        wire_dtype=wire_dtype,
+        vec_a=send,
+        vec_b=recv,
+        group=group,
+    )
     if fps is not None:
         checks.check_shapes_except(op, fps, d)
         sent = [v or [0] * world_size for v in fps.vec_a]
@@ -385,7 +416,7 @@ def all_to_all(
                 )
         recv = [sent[j][rank] for j in range(world_size)]
     assert recv is not None
-    out: Tensor = _AllToAll.apply(x, d, tuple(send), tuple(recv), wire_dtype, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_AllToAll, x, d, tuple(send), tuple(recv), wire_dtype, group)
     return out
 
 
@@ -422,7 +453,7 @@ def all_reduce(
     )
     if fps is not None:
         checks.check_shapes_except(name, fps, None)
-    out: Tensor = _AllReduce.apply(x, op, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_AllReduce, x, op, group)
     return out
 
 
@@ -462,7 +493,7 @@ def broadcast(
     )
     if fps is not None:
         checks.check_shapes_except(op, fps, None)
-    out: Tensor = _Broadcast.apply(x, src, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_Broadcast, x, src, group)
     return out
 
 
@@ -513,9 +544,17 @@ def ring_shift(
     if checks.alone(op, world_size, err):
         return x
     fps = checks.agree_call(
-        op, x, need_sizes=sizes is None, check=check, local_error=err, dim=d, arg=s,
-        wire_dtype=wire_dtype, vec_a=sizes, group=group,
-    )  # fmt: skip
+        op,
+        x,
+        need_sizes=sizes is None,
+        check=check,
+        local_error=err,
+        dim=d,
+        arg=s,
+        wire_dtype=wire_dtype,
+        vec_a=sizes,
+        group=group,
+    )
     if fps is not None:
         checks.check_shapes_except(op, fps, d)
         if sizes is not None:
@@ -526,5 +565,5 @@ def ring_shift(
     if s == 0:
         return x
     assert sizes is not None
-    out: Tensor = _RingShift.apply(x, s, d, tuple(int(v) for v in sizes), wire_dtype, group)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_RingShift, x, s, d, tuple(int(v) for v in sizes), wire_dtype, group)
     return out

@@ -188,9 +188,12 @@ def init_process_group(backend: str | None = None, *, timeout_s: float | None = 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         world = int(os.environ["WORLD_SIZE"])
         store = TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-            is_master=False, timeout=timeout,
-        )  # fmt: skip
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size=world,
+            is_master=False,
+            timeout=timeout,
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefixed = PrefixStore(f"wholebatch/attempt-{attempt}", store)
         dist.init_process_group(

@@ -163,6 +163,14 @@ def has_replicas(split: MeshSplit | None) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _total(values: Sequence[Tensor | float]) -> Tensor | float:
+    """The sum of tensors and numbers (tensors stay on their device)."""
+    out = values[0]
+    for v in values[1:]:
+        out = out + v
+    return out
+
+
 def _stats(x: object, offset: int = 0) -> tuple[Tensor | float, ...]:
     """(rows, eps, sum, abs, sq, pos) of one tensor, on its device (zeros for a non-tensor).
 
@@ -173,7 +181,7 @@ def _stats(x: object, offset: int = 0) -> tuple[Tensor | float, ...]:
         parts = [_stats(part, offset + i) for i, part in enumerate(x)]
         if not parts:
             return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        sums = [sum(p[c] for p in parts[1:]) + parts[0][c] for c in (2, 3, 4, 5)]  # type: ignore[operator]
+        sums = [_total([p[c] for p in parts]) for c in (2, 3, 4, 5)]
         rows = sum(float(p[0]) for p in parts)
         return (rows, max(float(p[1]) for p in parts), *sums)
     if not isinstance(x, Tensor) or x.dim() == 0 or not x.is_floating_point():

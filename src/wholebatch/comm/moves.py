@@ -69,9 +69,12 @@ def gather_rows(x_BR: Tensor, sizes: Sequence[int], group: ProcessGroup | None) 
         return out_NR
     splits = gather_splits(sizes, x_BR.shape[0])
     dist.all_to_all_single(
-        out_NR, x_BR.repeat(len(sizes), *[1] * (x_BR.dim() - 1)),
-        output_split_sizes=list(splits.recv), input_split_sizes=list(splits.send), group=group,
-    )  # fmt: skip
+        out_NR,
+        x_BR.repeat(len(sizes), *[1] * (x_BR.dim() - 1)),
+        output_split_sizes=list(splits.recv),
+        input_split_sizes=list(splits.send),
+        group=group,
+    )
     return out_NR
 
 
@@ -101,9 +104,12 @@ def reduce_scatter_rows(
     recv = x_NR.new_empty((world_size * b, *rest))
     splits = reduce_scatter_splits(sizes, rank)
     dist.all_to_all_single(
-        recv, x_NR, output_split_sizes=list(splits.recv), input_split_sizes=list(splits.send),
+        recv,
+        x_NR,
+        output_split_sizes=list(splits.recv),
+        input_split_sizes=list(splits.send),
         group=group,
-    )  # fmt: skip
+    )
     return recv.view(world_size, b, *rest).to(out_dtype).sum(0)
 
 

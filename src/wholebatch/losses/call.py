@@ -48,9 +48,10 @@ Legend: W ranks, B this rank's rows, N global rows, D embedding dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -58,7 +59,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from wholebatch.comm.agree import Field, Rows, agree_rows, per_rank as by_rank
-from wholebatch.comm.collectives import all_reduce
+from wholebatch.comm.collectives import all_reduce, apply
 from wholebatch.comm.groups import checks_enabled, get_rank, get_world_size
 from wholebatch.comm.meshgroup import replicas_agree, resolve_group
 from wholebatch.conventions import GRAD_REDUCTIONS, grad_reduction_error
@@ -67,7 +68,25 @@ from wholebatch.losses.sizing import choose, sizes_fingerprint, small_rows, tile
 from wholebatch.losses.specs import STRATEGIES, LossSpec, Option, exchange_fields
 from wholebatch.losses.tiles import compute_dtype
 
-__all__ = ["Call", "Problem", "documented", "validate"]
+__all__ = ["SHARED", "Call", "Problem", "documented", "shared", "validate"]
+
+SHARED = (
+    "group",
+    "mesh",
+    "batch_dims",
+    "grad_reduction",
+    "tile_size",
+    "sizes",
+    "check",
+    "strategy",
+)
+"""The keywords every loss takes alike (documented by `documented`, passed on by `shared`)."""
+
+
+def shared(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The shared keywords' values out of a loss call's `locals()`, for `validate`."""
+    return {name: namespace[name] for name in SHARED}
+
 
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _INTS: tuple[torch.dtype, ...] = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -325,7 +344,7 @@ class Call:
             return share
         total = all_reduce(share, "sum", group=self.group, check=False)
         if isinstance(self.grad_factor, Tensor):
-            out: Tensor = _ScaleGrad.apply(total, self.grad_factor)  # type: ignore[no-untyped-call]
+            out: Tensor = apply(_ScaleGrad, total, self.grad_factor)
             return out
         return total
 
@@ -370,16 +389,18 @@ def validate(
     b = first.shape[0] if isinstance(first, Tensor) and first.dim() else 0
     device = first.device if isinstance(first, Tensor) else torch.device("cpu")
     given = {name: v for name, v in scalars.items() if v is not None}
-    problem = _first_problem([
-        lambda: _check_floats(tensors),
-        lambda: Problem(error) if error is not None else None,
-        lambda: _check_labels(labels or {}, b, device),
-        *[lambda n=n, v=v: _check_scalar(n, v) for n, v in given.items()],  # type: ignore[misc]
-        lambda: Problem(bad) if (bad := grad_reduction_error(grad_reduction)) else None,
-        lambda: Problem(bad) if (bad := spec.strategy_problem(strategy)) else None,
-        lambda: _check_tile(tile_size),
-        lambda: _check_sizes(sizes, w, r, b),
-    ])  # fmt: skip
+    problem = _first_problem(
+        [
+            lambda: _check_floats(tensors),
+            lambda: Problem(error) if error is not None else None,
+            lambda: _check_labels(labels or {}, b, device),
+            *[functools.partial(_check_scalar, n, v) for n, v in given.items()],
+            lambda: Problem(bad) if (bad := grad_reduction_error(grad_reduction)) else None,
+            lambda: Problem(bad) if (bad := spec.strategy_problem(strategy)) else None,
+            lambda: _check_tile(tile_size),
+            lambda: _check_sizes(sizes, w, r, b),
+        ]
+    )
     checked = w > 1 and (sizes is None or checks_enabled(check))
     if not checked and problem is not None:  # nothing is exchanged: raised here, as the
         problem.raise_for(op)  # collectives do with their checks off
@@ -400,7 +421,7 @@ def validate(
         counts = {f: table.ints(f) for f in spec.per_rank}
         limit = min(table.ints("small rows"))
     elif w > 1:
-        agreed = [int(v) for v in sizes]  # type: ignore[attr-defined]  # checked: a sequence
+        agreed = [int(v) for v in cast(Sequence[int], sizes)]  # checked: a sequence of ints
     if sum(agreed) == 0:
         where = f" (rows per rank {by_rank(agreed)}); at least one rank must pass rows"
         raise WholebatchError(
@@ -409,12 +430,21 @@ def validate(
     reduction = str(grad_reduction)
     floats = [x for x in tensors.values() if isinstance(x, Tensor)]
     return Call(
-        spec=spec, group=group, sizes=tuple(agreed), per_rank=counts, scalars=own,
-        grad_factor=1.0 / w if reduction == "sum" else 1.0, reduction=reduction,
-        checked=checked, strategy=str(strategy), limit=limit,
-        tile_size=tile_size if isinstance(tile_size, int) else None, device=device,
-        dtype=first.dtype, row_elements=sum(math.prod(x.shape[1:]) for x in floats),
-    )  # fmt: skip
+        spec=spec,
+        group=group,
+        sizes=tuple(agreed),
+        per_rank=counts,
+        scalars=own,
+        grad_factor=1.0 / w if reduction == "sum" else 1.0,
+        reduction=reduction,
+        checked=checked,
+        strategy=str(strategy),
+        limit=limit,
+        tile_size=tile_size if isinstance(tile_size, int) else None,
+        device=device,
+        dtype=first.dtype,
+        row_elements=sum(math.prod(x.shape[1:]) for x in floats),
+    )
 
 
 def _scalar_tensor(value: object, like: Tensor) -> Tensor:
@@ -422,7 +452,7 @@ def _scalar_tensor(value: object, like: Tensor) -> Tensor:
     acc = compute_dtype(like.dtype)
     if isinstance(value, Tensor):
         return value.reshape(()).to(device=like.device, dtype=acc)
-    return torch.full((), float(value), dtype=acc, device=like.device)  # type: ignore[arg-type]
+    return torch.full((), float(cast(float, value)), dtype=acc, device=like.device)  # checked
 
 
 # ---------------------------------------------------------------------------
@@ -445,7 +475,7 @@ def _row(
     ok = problem is None
     codes = [STRATEGIES.index(strategy) if strategy in STRATEGIES else -1, *options]
     values: dict[str, Field] = {
-        "error": 0 if ok else 2 if problem.type_error else 1,  # type: ignore[union-attr]
+        "error": 0 if problem is None else 2 if problem.type_error else 1,
         "rows": first.shape[0] if ok else 0,
         "dim": first.shape[-1] if ok else 0,
         "dtype": _DTYPES.index(first.dtype) if ok else -1,
@@ -458,14 +488,18 @@ def _row(
             for o, c in zip(spec.all_options(), codes, strict=True)
         },
         "sizes given": 1.0 if ok and sizes is not None else -1.0,
-        "sizes fingerprint": sizes_fingerprint(list(sizes)) if ok and sizes is not None else 0.0,  # type: ignore[call-overload]
+        "sizes fingerprint": (
+            sizes_fingerprint(list(cast(Sequence[int], sizes))) if ok and sizes is not None else 0.0
+        ),
     }
     for name in (*spec.scalars, *spec.optional_scalars):
         value = scalars.get(name)
         if not ok or value is None:
             values[f"scalar {name}"] = math.nan if value is None else 0.0
         else:  # a tensor stays on its device until the gather: no host sync
-            values[f"scalar {name}"] = value if isinstance(value, Tensor) else float(value)  # type: ignore[arg-type]
+            values[f"scalar {name}"] = (
+                value if isinstance(value, Tensor) else float(cast(float, value))
+            )
     fields = exchange_fields(spec)
     if tuple(values) != fields:
         raise AssertionError(f"{spec.function}: the row's fields {tuple(values)} are not {fields}")
@@ -532,7 +566,7 @@ class _Replicated(torch.autograd.Function):
     agreement's max gives W tied ranks."""
 
     @staticmethod
-    def forward(ctx: Any, vec: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, vec: Tensor, group: Any) -> Tensor:  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx.group = group
         return vec.clone()
 
@@ -554,7 +588,7 @@ def _replicated(
     factor = _factor(like, grad_reduction, w)
     if not own:
         return {}, factor
-    vec = _Replicated.apply(torch.stack(list(own.values())), group)  # type: ignore[no-untyped-call]
+    vec = apply(_Replicated, torch.stack(list(own.values())), group)
     return dict(zip(own, vec.unbind(), strict=True)), factor
 
 
@@ -576,7 +610,7 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity in the forward; the backward multiplies the gradient by `factor` (a tensor)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, factor: Tensor) -> Tensor:  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx.save_for_backward(factor)
         return x.clone()
 

@@ -34,9 +34,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.collectives import all_gather
+from wholebatch.comm.collectives import all_gather, apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.call import Call, documented, validate
+from wholebatch.losses.call import Call, documented, shared, validate
 from wholebatch.losses.lse import PositiveLSE, gathered_ids
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.sigmoid import SigmoidRing
@@ -125,12 +125,13 @@ def clip_loss(
         {common}
     """
     call = validate(
-        CLIP, {"image_BD": image_BD, "text_BD": text_BD},
-        {"logit_scale": logit_scale, "logit_bias": logit_bias}, options=[ids_B is not None],
-        labels={"ids_B": ids_B}, group=group, mesh=mesh, batch_dims=batch_dims,
-        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        strategy=strategy,
-    ).choose(key_elements=image_BD.shape[-1])  # fmt: skip
+        CLIP,
+        {"image_BD": image_BD, "text_BD": text_BD},
+        {"logit_scale": logit_scale, "logit_bias": logit_bias},
+        options=[ids_B is not None],
+        labels={"ids_B": ids_B},
+        **shared(locals()),
+    ).choose(key_elements=image_BD.shape[-1])
     if call.path == "small":
         rows = {"image_BD": image_BD, "text_BD": text_BD, "ids_B": ids_B}
         return evaluate(call, rows, clip_formula)
@@ -165,16 +166,37 @@ def _clip_share(call: Call, image_BD: Tensor, text_BD: Tensor, ids_B: Tensor | N
     if call.path == "ring":
         tile = call.tile(b, max(call.sizes))
         # the positives s·Iᵢ·Tᵢ are the ring's own (pos_B=None): their gradient added in place
-        row_B, col_B = PositiveRing.apply(  # type: ignore[no-untyped-call]
-            image_BD, text_BD, s, None, 1, (0,), True, call.sizes, tile, call.group, ids_B
+        row_B, col_B = apply(
+            PositiveRing,
+            image_BD,
+            text_BD,
+            s,
+            None,
+            1,
+            (0,),
+            True,
+            call.sizes,
+            tile,
+            call.group,
+            ids_B,
         )
     else:
         pos_B = s * (image_BD.to(call.acc) * text_BD.to(call.acc)).sum(1)  # s·Iᵢ·Tᵢ
         all_text_ND = all_gather(text_BD, sizes=list(call.sizes), group=call.group, check=False)
-        row_B, col_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            image_BD, all_text_ND, s, pos_B, call.offset, (0,), n, call.sizes,
-            call.tile(b, n), call.group, gathered_ids(ids_B, call.sizes, call.group),
-        )  # fmt: skip
+        row_B, col_B = apply(
+            PositiveLSE,
+            image_BD,
+            all_text_ND,
+            s,
+            pos_B,
+            call.offset,
+            (0,),
+            n,
+            call.sizes,
+            call.tile(b, n),
+            call.group,
+            gathered_ids(ids_B, call.sizes, call.group),
+        )
     share = (softplus(row_B).sum() + softplus(col_B).sum()) / (2 * n)
     if "logit_bias" in call.scalars:
         share = share + 0.0 * call.scalars["logit_bias"]  # in the graph, gradient exactly 0
@@ -232,15 +254,16 @@ def siglip_loss(
     """
     tensors = {"image_BD": image_BD, "text_BD": text_BD}
     call = validate(
-        SIGLIP, tensors, {"logit_scale": logit_scale, "logit_bias": logit_bias}, group=group,
-        mesh=mesh, batch_dims=batch_dims, grad_reduction=grad_reduction, tile_size=tile_size,
-        sizes=sizes, check=check, strategy=strategy,
-    ).choose(key_elements=image_BD.shape[-1])  # fmt: skip
+        SIGLIP,
+        tensors,
+        {"logit_scale": logit_scale, "logit_bias": logit_bias},
+        **shared(locals()),
+    ).choose(key_elements=image_BD.shape[-1])
     if call.path == "small":
         return evaluate(call, tensors, siglip_formula)
     s, b = call.scalars["logit_scale"], call.scalars["logit_bias"]
     tile = call.tile(call.b, max(call.sizes))
-    negatives = SigmoidRing.apply(image_BD, text_BD, s, b, call.sizes, tile, call.group)  # type: ignore[no-untyped-call]
+    negatives = apply(SigmoidRing, image_BD, text_BD, s, b, call.sizes, tile, call.group)
     z_pos_B = s * (image_BD.to(call.acc) * text_BD.to(call.acc)).sum(1) + b
     return call.whole((negatives + softplus(-z_pos_B).sum()) / call.n)
 
@@ -309,10 +332,11 @@ def nt_xent_loss(
     """
     tensors = {"z1_BD": z1_BD, "z2_BD": z2_BD}
     call = validate(
-        NT_XENT, tensors, {"temperature": temperature}, group=group, mesh=mesh,
-        batch_dims=batch_dims, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes,
-        check=check, strategy=strategy,
-    ).choose(key_elements=2 * z1_BD.shape[-1])  # fmt: skip
+        NT_XENT,
+        tensors,
+        {"temperature": temperature},
+        **shared(locals()),
+    ).choose(key_elements=2 * z1_BD.shape[-1])
     if call.path == "small":
         return evaluate(call, tensors, nt_xent_formula)
     inv_tau = 1.0 / call.scalars["temperature"]

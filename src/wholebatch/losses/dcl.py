@@ -26,8 +26,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from wholebatch.comm.collectives import apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.call import Call, documented, validate
+from wholebatch.losses.call import Call, documented, shared, validate
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.small import evaluate
 from wholebatch.losses.specs import SPECS, Strategy
@@ -76,10 +77,11 @@ def dcl_loss(
     """
     tensors = {"a_BD": a_BD, "b_BD": b_BD}
     call = validate(
-        SPEC, tensors, {"logit_scale": logit_scale}, group=group, mesh=mesh,
-        batch_dims=batch_dims, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes,
-        check=check, strategy=strategy,
-    ).choose(key_elements=2 * a_BD.shape[-1])  # fmt: skip
+        SPEC,
+        tensors,
+        {"logit_scale": logit_scale},
+        **shared(locals()),
+    ).choose(key_elements=2 * a_BD.shape[-1])
     if call.path == "small":
         return evaluate(call, tensors, dcl_formula)
     s = call.scalars["logit_scale"]
@@ -117,8 +119,19 @@ def _ring_terms(call: Call, a_BD: Tensor, b_BD: Tensor, s: Tensor) -> Tensor:
     tile = call.tile(b, 2 * max(call.sizes))
     rows = []
     for q_BD in (a_BD, b_BD):
-        row_B, _ = PositiveRing.apply(  # type: ignore[no-untyped-call]
-            q_BD, keys_BX, s, pos_B, 2, (0, 1), False, call.sizes, tile, call.group, None
+        row_B, _ = apply(
+            PositiveRing,
+            q_BD,
+            keys_BX,
+            s,
+            pos_B,
+            2,
+            (0, 1),
+            False,
+            call.sizes,
+            tile,
+            call.group,
+            None,
         )
         rows.append(row_B)
     return torch.cat(rows)

@@ -22,6 +22,7 @@ negatives), C = N·J candidate documents, D embedding dim, T tile size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -30,9 +31,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.collectives import all_gather
+from wholebatch.comm.collectives import all_gather, apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.call import Call, documented, validate
+from wholebatch.losses.call import Call, documented, shared, validate
 from wholebatch.losses.lse import PositiveLSE, gathered_ids
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.small import evaluate, eye, lse_rows
@@ -156,11 +157,14 @@ def info_nce_loss(
     k, options, err = _options(negs, directions, partition_mode, ids_B)
     tensors = {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negs}
     call = validate(
-        SPEC, tensors, {"logit_scale": logit_scale}, options=options,
-        labels={"ids_B": ids_B}, error=err, group=group, mesh=mesh, batch_dims=batch_dims,
-        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        strategy=strategy,
-    ).choose(key_elements=(1 + k) * query_BD.shape[-1])  # fmt: skip
+        SPEC,
+        tensors,
+        {"logit_scale": logit_scale},
+        options=options,
+        labels={"ids_B": ids_B},
+        error=err,
+        **shared(locals()),
+    ).choose(key_elements=(1 + k) * query_BD.shape[-1])
     wanted: set[str] = set(directions)
     per_direction = partition_mode == "per_direction"
     if call.path == "small":
@@ -256,26 +260,27 @@ def _gathered_terms(
         if negatives_BKD is None
         else torch.cat([document_BD[:, None], negatives_BKD], 1)
     )
-    gathered_NJD = all_gather(keys_BJD.reshape(b, (1 + k) * d), sizes=list(sizes), group=group,
-                              check=False)  # fmt: skip
+    gathered_NJD = all_gather(
+        keys_BJD.reshape(b, (1 + k) * d), sizes=list(sizes), group=group, check=False
+    )
     cand_CD = gathered_NJD.view(n, 1 + k, d).transpose(0, 1).reshape(-1, d)
     tile = call.tile(b, cand_CD.shape[0])
     ids = gathered_ids(ids_B, sizes, group)
     n_cols = n if "doc_to_query" in wanted else 0
-    q2d_B, d2q_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-        query_BD, cand_CD, s, pos_B, off, (0,), n_cols, sizes, tile, group, ids
+    q2d_B, d2q_B = apply(
+        PositiveLSE, query_BD, cand_CD, s, pos_B, off, (0,), n_cols, sizes, tile, group, ids
     )
     parts = [q2d_B, d2q_B] if n_cols else [q2d_B]
     if "query_to_query" in wanted:
         all_q_ND = all_gather(query_BD, sizes=list(sizes), group=group, check=False)
-        q2q_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            query_BD, all_q_ND, s, pos_B, off, (0,), 0, sizes, tile, group, ids
+        q2q_B, _ = apply(
+            PositiveLSE, query_BD, all_q_ND, s, pos_B, off, (0,), 0, sizes, tile, group, ids
         )
         parts.append(q2q_B)
     if "doc_to_doc" in wanted:
         own = tuple(t * n for t in range(1 + k))  # d_i itself and its own hard negatives
-        d2d_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            document_BD, cand_CD, s, pos_B, off, own, 0, sizes, tile, group, ids
+        d2d_B, _ = apply(
+            PositiveLSE, document_BD, cand_CD, s, pos_B, off, own, 0, sizes, tile, group, ids
         )
         parts.append(d2d_B)
     return parts
@@ -304,17 +309,17 @@ def _ring_terms(
     tile = call.tile(b, max(sizes) * (1 + k))
     cols = "doc_to_query" in wanted
     pos_B = s * (query_BD.to(call.acc) * document_BD.to(call.acc)).sum(1)
-    ring = PositiveRing.apply
+    ring = functools.partial(apply, PositiveRing)
     # its positives s·qᵢ·dᵢ are the ring's own (None): their gradient added in place
-    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes, tile, group, ids_B)  # type: ignore[no-untyped-call]
+    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes, tile, group, ids_B)
     parts = [q2d_B, d2q_B] if cols else [q2d_B]
     if "query_to_query" in wanted:
-        q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes, tile, group, ids_B)  # type: ignore[no-untyped-call]
+        q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes, tile, group, ids_B)
         parts.append(q2q_B)
     if "doc_to_doc" in wanted:
         own = tuple(range(1 + k))  # d_i itself and its own hard negatives
         d2d_B, _ = ring(
             document_BD, keys_BX, s, pos_B, 1 + k, own, False, sizes, tile, group, ids_B
-        )  # type: ignore[no-untyped-call]
+        )
         parts.append(d2d_B)
     return parts

@@ -67,9 +67,16 @@ def _side(tile: int, q_tokens: int, d_tokens: int) -> int:
 
 
 def _fold(
-    q: Tensor, qm: Tensor, d: Tensor, dm: Tensor, s: Tensor, own: int | None, side: int,
-    m_B: Tensor, l_B: Tensor,
-) -> None:  # fmt: skip
+    q: Tensor,
+    qm: Tensor,
+    d: Tensor,
+    dm: Tensor,
+    s: Tensor,
+    own: int | None,
+    side: int,
+    m_B: Tensor,
+    l_B: Tensor,
+) -> None:
     """Fold documents `d` into the rows' running (max, sum) of s·score (in place); the positive of
     row i, document `own` + i, left out (None: this block holds no row's positive)."""
     for i0 in range(0, q.shape[0], side):
@@ -82,9 +89,17 @@ def _fold(
 
 
 def _grads(
-    q: Tensor, qm: Tensor, d: Tensor, dm: Tensor, s: Tensor, own: int | None, side: int,
-    coef: tuple[Tensor, Tensor], dq: Tensor, dd: Tensor,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    qm: Tensor,
+    d: Tensor,
+    dm: Tensor,
+    s: Tensor,
+    own: int | None,
+    side: int,
+    coef: tuple[Tensor, Tensor],
+    dq: Tensor,
+    dd: Tensor,
+) -> Tensor:
     """Every tile of `q` x `d` recomputed with autograd: the softmax gradient of its scores added
     to `dq` and `dd` (in place); returns Σ G·score, the scale's gradient (G the tiles' dL/dz)."""
     shift, cf = coef
@@ -119,10 +134,17 @@ class MaxSimLSE(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
-        ctx: Any, q_BQD: Tensor, qm_BQ: Tensor, d_NTD: Tensor, dm_NT: Tensor, scale: Tensor,
-        pos_B: Tensor, offset: int, tile: int,
-    ) -> Tensor:  # fmt: skip
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
+        ctx: Any,
+        q_BQD: Tensor,
+        qm_BQ: Tensor,
+        d_NTD: Tensor,
+        dm_NT: Tensor,
+        scale: Tensor,
+        pos_B: Tensor,
+        offset: int,
+        tile: int,
+    ) -> Tensor:
         acc = compute_dtype(q_BQD.dtype)
         b = q_BQD.shape[0]
         s = scale.detach().to(acc)
@@ -149,11 +171,15 @@ class MaxSimLSE(torch.autograd.Function):
         ds = _grads(q, qm_BQ, d, dm_NT, s, ctx.offset, ctx.side, coef, dq, dd)
         need = ctx.needs_input_grad
         return (
-            dq.to(q_BQD.dtype) if need[0] else None, None,
-            dd.to(d_NTD.dtype) if need[2] else None, None,
+            dq.to(q_BQD.dtype) if need[0] else None,
+            None,
+            dd.to(d_NTD.dtype) if need[2] else None,
+            None,
             ds.to(scale.dtype) if need[4] else None,
-            (-g).to(ctx.pos_dtype) if need[5] else None, None, None,
-        )  # fmt: skip
+            (-g).to(ctx.pos_dtype) if need[5] else None,
+            None,
+            None,
+        )
 
 
 class MaxSimRing(torch.autograd.Function):
@@ -169,10 +195,18 @@ class MaxSimRing(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
-        ctx: Any, q_BQD: Tensor, qm_BQ: Tensor, d_BTD: Tensor, dm_BT: Tensor, scale: Tensor,
-        pos_B: Tensor, sizes: tuple[int, ...], tile: int, group: Any,
-    ) -> Tensor:  # fmt: skip
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
+        ctx: Any,
+        q_BQD: Tensor,
+        qm_BQ: Tensor,
+        d_BTD: Tensor,
+        dm_BT: Tensor,
+        scale: Tensor,
+        pos_B: Tensor,
+        sizes: tuple[int, ...],
+        tile: int,
+        group: Any,
+    ) -> Tensor:
         acc = compute_dtype(q_BQD.dtype)
         b, w, rank = q_BQD.shape[0], get_world_size(group), get_rank(group)
         s = scale.detach().to(acc)
@@ -185,8 +219,9 @@ class MaxSimRing(torch.autograd.Function):
         for step in range(w):
             _fold(q, qm_BQ, blk.to(acc), mask, s, 0 if step == 0 else None, side, m_B, l_B)
             if step < w - 1:
-                blk, mask = ring_pass([blk, mask], ring_block(sizes, rank, step + 1), group=group,
-                                      peers=peers)  # fmt: skip
+                blk, mask = ring_pass(
+                    [blk, mask], ring_block(sizes, rank, step + 1), group=group, peers=peers
+                )
         ctx.save_for_backward(q_BQD, qm_BQ, d_BTD, dm_BT, scale, m_B, l_B)
         ctx.sizes, ctx.side, ctx.group, ctx.pos_dtype = sizes, side, group, pos_B.dtype
         return finish(m_B, l_B, pos_B.detach().to(acc))
@@ -215,8 +250,13 @@ class MaxSimRing(torch.autograd.Function):
                 (dblk,) = ring_pass([dblk], rows, group=group, peers=peers)
         need = ctx.needs_input_grad
         return (
-            dq.to(q_BQD.dtype) if need[0] else None, None,
-            dblk.to(d_BTD.dtype) if need[2] else None, None,
+            dq.to(q_BQD.dtype) if need[0] else None,
+            None,
+            dblk.to(d_BTD.dtype) if need[2] else None,
+            None,
             ds.to(scale.dtype) if need[4] else None,
-            (-g_B.to(acc)).to(ctx.pos_dtype) if need[5] else None, None, None, None,
-        )  # fmt: skip
+            (-g_B.to(acc)).to(ctx.pos_dtype) if need[5] else None,
+            None,
+            None,
+            None,
+        )

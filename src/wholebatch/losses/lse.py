@@ -180,7 +180,7 @@ class PositiveLSE(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         q_BD: Tensor,
         k_CD: Tensor,

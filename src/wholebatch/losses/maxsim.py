@@ -27,6 +27,7 @@ tokens (per row, padded), D dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.collectives import all_gather
+from wholebatch.comm.collectives import all_gather, apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.call import Call, documented, validate
+from wholebatch.losses.call import Call, documented, shared, validate
 from wholebatch.losses.late import MaxSimLSE, MaxSimRing, maxsim_pairs, maxsim_scores
 from wholebatch.losses.small import evaluate, eye, lse_rows
 from wholebatch.losses.specs import SPECS, Strategy
@@ -55,7 +56,7 @@ def _check_masks(q: object, qm: object, d: object, dm: object) -> str | None:
             return f"{name} must be a bool tensor (True: a valid token), got {got}"
         if isinstance(x, Tensor) and x.dim() == 3 and mask.shape != x.shape[:2]:
             return f"{name} has shape {tuple(mask.shape)}, its tokens {tuple(x.shape[:2])}"
-    empty = (~dm.any(1)).nonzero().flatten().tolist() if isinstance(dm, Tensor) else []  # type: ignore[union-attr]
+    empty = (~cast(Tensor, dm).any(1)).nonzero().flatten().tolist()  # a bool tensor: checked
     if empty:
         return f"documents {empty[:8]} have no valid token; give every document one"
     return None
@@ -103,14 +104,17 @@ def maxsim_loss(
         {common}
     """
     err = _check_masks(queries_BQD, query_mask_BQ, docs_BTD, doc_mask_BT)
-    tokens = [x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else 0
-              for x in (queries_BQD, docs_BTD)]  # fmt: skip
+    tokens = [
+        x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else 0 for x in (queries_BQD, docs_BTD)
+    ]
     call = validate(
-        SPEC, {"queries_BQD": queries_BQD, "docs_BTD": docs_BTD}, {"logit_scale": logit_scale},
-        per_rank=tokens, error=err, group=group, mesh=mesh, batch_dims=batch_dims,
-        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        strategy=strategy,
-    )  # fmt: skip
+        SPEC,
+        {"queries_BQD": queries_BQD, "docs_BTD": docs_BTD},
+        {"logit_scale": logit_scale},
+        per_rank=tokens,
+        error=err,
+        **shared(locals()),
+    )
     q_max, t_max = (max(call.per_rank[f]) for f in SPEC.per_rank)
     d = queries_BQD.shape[-1]
     # the small path holds the gathered rows and the dense N x N x Q x T similarities
@@ -119,8 +123,12 @@ def maxsim_loss(
     docs, doc_mask = _pad(docs_BTD, doc_mask_BT, t_max)
     if call.path == "small":
         queries, query_mask = _pad(queries_BQD, query_mask_BQ, q_max)
-        rows = {"queries_BQD": queries, "query_mask_BQ": query_mask, "docs_BTD": docs,
-                "doc_mask_BT": doc_mask}  # fmt: skip
+        rows = {
+            "queries_BQD": queries,
+            "query_mask_BQ": query_mask,
+            "docs_BTD": docs,
+            "doc_mask_BT": doc_mask,
+        }
         return evaluate(call, rows, maxsim_formula)
     return call.whole(_share(call, queries_BQD, query_mask_BQ, docs, doc_mask))
 
@@ -149,12 +157,21 @@ def _share(call: Call, q_BQD: Tensor, qm_BQ: Tensor, d_BTD: Tensor, dm_BT: Tenso
     pos_B = s * maxsim_pairs(q_BQD.to(acc), qm_BQ, d_BTD.to(acc), dm_BT)
     tile = call.tile(call.b, max(call.sizes))
     if call.path == "ring":
-        a_B = MaxSimRing.apply(  # type: ignore[no-untyped-call]
-            q_BQD, qm_BQ, d_BTD, dm_BT.to(torch.uint8), s, pos_B, call.sizes, tile, call.group
+        a_B = apply(
+            MaxSimRing,
+            q_BQD,
+            qm_BQ,
+            d_BTD,
+            dm_BT.to(torch.uint8),
+            s,
+            pos_B,
+            call.sizes,
+            tile,
+            call.group,
         )
     else:
         sizes, group = list(call.sizes), call.group
         all_d = all_gather(d_BTD, sizes=sizes, group=group, check=False)
         all_m = all_gather(dm_BT.to(torch.uint8), sizes=sizes, group=group, check=False)
-        a_B = MaxSimLSE.apply(q_BQD, qm_BQ, all_d, all_m, s, pos_B, call.offset, tile)  # type: ignore[no-untyped-call]
+        a_B = apply(MaxSimLSE, q_BQD, qm_BQ, all_d, all_m, s, pos_B, call.offset, tile)
     return softplus(a_B).sum() / call.n

@@ -219,7 +219,7 @@ class PositiveRing(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         q_BD: Tensor,
         keys_BX: Tensor,
@@ -247,13 +247,31 @@ class PositiveRing(torch.autograd.Function):
         r, keys = ring_chunk_rows(q_BD.device.type, max(sizes), j), keys_BX.detach()
         # each chunk travels with the (m, l) of its columns, (rows, 2) (or (rows, 0)), and its ids
         held: list[Any] = [
-            [keys[r0:r1], _fresh_stats(r1 - r0, 2 if columns else 0, acc, q_BD.device),
-             *_ids_of(ids, r0, r1)]
+            [
+                keys[r0:r1],
+                _fresh_stats(r1 - r0, 2 if columns else 0, acc, q_BD.device),
+                *_ids_of(ids, r0, r1),
+            ]
             for r0, r1 in _bounds(b, r)
-        ]  # fmt: skip
+        ]
         buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-        st = SimpleNamespace(q=q_BD, qs=qs_BD, post=post, acc=acc, tile=tile, j=j, d=d, b=b, ids=ids,
-                             kdt=kdt, scale=scale, m_row=m_row, l_row=l_row, fast=fast, buf=buf)  # fmt: skip
+        st = SimpleNamespace(
+            q=q_BD,
+            qs=qs_BD,
+            post=post,
+            acc=acc,
+            tile=tile,
+            j=j,
+            d=d,
+            b=b,
+            ids=ids,
+            kdt=kdt,
+            scale=scale,
+            m_row=m_row,
+            l_row=l_row,
+            fast=fast,
+            buf=buf,
+        )
         run = (q_BD.device, group, peers, w == 1)
         for step in range(w):
             last, own = step == w - 1, masks if step == 0 else ()
@@ -261,12 +279,16 @@ class PositiveRing(torch.autograd.Function):
             compute = functools.partial(_fold_chunk, st, held, bounds, own, last)
             if not last:
                 nxt = _bounds(ring_block(sizes, rank, step + 1), r)
-                likes = [(tuple(keys.shape[1:]), keys.dtype), ((2 if columns else 0,), acc),
-                         *_id_likes(ids)]  # fmt: skip
+                likes = [
+                    (tuple(keys.shape[1:]), keys.dtype),
+                    ((2 if columns else 0,), acc),
+                    *_id_likes(ids),
+                ]
                 held = _pipeline(len(bounds), compute, nxt, likes, *run)
             else:  # the held block's columns are complete: home to their owner
-                home = _pipeline(len(bounds), compute, _bounds(b, r) if columns else [],
-                                 [((2,), acc)], *run)  # fmt: skip
+                home = _pipeline(
+                    len(bounds), compute, _bounds(b, r) if columns else [], [((2,), acc)], *run
+                )
         stats = [x for (x,) in home]
         stats_B2 = torch.cat(stats) if columns and stats else _fresh_stats(0, 2, acc, q_BD.device)
         inside = pos_B is None
@@ -357,8 +379,23 @@ def _ring_grads(
         [keys[r0:r1], coef_B2[r0:r1], None, *_ids_of(ctx.ids, r0, r1)] for r0, r1 in _bounds(b, r)
     ]
     buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-    st = SimpleNamespace(q=q, post=post, acc=acc, tile=tile, j=j, d=d, b=b, kdt=kdt, scale=scale,
-                         coefs=coefs, uq=uq_BD, fast=fast, buf=buf, width=width, ids=ctx.ids)  # fmt: skip
+    st = SimpleNamespace(
+        q=q,
+        post=post,
+        acc=acc,
+        tile=tile,
+        j=j,
+        d=d,
+        b=b,
+        kdt=kdt,
+        scale=scale,
+        coefs=coefs,
+        uq=uq_BD,
+        fast=fast,
+        buf=buf,
+        width=width,
+        ids=ctx.ids,
+    )
     run = (q_BD.device, group, peers, w == 1)
     for step in range(w):
         last, own = step == w - 1, ctx.masks if step == 0 else ()
@@ -366,8 +403,12 @@ def _ring_grads(
         compute = functools.partial(_grad_chunk, st, held, bounds, own, last)
         if not last:
             nxt = _bounds(ring_block(ctx.sizes, rank, step + 1), r)
-            likes = [((width,), keys.dtype), ((coef_B2.shape[1],), acc), ((width,), acc),
-                     *_id_likes(ctx.ids)]  # fmt: skip
+            likes = [
+                ((width,), keys.dtype),
+                ((coef_B2.shape[1],), acc),
+                ((width,), acc),
+                *_id_likes(ctx.ids),
+            ]
             held = _pipeline(len(bounds), compute, nxt, likes, *run)
         else:  # the held block's gradient is complete: home to its owner
             home = [

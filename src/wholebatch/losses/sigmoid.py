@@ -120,7 +120,7 @@ class SigmoidRing(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         img_BD: Tensor,
         txt_BD: Tensor,
@@ -174,8 +174,19 @@ class SigmoidRing(torch.autograd.Function):
                 db += got[3]
             else:
                 _sigmoid_block_torch(
-                    img, wire_MD.to(img.dtype), s, b, g, tile, acc, step == 0, di_BD, dblk_MD, ds, db
-                )  # fmt: skip
+                    img,
+                    wire_MD.to(img.dtype),
+                    s,
+                    b,
+                    g,
+                    tile,
+                    acc,
+                    step == 0,
+                    di_BD,
+                    dblk_MD,
+                    ds,
+                    db,
+                )
             rows = _ring_next(sizes, rank, step) if w > 1 else 0
             if step < w - 1:
                 wire_MD, dblk_MD = ring_pass([wire_MD, dblk_MD], rows, group=group, peers=peers)

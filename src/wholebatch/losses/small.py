@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from wholebatch.comm.collectives import all_reduce
+from wholebatch.comm.collectives import all_reduce, apply
 from wholebatch.comm.debug import arrive
 from wholebatch.comm.moves import gather_rows
 from wholebatch.losses.call import Call
@@ -107,9 +107,12 @@ def _gather(call: Call, tensors: Mapping[str, Tensor]) -> _Gathered:
     values, shares, factor_t = _agreed(table_WS.view(torch.float64), r, w, call.acc)
     names = list(call.scalars)
     return _Gathered(
-        rows, dict(zip(names, values.unbind(), strict=True)), dict(zip(names, shares.unbind(), strict=True)), factor_t * w,
+        rows,
+        dict(zip(names, values.unbind(), strict=True)),
+        dict(zip(names, shares.unbind(), strict=True)),
+        factor_t * w,
         span,
-    )  # fmt: skip
+    )
 
 
 def _agreed(table_WS: Tensor, r: int, w: int, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -139,7 +142,7 @@ def evaluate(call: Call, tensors: Mapping[str, Tensor | None], formula: Formula)
     inputs = [x for x in given.values() if x.is_floating_point()]
     scalars = list(call.scalars.values())
     need = torch.is_grad_enabled() and any(t.requires_grad for t in [*inputs, *scalars])
-    loss: Tensor = _WholeLoss.apply(formula, need, g, call, *inputs, *scalars)  # type: ignore[no-untyped-call]
+    loss: Tensor = apply(_WholeLoss, formula, need, g, call, *inputs, *scalars)
     return loss
 
 
@@ -148,7 +151,7 @@ class _WholeLoss(torch.autograd.Function):
     backward: see `evaluate`."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any, formula: Formula, need: bool, g: _Gathered, call: Call, *inputs: Tensor
     ) -> Tensor:
         acc = call.acc

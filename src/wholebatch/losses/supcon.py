@@ -34,9 +34,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.collectives import all_gather, all_reduce
+from wholebatch.comm.collectives import all_gather, all_reduce, apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses.call import Call, documented, validate
+from wholebatch.losses.call import Call, documented, shared, validate
 from wholebatch.losses.lse import PositiveLSE
 from wholebatch.losses.ring import PositiveRing
 from wholebatch.losses.small import evaluate, eye, lse_rows
@@ -84,11 +84,12 @@ def supcon_loss(
         {common}
     """
     call = validate(
-        SPEC, {"features_BD": features_BD}, {"logit_scale": logit_scale},
-        labels={"labels_B": labels_B}, group=group, mesh=mesh, batch_dims=batch_dims,
-        grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        strategy=strategy,
-    ).choose(key_elements=features_BD.shape[-1])  # fmt: skip
+        SPEC,
+        {"features_BD": features_BD},
+        {"logit_scale": logit_scale},
+        labels={"labels_B": labels_B},
+        **shared(locals()),
+    ).choose(key_elements=features_BD.shape[-1])
     if call.path == "small":
         return evaluate(call, {"features_BD": features_BD, "labels_B": labels_B}, supcon_formula)
     return call.whole(_share(call, features_BD, labels_B))
@@ -119,15 +120,25 @@ def _share(call: Call, z_BD: Tensor, labels_B: Tensor) -> Tensor:
     none = torch.zeros(b, dtype=call.acc, device=z_BD.device)  # no positive in the softmax
     if call.path == "ring":
         tile = call.tile(b, max(sizes))
-        lse_B, _ = PositiveRing.apply(  # type: ignore[no-untyped-call]
-            z_BD, z_BD, s, none, 1, (0,), False, sizes, tile, group, None
+        lse_B, _ = apply(
+            PositiveRing, z_BD, z_BD, s, none, 1, (0,), False, sizes, tile, group, None
         )
     else:
         all_z_ND = all_gather(z_BD, sizes=list(sizes), group=group, check=False)
-        lse_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            z_BD, all_z_ND, s, none, call.offset, (0,), 0, sizes, call.tile(b, call.n), group,
+        lse_B, _ = apply(
+            PositiveLSE,
+            z_BD,
+            all_z_ND,
+            s,
+            none,
+            call.offset,
+            (0,),
+            0,
+            sizes,
+            call.tile(b, call.n),
+            group,
             None,
-        )  # fmt: skip
+        )
     sum_BD = _positive_sums(call, z_BD, index_N, count_U)  # Σ over each row's positives
     anchor_B = count_B > 0
     mean_pos_B = s * (z_BD.to(call.acc) * sum_BD).sum(1) / count_B.clamp_min(1)

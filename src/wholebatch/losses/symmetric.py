@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from wholebatch.comm.collectives import all_gather
+from wholebatch.comm.collectives import all_gather, apply
 from wholebatch.comm.groups import get_rank, get_world_size, is_distributed
 from wholebatch.losses import fused
 from wholebatch.losses.call import Call
@@ -170,7 +170,7 @@ class SymmetricLSE(torch.autograd.Function):
 
     @staticmethod
     @threaded
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any, z_MD: Tensor, scale: Tensor, pos_M: Tensor, tile: int, group: Any
     ) -> Tensor:
         acc = compute_dtype(z_MD.dtype)
@@ -247,13 +247,14 @@ def two_view_terms(call: Call, a_BD: Tensor, b_BD: Tensor, s: Tensor) -> Tensor:
     negatives of a view are every view but itself and its pair. `SymmetricLSE` over the
     all-gathered views (NT-Xent, DCL)."""
     n, off, b, d = call.n, call.offset, call.b, a_BD.shape[1]
-    all_N2D = all_gather(torch.cat([a_BD, b_BD], 1), sizes=list(call.sizes), group=call.group,
-                         check=False)  # fmt: skip
+    all_N2D = all_gather(
+        torch.cat([a_BD, b_BD], 1), sizes=list(call.sizes), group=call.group, check=False
+    )
     z_2ND = torch.cat([all_N2D[:, :d], all_N2D[:, d:]], 0)
     acc = call.acc
     pos_N = s * (all_N2D[:, :d].to(acc) * all_N2D[:, d:].to(acc)).sum(1)  # rows i and i + N
     tile = call.tile(2 * n, 2 * n)
-    a_2N = SymmetricLSE.apply(z_2ND, s, torch.cat([pos_N, pos_N]), tile, call.group)  # type: ignore[no-untyped-call]
+    a_2N = apply(SymmetricLSE, z_2ND, s, torch.cat([pos_N, pos_N]), tile, call.group)
     return torch.cat([a_2N[off : off + b], a_2N[n + off : n + off + b]])
 
 

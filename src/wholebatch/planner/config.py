@@ -152,8 +152,17 @@ class PlanConfig:
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
         self._check_mesh(bad)
-        names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes",
-                 "query_tokens", "doc_tokens")  # fmt: skip
+        names = (
+            "batch",
+            "dim",
+            "world",
+            "gpus_per_node",
+            "tokens",
+            "grad_bytes",
+            "param_bytes",
+            "query_tokens",
+            "doc_tokens",
+        )
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -170,9 +179,10 @@ class PlanConfig:
         dirs = self.direction_list
         if not set(dirs) <= set(DIRECTIONS) or DIRECTIONS[0] not in dirs:
             raise bad(
-                "directions", self.directions,
+                "directions",
+                self.directions,
                 f"must be comma-separated names of {', '.join(DIRECTIONS)}, holding query_to_doc",
-            )  # fmt: skip
+            )
         if self.negatives and self.loss not in _WITH_NEGATIVES:
             raise bad("negatives", self.negatives, f"applies to {_losses(_WITH_NEGATIVES)} only")
         if dirs != DIRECTIONS[:1] and self.loss not in _WITH_DIRECTIONS:
@@ -211,9 +221,11 @@ class PlanConfig:
         shape = PlanMesh.parse(self.mesh)
         if self.world not in (0, shape.world):
             raise bad(
-                "world", self.world, f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
+                "world",
+                self.world,
+                f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
                 "leave world out (it is the mesh's size) or give the same number",
-            )  # fmt: skip
+            )
         if self.plots:
             raise bad("plots", self.plots, "sweeps a flat world's W; plot without mesh")
         object.__setattr__(self, "world", shape.world)

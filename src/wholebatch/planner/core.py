@@ -162,8 +162,11 @@ class Plan:
         fs, fr = self.bytes("forward")
         bs, br = self.bytes("backward")
         out["bytes_per_rank"] = {
-            "forward_sent": fs, "forward_received": fr, "backward_sent": bs, "backward_received": br,
-        }  # fmt: skip
+            "forward_sent": fs,
+            "forward_received": fr,
+            "backward_sent": bs,
+            "backward_received": br,
+        }
         if self.config.mesh:
             out["bytes_per_dims"] = {
                 d or "world": {"sent": s, "received": r}
@@ -198,9 +201,14 @@ def grad_traffic(c: PlanConfig) -> list[Collective]:
     if m is None:
         return ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     return mesh_grad_traffic(
-        c.params / m.model_split, c.grad_bytes, c.param_bytes, m.shard, m.size("dp_replicate"),
-        shard_dims=m.label(("dp", "cp")), replicate_dims=m.label(("dp_replicate",)),
-    )  # fmt: skip
+        c.params / m.model_split,
+        c.grad_bytes,
+        c.param_bytes,
+        m.shard,
+        m.size("dp_replicate"),
+        shard_dims=m.label(("dp", "cp")),
+        replicate_dims=m.label(("dp_replicate",)),
+    )
 
 
 def _engine_rows(c: PlanConfig) -> list[Collective]:
@@ -242,10 +250,19 @@ def _own(c: PlanConfig, n: int) -> str:
 
 def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
     return loss_memory(
-        c.loss, strategy=strategy or _own(c, n), n=n, b=b, dim=c.dim, elem=c.elem,
-        acc=c.acc, tile=tile, w=c.shards, negatives=c.negatives, directions=c.direction_list,
+        c.loss,
+        strategy=strategy or _own(c, n),
+        n=n,
+        b=b,
+        dim=c.dim,
+        elem=c.elem,
+        acc=c.acc,
+        tile=tile,
+        w=c.shards,
+        negatives=c.negatives,
+        directions=c.direction_list,
         tokens=(c.query_tokens, c.doc_tokens),
-    )  # fmt: skip
+    )
 
 
 def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
@@ -255,16 +272,26 @@ def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
     if c.loss == "tokens":
         peak = static + act
         return MemoryPlan(
-            static=static, activations=act, cache=0, loss=0, peak=peak, budget=c.budget,
+            static=static,
+            activations=act,
+            cache=0,
+            loss=0,
+            peak=peak,
+            budget=c.budget,
             peak_phase="micro-batch",
-        )  # fmt: skip
+        )
     lmem = _loss_memory(c, n, b, tile)
     if k == 1:  # no caching: the loss runs while the batch's activations are alive
         peak = static + act + lmem
         return MemoryPlan(
-            static=static, activations=act, cache=0, loss=lmem, peak=peak, budget=c.budget,
+            static=static,
+            activations=act,
+            cache=0,
+            loss=lmem,
+            peak=peak,
+            budget=c.budget,
             peak_phase="loss",
-        )  # fmt: skip
+        )
     # Gradient caching (wholebatch.GradCache, CachedStep): the loss runs on the cached
     # embeddings of all K micro-batches while the LAST micro-batch's graph is kept
     # (its second forward is never run); pass 2 then holds the embeddings'
@@ -273,9 +300,14 @@ def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
     loss_phase = static + act + emb + lmem
     mb_phase = static + emb + act
     return MemoryPlan(
-        static=static, activations=act, cache=emb, loss=lmem, peak=max(loss_phase, mb_phase),
-        budget=c.budget, peak_phase="loss" if loss_phase >= mb_phase else "micro-batch",
-    )  # fmt: skip
+        static=static,
+        activations=act,
+        cache=emb,
+        loss=lmem,
+        peak=max(loss_phase, mb_phase),
+        budget=c.budget,
+        peak_phase="loss" if loss_phase >= mb_phase else "micro-batch",
+    )
 
 
 def _choose_k(c: PlanConfig, n: int, b: int, tile: int) -> int:
@@ -428,10 +460,19 @@ class _Traffic:
         own = {v: k for k, v in STRATEGY_NAMES.items()}.get(strategy)
         if own is not None and own in spec.strategies:  # the library's own loss, every call counted
             return loss_traffic(
-                c.loss, sizes, rank, c.dim, c.elem, c.acc, negatives=c.negatives,
-                directions=c.direction_list, exchange=not c.known_sizes, strategy=own,
-                classes=c.classes, tokens=(c.query_tokens, c.doc_tokens),
-            )  # fmt: skip
+                c.loss,
+                sizes,
+                rank,
+                c.dim,
+                c.elem,
+                c.acc,
+                negatives=c.negatives,
+                directions=c.direction_list,
+                exchange=not c.known_sizes,
+                strategy=own,
+                classes=c.classes,
+                tokens=(c.query_tokens, c.doc_tokens),
+            )
         width = _key_width(c)
         if strategy == "ring + tiled":
             return ring_traffic("key blocks", sizes, rank, width, c.elem, c.acc)
@@ -510,15 +551,23 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
     collectives = loss_rows + _engine_rows(c) + grads
     times = _times(c, n, b, k, loss_rows + _engine_rows(c))
     return Plan(
-        config=c, rows_per_rank=(min(rows), b), ranks_counted=tuple(ranks), micro_batches=k,
-        micro_batch_rows=math.ceil(b / k) if b else 0, tile=tile, fits=mem.peak <= c.budget,
-        memory=mem, collectives=tuple(collectives), times=times,
+        config=c,
+        rows_per_rank=(min(rows), b),
+        ranks_counted=tuple(ranks),
+        micro_batches=k,
+        micro_batch_rows=math.ceil(b / k) if b else 0,
+        tile=tile,
+        fits=mem.peak <= c.budget,
+        memory=mem,
+        collectives=tuple(collectives),
+        times=times,
         max_batch=_largest_batch(c, fixed_k=False),
         max_batch_at_k=_largest_batch(dataclasses.replace(c, micro_batches=k), fixed_k=True),
         strategies=tuple(_strategies(c, n, rows, busiest, tile, traffic)),
-        assumptions=tuple(_assumptions(c)), seconds=time.perf_counter() - t0,
+        assumptions=tuple(_assumptions(c)),
+        seconds=time.perf_counter() - t0,
         other_stages_peak=_other_stages_peak(c, b, k),
-    )  # fmt: skip
+    )
 
 
 def _other_stages_peak(c: PlanConfig, b: int, k: int) -> int | None:

@@ -230,9 +230,16 @@ def loss_memory(
 
 
 def _token_memory(
-    strategy: str, n: int, b: int, dim: int, elem: int, acc: int, tile: int, w: int,
+    strategy: str,
+    n: int,
+    b: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    tile: int,
+    w: int,
     tokens: tuple[int, int],
-) -> int:  # fmt: skip
+) -> int:
     """maxsim (`late.MaxSimLSE`, `late.MaxSimRing`): the documents' token blocks, never N x Q x T.
 
     Gather: the gathered documents N·T·D (the embeddings' dtype) and their gradient

@@ -68,8 +68,11 @@ def _header(p: Plan) -> list[str]:
     nodes = f"({max(1, -(-c.world // c.gpus_per_node)):,} node(s) of {c.gpus_per_node})"
     m = c.mesh_shape
     if m is None:
-        return [f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
-                f"{nodes}; {split}", ""]  # fmt: skip
+        return [
+            f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
+            f"{nodes}; {split}",
+            "",
+        ]
     per = split.replace("per rank", f"per item shard ({m.batch_label}; tp replicas see the same)")
     out = [
         f"wholebatch plan: {what}; global batch {c.batch:,} over the mesh {m.describe()}: "
@@ -127,10 +130,17 @@ def _bytes_lines(p: Plan) -> list[str]:
     )
     mesh = bool(p.config.mesh)
     rows = [
-        [x.phase, x.name, *([x.dims] if mesh else []), x.primitive, f"{x.calls:,}",
-         human_bytes(x.sent), human_bytes(x.received)]
+        [
+            x.phase,
+            x.name,
+            *([x.dims] if mesh else []),
+            x.primitive,
+            f"{x.calls:,}",
+            human_bytes(x.sent),
+            human_bytes(x.received),
+        ]
         for x in p.collectives
-    ]  # fmt: skip
+    ]
     fs, fr = p.bytes("forward")
     bs, br = p.bytes("backward")
     pad = [""] * (3 if mesh else 2)

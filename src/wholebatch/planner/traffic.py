@@ -94,9 +94,14 @@ def _gather(name: str, phase: str, sizes: Sequence[int], rank: int, row_bytes: i
     sent, recv = wire_rows(splits, rank)
     uneven = len(set(sizes)) > 1
     return Collective(
-        name=name, phase=phase, primitive="all_to_all" if uneven else "all_gather", calls=1,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=len(sizes) - 1,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_to_all" if uneven else "all_gather",
+        calls=1,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=len(sizes) - 1,
+    )
 
 
 def _reduce_scatter(
@@ -104,17 +109,27 @@ def _reduce_scatter(
 ) -> Collective:
     sent, recv = wire_rows(reduce_scatter_splits(sizes, rank), rank)
     return Collective(
-        name=name, phase=phase, primitive="all_to_all", calls=1,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=len(sizes) - 1,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_to_all",
+        calls=1,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=len(sizes) - 1,
+    )
 
 
 def _all_reduce(name: str, phase: str, numel: int, elem: int, w: int, calls: int) -> Collective:
     moved = round(ring_all_reduce_elements(numel, w) * elem) * calls
     return Collective(
-        name=name, phase=phase, primitive="all_reduce", calls=calls,
-        sent=moved, received=moved, steps=2 * (w - 1) * calls,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_reduce",
+        calls=calls,
+        sent=moved,
+        received=moved,
+        steps=2 * (w - 1) * calls,
+    )
 
 
 def _ring(
@@ -128,9 +143,14 @@ def _ring(
         recv += in_rows
         calls += 1
     return Collective(
-        name=name, phase=phase, primitive="p2p", calls=calls,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=calls,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="p2p",
+        calls=calls,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=calls,
+    )
 
 
 def gather_traffic(what: str, sizes: Sequence[int], rank: int, row_bytes: int) -> list[Collective]:
@@ -261,9 +281,15 @@ def _label_sums(
 
 
 def _token_moves(
-    spec: LossSpec, sizes: Sequence[int], rank: int, dim: int, elem: int, acc: int,
-    strategy: str, tokens: tuple[int, int],
-) -> list[Collective]:  # fmt: skip
+    spec: LossSpec,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    strategy: str,
+    tokens: tuple[int, int],
+) -> list[Collective]:
     """maxsim's document blocks (T x D and their masks, a byte per token): all-gathered
     (their gradient reduce-scattered), or around the ring (`late.MaxSimRing`)."""
     t = tokens[1]
@@ -272,10 +298,18 @@ def _token_moves(
         steps = range(w - 1)
         return [
             _ring(f"ring_shift {spec.keys}", "forward", sizes, rank, steps, t * dim * elem + t),
-            _ring("ring_shift block and gradient", "backward", sizes, rank, steps,
-                  t * dim * (elem + acc) + t),
-            _ring("ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), t * dim * acc),
-        ]  # fmt: skip
+            _ring(
+                "ring_shift block and gradient",
+                "backward",
+                sizes,
+                rank,
+                steps,
+                t * dim * (elem + acc) + t,
+            ),
+            _ring(
+                "ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), t * dim * acc
+            ),
+        ]
     return [
         *gather_traffic(spec.keys, sizes, rank, t * dim * elem),
         _gather("all_gather document masks", "forward", sizes, rank, t),
@@ -377,11 +411,17 @@ def positive_ring_traffic(
         ]
     return [
         *out,
-        _ring(f"ring_shift {what} (and column coefficients)", "backward", sizes, rank, steps,
-              width * elem + stat),
+        _ring(
+            f"ring_shift {what} (and column coefficients)",
+            "backward",
+            sizes,
+            rank,
+            steps,
+            width * elem + stat,
+        ),
         _ring("ring_shift accumulated key gradient", "backward", sizes, rank, steps, width * acc),
         _ring("ring_shift key gradient home", "backward", sizes, rank, home, width * acc),
-    ]  # fmt: skip
+    ]
 
 
 def _positive_rings(
@@ -400,8 +440,9 @@ def _positive_rings(
     cols = spec.has_columns(directions)
     out = positive_ring_traffic(spec.keys, sizes, rank, width, elem, acc, cols)
     if spec.views > 1:
-        out += positive_ring_traffic(f"{spec.keys} (second views)", sizes, rank, width, elem, acc,
-                                     cols)  # fmt: skip
+        out += positive_ring_traffic(
+            f"{spec.keys} (second views)", sizes, rank, width, elem, acc, cols
+        )
     if "query_to_query" in directions:
         out += positive_ring_traffic("queries", sizes, rank, dim, elem, acc, False)
     if "doc_to_doc" in directions:
@@ -447,18 +488,35 @@ def mesh_grad_traffic(
         part = (shard - 1) / shard * params
         gathered, reduced = round(part * param_elem), round(part * grad_elem)
         for phase, what in (("forward", "forward"), ("backward", "backward re-gather")):
-            out.append(Collective(
-                name=f"FSDP2 parameter all-gather ({what})", phase=phase, primitive="all_gather",
-                calls=1, sent=gathered, received=gathered, steps=shard - 1, dims=shard_dims,
-            ))  # fmt: skip
-        out.append(Collective(
-            name="FSDP2 gradient reduce-scatter", phase="backward", primitive="reduce_scatter",
-            calls=1, sent=reduced, received=reduced, steps=shard - 1, dims=shard_dims,
-        ))  # fmt: skip
+            out.append(
+                Collective(
+                    name=f"FSDP2 parameter all-gather ({what})",
+                    phase=phase,
+                    primitive="all_gather",
+                    calls=1,
+                    sent=gathered,
+                    received=gathered,
+                    steps=shard - 1,
+                    dims=shard_dims,
+                )
+            )
+        out.append(
+            Collective(
+                name="FSDP2 gradient reduce-scatter",
+                phase="backward",
+                primitive="reduce_scatter",
+                calls=1,
+                sent=reduced,
+                received=reduced,
+                steps=shard - 1,
+                dims=shard_dims,
+            )
+        )
     if replicate > 1:
         what = "HSDP gradient all-reduce of the shard" if shard > 1 else "DDP gradient all-reduce"
-        row = _all_reduce(f"{what} (ring model)", "backward", round(params / shard), grad_elem,
-                          replicate, 1)  # fmt: skip
+        row = _all_reduce(
+            f"{what} (ring model)", "backward", round(params / shard), grad_elem, replicate, 1
+        )
         out.append(dataclasses.replace(row, dims=replicate_dims))
     return out
 
