@@ -148,9 +148,7 @@ def info_nce_loss(
             every rank); row i holds query i's. None: no hard negatives.
         directions: which directions to include (a tuple holding "query_to_doc").
         partition_mode: "joint" or "per_direction" (see above).
-        ids_B: an optional integer id per row (B,), given on every rank or on none: a row's
-            logits against the queries and documents of other rows of its id are dropped
-            from its softmaxes (their hard negatives stay negatives).
+        ids_B: an optional integer id per row (B,), given on every rank or on none.
         {common}
     """
     negs = negatives_BKD
@@ -165,15 +163,13 @@ def info_nce_loss(
         error=err,
         **shared(locals()),
     ).choose(key_elements=(1 + k) * query_BD.shape[-1])
-    wanted: set[str] = set(directions)
-    per_direction = partition_mode == "per_direction"
     if call.path == "small":
         rows = {**tensors, "ids_B": ids_B}
         return evaluate(call, rows, lambda r, s: info_nce_formula(r, s, directions, partition_mode))
-    s = call.scalars["logit_scale"]
     terms = _ring_terms if call.path == "ring" else _gathered_terms
-    parts = terms(call, query_BD, document_BD, negs, ids_B, s, wanted)
-    rows_B = _row_losses(parts, per_direction, "doc_to_query" in wanted)
+    wanted: set[str] = set(directions)
+    parts = terms(call, query_BD, document_BD, negs, ids_B, call.scalars["logit_scale"], wanted)
+    rows_B = _row_losses(parts, partition_mode == "per_direction", "doc_to_query" in wanted)
     return call.whole(rows_B.sum() / call.n)
 
 
