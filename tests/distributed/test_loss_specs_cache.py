@@ -3,7 +3,8 @@
 The model embeds each of the loss's float inputs with its own linear map (DDP
 over both ranks); integer inputs (labels, ids) and token masks pass through. Rank
 r's micro-batches hold rows [2, 1] and [1, 1] (uneven, ragged token sets across
-ranks), float64. The reference embeds the whole batch (rank 0's micro-batches,
+ranks), float64, each rank its own tile size, on every path the spec offers (the
+small path, gather, ring; `CachedStep` on the small path and one tiled path). The reference embeds the whole batch (rank 0's micro-batches,
 then rank 1's) in ONE process and differentiates the loss's independent reference
 (`tests/support/loss_refs.py`): after GradCache's backward every parameter's
 gradient must equal it, and after `CachedStep.step` (SGD, lr 1) every parameter
@@ -26,12 +27,14 @@ from tests.support.harness import run_ranks
 from tests.support.loss_refs import REFERENCES
 from wholebatch.comm.groups import get_rank
 from wholebatch.losses import examples
+from wholebatch.losses.sizing import using_small_rows
 from wholebatch.losses.specs import SPECS
 from wholebatch.train.cache import CachedStep
 from wholebatch.train.gradcache import GradCache
 
 F64: dict[str, float] = dict(rtol=1e-10, atol=1e-10)
 MICRO = [[2, 1], [1, 1]]  # rank r's micro-batches' rows
+TILES = [3, 2]  # rank r's tile size
 
 
 class Towers(nn.Module):
@@ -69,12 +72,16 @@ def _micro_batches(name: str, rank: int) -> list[dict[str, Tensor]]:
     return out
 
 
-def _loss(name: str, floats: list[str], others: dict[str, Tensor], mutation: bool) -> Any:
+def _loss(
+    name: str, floats: list[str], others: dict[str, Tensor], mutation: bool, path: str
+) -> Any:
     spec = SPECS[name]
+    strategy = spec.default_strategy if path == "small" else path
 
     def loss_fn(*embeddings: Tensor) -> Tensor:
         tensors = {**dict(zip(floats, embeddings, strict=True)), **others}
-        kw: dict[str, Any] = {"tile_size": 2}
+        # each rank its own tile size (the rings cut their messages alike all the same)
+        kw: dict[str, Any] = {"tile_size": TILES[get_rank()], "strategy": strategy}
         if mutation:  # MUTATION: this rank's rows only (a group of one per rank)
             kw["group"] = _own_group()
         return examples.call(spec, tensors, examples.scalars(spec), **kw)
@@ -94,21 +101,22 @@ def _own_group() -> Any:
     return _GROUPS[get_rank()]
 
 
-def _rank(name: str, engine: str, mutation: bool) -> dict[str, Tensor]:
+def _rank(name: str, engine: str, mutation: bool, path: str) -> dict[str, Tensor]:
     r = get_rank()
     model = _model(name)
     ddp = DistributedDataParallel(model)
     mbs = _micro_batches(name, r)
     floats = _floats(name)
     others = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k not in floats}
-    loss_fn = _loss(name, floats, others, mutation)
-    if engine == "GradCache":
-        GradCache(ddp)(mbs, loss_fn).backward()
-        out = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        CachedStep(ddp, opt, lambda m, mb: m(mb), loss_fn).step(mbs)
-        out = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss_fn = _loss(name, floats, others, mutation, path)
+    with using_small_rows(None if path == "small" else 0):
+        if engine == "GradCache":
+            GradCache(ddp)(mbs, loss_fn).backward()
+            out = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            CachedStep(ddp, opt, lambda m, mb: m(mb), loss_fn).step(mbs)
+            out = {k: p.detach().clone() for k, p in model.named_parameters()}
     del ddp
     gc.collect()
     return out
@@ -132,9 +140,10 @@ def _reference(name: str, engine: str) -> dict[str, Tensor]:
     return {k: (p - p.grad).detach() for k, p in model.named_parameters()}
 
 
-def _check(name: str, engine: str, mutation: bool = False) -> None:
+def _check(name: str, engine: str, path: str = "small", mutation: bool = False) -> None:
     want = _reference(name, engine)
-    for r, got in enumerate(run_ranks(len(MICRO), _rank, name, engine, mutation, timeout=120)):
+    got_all = run_ranks(len(MICRO), _rank, name, engine, mutation, path, timeout=120)
+    for r, got in enumerate(got_all):
         assert got.keys() == want.keys()
         for k, value in got.items():
             torch.testing.assert_close(
@@ -142,12 +151,18 @@ def _check(name: str, engine: str, mutation: bool = False) -> None:
             )
 
 
-@pytest.mark.parametrize("engine", ["GradCache", "CachedStep"])
-@pytest.mark.parametrize("name", list(SPECS))
-def test_every_loss_under_gradient_caching(name: str, engine: str) -> None:
-    _check(name, engine)
+CASES = [
+    *[(n, "GradCache", p) for n, s in SPECS.items() for p in ("small", *s.strategies)],
+    *[(n, "CachedStep", p) for n, s in SPECS.items() for p in ("small", s.strategies[-1])],
+]
 
 
-def test_mutation_each_rank_its_own_rows_is_caught() -> None:
+@pytest.mark.parametrize(("name", "engine", "path"), CASES)
+def test_every_loss_under_gradient_caching(name: str, engine: str, path: str) -> None:
+    _check(name, engine, path)
+
+
+@pytest.mark.parametrize("path", ["small", "ring"])
+def test_mutation_each_rank_its_own_rows_is_caught(path: str) -> None:
     with pytest.raises(AssertionError, match="rank"):
-        _check("supcon", "GradCache", mutation=True)
+        _check("supcon", "GradCache", path, mutation=True)

@@ -36,7 +36,6 @@ __all__ = [
     "Strategy",
     "docs_table",
     "exchange_fields",
-    "spec",
 ]
 
 Strategy = Literal["gather", "ring", "auto"]
@@ -325,14 +324,6 @@ _SPECS = (
 )
 SPECS: dict[str, LossSpec] = {s.name: s for s in _SPECS}
 """Every whole-batch loss, by its planner name."""
-
-
-def spec(name: str) -> LossSpec:
-    """The descriptor of loss `name` (a key of `SPECS`)."""
-    try:
-        return SPECS[name]
-    except KeyError:
-        raise KeyError(f"no whole-batch loss {name!r}; the losses are {tuple(SPECS)}") from None
 
 
 def docs_table() -> str:
