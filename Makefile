@@ -73,9 +73,11 @@ test-compat:
 bench: $(VENV)/.peers $(OCT_VENV)/.installed
 	$(VENV)/bin/wholebatch bench
 
-# On a machine with CUDA: the CUDA tests and the GPU loss benchmark (benchmarks/gpu.sh).
-gpu: $(VENV)/.installed
-	bash benchmarks/gpu.sh
+# On a machine with CUDA, as it is (its python3, nothing installed, no network): the CUDA
+# tests, the NCCL selftest and the GPU loss benchmark, into $(GPU_OUT) (benchmarks/gpu.sh).
+GPU_OUT ?= gpu-results
+gpu:
+	bash benchmarks/gpu.sh $(GPU_OUT)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

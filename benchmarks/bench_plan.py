@@ -74,7 +74,7 @@ def _planned(spec: str, world: int) -> int:
     return loss_memory(
         c.loss, strategy=LOSS_STRATEGY[c.loss], n=sum(c.sizes), b=c.sizes[0], dim=c.dim,
         elem=elem, acc=max(4, elem), tile=c.tile or 512, w=world, negatives=c.k,
-        directions=c.directions,
+        directions=c.directions, tokens=c.tokens, device="cpu",
     )  # fmt: skip
 
 

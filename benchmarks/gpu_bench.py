@@ -21,6 +21,14 @@ gradient products: 4 of N x N x D), at D = 256 (`--siglip-dim`, within
 without triton, the fused column says "not measured"; a kernel that fails to
 build says "failed" with the error, and the rest of the table still runs.
 
+Then Inf-CL side by side (issue 34): `clip_loss` and Inf-CL's `cal_inf_loss`
+(`inf-cl` 1.2.1, both directions averaged: the same CLIP loss) forward + backward
+on one device at the batch sizes of Inf-CL's Table 1 (32k to 256k, D = 768,
+float16 as there): peak memory (`max_memory_allocated`, inputs included), median
+time, and the two losses' relative difference. Inf-CL needs CUDA tensors (its
+launcher asserts them) and is an optional package: without it, or without CUDA,
+its columns say "not measured" and why, and the rest of the run goes on.
+
 The table is printed and written into the results file between the markers
 `<!-- gpu-bench:begin -->` and `<!-- gpu-bench:end -->` (replaced on a rerun,
 appended the first time). On CPU (`--device cpu`, small sizes) the same code
@@ -199,7 +207,7 @@ def run(
     )
     lines = [
         f"Device: {name}; torch {torch.__version__}; "
-        f"command: `bash benchmarks/gpu.sh` (`python -m benchmarks.gpu_bench`).",
+        f"command: `bash benchmarks/gpu.sh OUT` (`python -m benchmarks.gpu_bench`).",
         "",
         "| N | D | dtype | tile T | tiles per sweep | peak GB (inputs) | loss fwd+bwd s | matmul floor s | ratio | targets (N = 262,144) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -226,6 +234,101 @@ def run(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return lines
+
+
+INFCL_SIZES = [32_768, 65_536, 131_072, 262_144]  # Inf-CL's Table 1 batches (its 8-GPU rows)
+
+
+def _infcl_missing(device: torch.device, hidden: tuple[str, ...]) -> str | None:
+    """Why Inf-CL cannot be measured here (None: it can)."""
+    if "inf_cl" in hidden:
+        return "not measured (inf-cl not installed)"
+    try:
+        import inf_cl  # noqa: F401
+    except ImportError:
+        return "not measured (inf-cl not installed)"
+    if device.type != "cuda":
+        return "not measured (no GPU: inf-cl's kernels assert CUDA tensors)"
+    return None
+
+
+def _peak_and_seconds(
+    step: Callable[[], object], device: torch.device, repeats: int
+) -> tuple[float, float]:
+    peak = float("nan")
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) / GB
+    return peak, _timed(step, device, repeats)
+
+
+def run_infcl(
+    sizes: list[int], dim: int, device: torch.device, repeats: int, hidden: tuple[str, ...]
+) -> list[str]:
+    """`clip_loss` against Inf-CL at Table 1's batch sizes (markdown lines)."""
+    lines = [
+        "",
+        f"CLIP against Inf-CL (`inf-cl` 1.2.1, `cal_inf_loss` both directions), W = 1, D = {dim}, "
+        "float16 (Inf-CL's Table 1 sizes, one device): forward + backward, peak GB (inputs "
+        "included) and median seconds; |ΔL| / L between the two losses.",
+        "",
+        "| N | wholebatch peak GB | wholebatch s | Inf-CL peak GB | Inf-CL s | peak ratio | time ratio | abs(ΔL) / L |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    why_not = _infcl_missing(device, hidden)
+    for n in sizes:
+        line = _infcl_row(n, dim, device, repeats, why_not)
+        print(line, flush=True)
+        lines.append(line)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def _infcl_row(n: int, dim: int, device: torch.device, repeats: int, why_not: str | None) -> str:
+    """One row of the Inf-CL table: both losses at N = `n` (Inf-CL's cells say why not, or
+    its failure, where it cannot run)."""
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = F.normalize(torch.randn(n, dim, device=device, generator=gen), dim=1).to(dtype)
+    k = F.normalize(torch.randn(n, dim, device=device, generator=gen), dim=1).to(dtype)
+    q.requires_grad_()
+    k.requires_grad_()
+    s = torch.tensor(1 / 0.07, device=device, requires_grad=True)
+
+    def step(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            loss = fn()
+            loss.backward()
+            q.grad = k.grad = s.grad = None
+            return loss.detach()
+
+        return run
+
+    ours = step(lambda: clip_loss(q, k, s))
+    wb_peak, wb_s = _peak_and_seconds(ours, device, repeats)
+    cells = [why_not or "", "-", "-", "-", "-"]
+    if why_not is None:
+        import inf_cl
+
+        theirs = step(
+            lambda: (inf_cl.cal_inf_loss(q, k, scale=s) + inf_cl.cal_inf_loss(k, q, scale=s)) / 2
+        )
+        try:
+            gap = float((ours() - theirs()).abs() / ours().abs())
+            ic_peak, ic_s = _peak_and_seconds(theirs, device, repeats)
+            cells = [f"{ic_peak:.2f}", f"{ic_s:.3f}", f"{wb_peak / ic_peak:.2f}",
+                     f"{wb_s / ic_s:.2f}", f"{gap:.1e}"]  # fmt: skip
+        except Exception as failure:  # its kernel fails here: say so, go on
+            cells = [f"failed: {type(failure).__name__}: {failure}"[:120], "-", "-", "-", "-"]
+    peak = "-" if wb_peak != wb_peak else f"{wb_peak:.2f}"
+    return (
+        f"| {n:,} | {peak} | {wb_s:.3f} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} "
+        f"| {cells[4]} |"
+    )
 
 
 def write_results(path: Path, lines: list[str]) -> None:
@@ -255,6 +358,16 @@ def main(argv: list[str] | None = None) -> None:
         help="N for the SigLIP fused-vs-PyTorch-tiles table (none: skip it)",
     )  # fmt: skip
     parser.add_argument("--siglip-dim", type=int, default=256)
+    parser.add_argument(
+        "--infcl-sizes", type=int, nargs="*", default=None,
+        help="N for the table against Inf-CL (default: its Table 1 batches on CUDA, none on "
+        "the CPU; none given: skip it)",
+    )  # fmt: skip
+    parser.add_argument("--infcl-dim", type=int, default=768)
+    parser.add_argument(
+        "--hide", nargs="*", default=[],
+        help="optional packages to treat as missing (how the tests check the 'not measured' path)",
+    )  # fmt: skip
     parser.add_argument("--results", type=Path, default=Path("benchmarks/RESULTS.md"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -268,6 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     lines = run(args.sizes, args.dim, args.dtypes, device, args.repeats)
     if args.siglip_sizes:
         lines += run_siglip(args.siglip_sizes, args.siglip_dim, args.dtypes, device, args.repeats)
+    if args.infcl_sizes is None:
+        args.infcl_sizes = INFCL_SIZES if device.type == "cuda" else []
+    if args.infcl_sizes:
+        hidden = tuple(args.hide)
+        lines += run_infcl(args.infcl_sizes, args.infcl_dim, device, args.repeats, hidden)
     lines.append("")
     lines.append(f"Total {time.perf_counter() - t0:.0f} s.")
     write_results(args.results, lines)

@@ -74,7 +74,7 @@ def _planned(loss: str, strategy: str, n: int, w: int, d: int, k: int, tile: int
 
     return loss_memory(
         loss, strategy=STRATEGY_NAMES[strategy], n=n, b=n // w, dim=d, elem=4, acc=4, tile=tile,
-        w=w, negatives=k if loss == "info_nce" else 0,
+        w=w, negatives=k if loss == "info_nce" else 0, device="cpu",
     )  # fmt: skip
 
 

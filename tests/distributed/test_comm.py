@@ -537,3 +537,21 @@ def test_agree_rows_names_fields_and_totals_in_one_process() -> None:
     assert math.isnan(table.total("x"))
     big = Rows(torch.tensor([[1e308], [1e308]], dtype=torch.float64), {"x": (0, 1)}, None)
     assert big.total("x") == float("inf")
+
+
+def _flags(case: str) -> tuple[bool, bool]:
+    """(all_ranks_agree, any_rank) of this rank's flag: `case` names who holds True."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    flag = {"none": False, "all": True, "last": r == w - 1, "first": r == 0}[case]
+    return wb.all_ranks_agree(flag), wb.any_rank(flag)
+
+
+@pytest.mark.parametrize(
+    ("case", "want"),
+    [("none", (False, False)), ("all", (True, True)), ("last", (False, True)),
+     ("first", (False, True))],
+)  # fmt: skip
+def test_all_ranks_agree_and_any_rank(case: str, want: tuple[bool, bool]) -> None:
+    # every rank gets the same answer; one rank's True is enough for any_rank, not for
+    # all_ranks_agree (a mutation returning the local flag fails "last" on ranks 0, 1)
+    assert run_ranks(3, _flags, case) == [want] * 3

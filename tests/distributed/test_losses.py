@@ -7,7 +7,7 @@ from the issue directly (N x N logits, `F.cross_entropy`, `F.logsigmoid`).
 
 Each check runs on both paths: the tiled forms ("tiled", the small path off)
 and the small-batch path every rank computing the whole loss ("small",
-losses/replicated.py, what these sizes take by default).
+losses/small.py, what these sizes take by default).
 
 What must hold (DESIGN.md, gradient conventions):
 - every rank's value equals the reference loss;
@@ -96,19 +96,19 @@ def _clip_small_unscaled(image_BD: Tensor, text_BD: Tensor, s: Tensor, **kw: Any
     """MUTATION: the small path without the gradient convention's scaling (own rows get dL/dx)."""
     import dataclasses
 
-    import wholebatch.losses.replicated as replicated
+    import wholebatch.losses.small as small
 
-    real = replicated._gather
+    real = small._gather
 
     def unscaled(*args: Any) -> Any:
         got = real(*args)
         return dataclasses.replace(got, row_factor=1.0)
 
-    replicated._gather = unscaled  # the forward captures the factor; the backward runs later
+    small._gather = unscaled  # the forward captures the factor; the backward runs later
     try:
         return clip_loss(image_BD, text_BD, s, **kw)
     finally:
-        replicated._gather = real
+        small._gather = real
 
 
 LOSSES: dict[str, Callable[..., Tensor]] = {

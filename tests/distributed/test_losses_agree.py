@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import wholebatch.losses.common as common
+import wholebatch.losses.call as call_path
 import wholebatch.losses.tiles as tiles
 from tests.distributed.test_losses import F64, REFS, SCALARS, _inputs
 from tests.support.harness import run_ranks, run_ranks_outcomes
@@ -159,7 +159,7 @@ def test_accelerator_path_forced_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     y = torch.nn.functional.normalize(torch.randn(300, 32, generator=gen), dim=1)
     x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
     want = _values_and_grads(x, y)
-    monkeypatch.setattr(tiles, "_accelerated", lambda t: True)
+    monkeypatch.setattr(tiles, "ACCELERATED_ON_CPU", True)
     monkeypatch.setattr(tiles, "_MM_OUT_DTYPE", True)
     got = _values_and_grads(x, y)
     assert not tiles._MM_OUT_DTYPE  # the CPU has no mm(out_dtype=): it fell back
@@ -175,12 +175,12 @@ def _both_paths_on_a_rank(sizes: list[int]) -> tuple[list[Tensor], list[Tensor]]
     y = torch.nn.functional.normalize(torch.randn(sizes[r], 32, generator=gen), dim=1)
     x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
     want = _values_and_grads(x, y)
-    saved = tiles._accelerated, tiles._MM_OUT_DTYPE
-    tiles._accelerated = lambda t: True  # type: ignore[assignment]
+    saved = tiles.ACCELERATED_ON_CPU, tiles._MM_OUT_DTYPE
+    tiles.ACCELERATED_ON_CPU = True
     try:  # (the worker process is reused by later tests: always restored)
         got = _values_and_grads(x, y)
     finally:
-        tiles._accelerated, tiles._MM_OUT_DTYPE = saved
+        tiles.ACCELERATED_ON_CPU, tiles._MM_OUT_DTYPE = saved
     return got, want
 
 
@@ -204,8 +204,8 @@ def _no_exchange(*_: Any, **__: Any) -> Any:
 
 
 def _rank_sizes(name: str, sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    saved = common.start_rows
-    common.start_rows = _no_exchange  # type: ignore[assignment]  # this worker, this call only
+    saved = call_path.agree_rows
+    call_path.agree_rows = _no_exchange  # type: ignore[assignment]  # this worker, this call only
     xs, ys = _inputs(sizes)
     r = get_rank()
     x, y = xs[r].clone().requires_grad_(), ys[r].clone().requires_grad_()
@@ -215,7 +215,7 @@ def _rank_sizes(name: str, sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Te
         loss = FUNCS[name](x, y, s, *extra, sizes=sizes, check=False, tile_size=2)
         loss.backward()
     finally:
-        common.start_rows = saved  # type: ignore[assignment]
+        call_path.agree_rows = saved  # type: ignore[assignment]
     assert x.grad is not None and y.grad is not None and s.grad is not None
     return loss.detach(), x.grad, y.grad, s.grad
 

@@ -1,14 +1,16 @@
-"""The small-batch path (losses/replicated.py) on real gloo ranks: its collectives, its agreement, its limit.
+"""The small-batch path (losses/small.py) on real gloo ranks: its collectives, its agreement, its limit.
 
 Its exactness against one process on the whole batch (every loss, every option,
 uneven rows, an empty rank, both gradient reductions, sizes= with the checks
 off) is checked with the tiled forms' own assertions in test_losses.py and
 test_info_nce.py (their "small" cases). Here:
 
-- the collectives per call: 1 forward (the exchange carrying the rows) and 1
-  backward (the upstream gradient's mean) with the checks on; the same with
+- the collectives per call: 2 forward (the exchange, then the rows) and 1
+  backward (the upstream gradient's mean) with the checks on; 1 + 1 with
   `sizes=` and `check=False`; the tiled forms' counts are larger, so the count
   can fail;
+- a call's collectives and bytes depend on its own arguments only, never on the
+  calls before it;
 - ranks back-propagating L with different upstream gradients (a per-rank
   weight) get the tiled forms' gradients: each rank's rows receive every rank's
   upstream gradient;
@@ -33,9 +35,11 @@ from tests.distributed.test_losses import SCALARS, check_loss
 from tests.support.harness import run_ranks
 from tests.support.plan_counting import Counter, count_collectives
 from wholebatch.comm.groups import get_rank
-from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, room, siglip_loss
-from wholebatch.losses.sizing import carry_bytes, using_small_rows
+from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses.sizing import using_small_rows
+from wholebatch.losses.specs import SPECS, exchange_fields
 
+EXCHANGE = exchange_fields(SPECS["clip"])
 # float64 round-off of sums of a few dozen terms; every mutation is off by >= 1.5x.
 F64: dict[str, float] = dict(rtol=1e-10, atol=1e-10)
 SIZES = [2, 0, 3]
@@ -76,7 +80,6 @@ def _step(
     """One forward + backward of `name` on this rank (of `weight` x the loss): value,
     gradients, c10d calls per phase."""
     r = get_rank()
-    room.forget()  # the first call on the group: the exchange's room is sizing.carry_bytes(W)
     x, y = _tensors(SIZES[r], 10 + r, dim)
     sc = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
     fn = LOSSES[name][0]
@@ -88,7 +91,7 @@ def _step(
             (weight * loss).backward()
     return {
         "value": loss.detach(), "grads": [x.grad, y.grad, *[s.grad for s in sc]],
-        "calls": (fwd.calls, bwd.calls),
+        "calls": (fwd.calls, bwd.calls), "bytes": (fwd.totals(), bwd.totals()),
     }  # fmt: skip
 
 
@@ -100,27 +103,32 @@ def _counts(name: str, small: int | None, known: bool, dim: int = D) -> tuple[in
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_collectives_per_call(name: str) -> None:
     # W = 3, rows [2, 0, 3]: every rank, the empty one included, makes the same calls:
-    # one (the exchange carries the rows; or, without it, the rows carry the agreement).
-    for known in (False, True):
+    # the exchange and the rows (without the exchange, the rows carry the agreement).
+    for known, want in ((False, (2, 1)), (True, (1, 1))):
         got = run_ranks(3, _counts, name, None, known)
-        assert got == [(1, 1)] * 3, (known, got)
+        assert got == [want] * 3, (known, got)
         tiled = run_ranks(3, _counts, name, 0, known)[0]
-        assert tiled[0] > 1 and tiled[1] > 1, tiled  # the count can fail
+        assert tiled[0] > want[0] and tiled[1] > 1, tiled  # the count can fail
 
 
-def _both_paths_dim(name: str, dim: int) -> list[dict[str, Any]]:
-    return [_step(name, small, LOSSES[name][1], dim) for small in (None, 0)]
+def _sequence(dims: list[int]) -> list[tuple[Any, ...]]:
+    """(calls, bytes) of one clip call per dim in `dims`, in that order, on this rank."""
+    return [(got["calls"], got["bytes"]) for got in (_step("clip", None, [2.5], d) for d in dims)]
 
 
-def test_rows_past_the_exchange_room_take_one_more_all_gather() -> None:
-    # 3 rows x 2 x 6,000 float64 = 288,000 bytes > sizing.carry_bytes(3) (131,072):
-    # the exchange's room is not enough and one all-gather moves the rows.
-    assert carry_bytes(3) < 3 * 2 * 6000 * 8
-    assert run_ranks(3, _counts, "clip", None, False, 6000) == [(2, 1)] * 3
-    for small, tiled in run_ranks(3, _both_paths_dim, "clip", 6000):
-        torch.testing.assert_close(small["value"], tiled["value"], **F64)
-        for a, b in zip(small["grads"], tiled["grads"], strict=True):
-            torch.testing.assert_close(a, b, **F64)
+def test_a_calls_collectives_and_bytes_do_not_depend_on_earlier_calls() -> None:
+    # The same small call (D = 3) alone, after small calls, and after large ones (D =
+    # 6,000: 288 kB of rows per rank), each path: identical calls and bytes every time.
+    # (A room for rows sized from the group's last calls failed this: its bytes moved.)
+    alone = run_ranks(3, _sequence, [3])
+    after = run_ranks(3, _sequence, [6000, 3, 3, 6000, 6000, 3])
+    for r in range(3):
+        small = [x for x, d in zip(after[r], [6000, 3, 3, 6000, 6000, 3], strict=True) if d == 3]
+        large = [x for x, d in zip(after[r], [6000, 3, 3, 6000, 6000, 3], strict=True) if d > 3]
+        assert small == [alone[r][0]] * 3, (r, small, alone[r])
+        assert len(set(large)) == 1, (r, large)
+        ((calls, (fwd, _)),) = alone[r]
+        assert calls == (2, 1) and fwd[1] == 2 * 8 * len(EXCHANGE) + (5 - SIZES[r]) * 2 * 3 * 8
 
 
 def _both_paths(name: str, per_rank: dict[str, Any]) -> list[dict[str, Any]]:
@@ -194,101 +202,3 @@ def test_mutation_unscaled_small_path_is_caught() -> None:
     check_loss("clip", "clip", SIZES)  # the real small path passes the same check
     with pytest.raises(AssertionError, match="grad"):
         check_loss("clip_small_unscaled", "clip", SIZES)
-
-
-def _rows_copied(dim: int) -> int:
-    """How many times this rank's rows were copied into the exchange's room."""
-    import wholebatch.comm.agree as agree
-
-    calls = []
-    original = agree._with_carry
-
-    def counted(mine_F: Tensor, carry: Any, carry_bytes: int) -> Tensor:
-        calls.extend([1] if carry else [])
-        return original(mine_F, carry, carry_bytes)
-
-    agree._with_carry = counted  # type: ignore[assignment]
-    try:
-        _step("clip", None, LOSSES["clip"][1], dim)
-    finally:
-        agree._with_carry = original  # type: ignore[assignment]
-    return len(calls)
-
-
-def test_rows_are_copied_for_the_room_only_when_they_fit() -> None:
-    # A batch past the room never has its rows copied (a large batch's B x D copy per call).
-    assert run_ranks(3, _rows_copied, D) == [1, 1, 1]
-    # (rank 1 holds no rows: its empty rows always fit)
-    assert run_ranks(3, _rows_copied, 6000) == [0, 1, 0]
-
-
-def _room_sequence(dims: list[int]) -> list[tuple[int, int, int]]:
-    """(forward c10d calls, bytes received in the forward, the room after) per clip call of
-    this rank, one call per dim in `dims`, from a fresh history; each call checked against
-    the tiled forms."""
-    room.forget()
-    out = []
-    for dim in dims:
-        r = get_rank()
-        x, y = _tensors(SIZES[r], 10 + r, dim)
-        s = torch.tensor(LOSSES["clip"][1][0], dtype=torch.float64, requires_grad=True)
-        fwd = Counter()
-        with count_collectives(fwd):
-            loss = clip_loss(x, y, s)
-        loss.backward()
-        with using_small_rows(0):
-            xt, yt = _tensors(SIZES[r], 10 + r, dim)
-            st = torch.tensor(LOSSES["clip"][1][0], dtype=torch.float64, requires_grad=True)
-            tiled = clip_loss(xt, yt, st)
-            tiled.backward()
-        torch.testing.assert_close(loss.detach(), tiled.detach(), **F64)
-        for a, b in ((x.grad, xt.grad), (y.grad, yt.grad), (s.grad, st.grad)):
-            torch.testing.assert_close(a, b, **F64)
-        out.append((fwd.calls, fwd.totals()[1], room.room(None, 3)))
-    return out
-
-
-def test_the_exchange_room_is_fitted_to_the_last_calls() -> None:
-    # W = 3, rows [2, 0, 3] of two float64 towers. The first call's room is carry_bytes(3);
-    # then the room fits the largest rank's rows (3 x 2 x D x 8 bytes, to a power of two,
-    # at least 1 KiB). A call past the cap (D = 6,000) takes one more all-gather and keeps
-    # the small calls' room. Every rank the same calls and rooms; values exact.
-    got = run_ranks(3, _room_sequence, [3, 3, 6000, 3, 3])
-    assert [[(c, r) for c, _, r in g] for g in got] == [[(c, r) for c, _, r in got[0]]] * 3
-    calls = [c for c, _, _ in got[0]]
-    rooms = [r for _, _, r in got[0]]
-    assert calls == [1, 1, 2, 1, 1], calls
-    small = 1024  # 3 x 2 x 3 x 8 = 144 bytes: the floor
-    assert rooms == [small, small, small, small, small], rooms  # the small calls keep it
-    received = [b for _, b, _ in got[0]]
-    row = 11 * 8  # clip's exchange row
-    assert received[0] == 2 * (row + carry_bytes(3))
-    assert received[1] == 2 * (row + small)
-
-
-def _after_large(dims: list[int]) -> list[tuple[int, int, int]]:
-    room.forget()
-    with using_small_rows(10**6):  # the small path even at D = 6,000
-        return _room_sequence_kept(dims)
-
-
-def _room_sequence_kept(dims: list[int]) -> list[tuple[int, int, int]]:
-    out = []
-    for dim in dims:
-        r = get_rank()
-        x, y = _tensors(SIZES[r], 10 + r, dim)
-        fwd = Counter()
-        with count_collectives(fwd):
-            clip_loss(x, y, torch.tensor(2.0, dtype=torch.float64)).backward()
-        out.append((fwd.calls, fwd.totals()[1], room.room(None, 3)))
-    return out
-
-
-def test_a_large_call_alone_leaves_no_room() -> None:
-    # Only large calls in the history: no room (nothing zero-filled or sent for nothing).
-    got = run_ranks(3, _after_large, [6000, 6000, 3, 3])
-    assert [[(c, r) for c, _, r in g] for g in got] == [[(c, r) for c, _, r in got[0]]] * 3
-    # forward + backward: the first small call's rows are not carried (one more all-gather)
-    assert [c for c, _, _ in got[0]] == [3, 3, 3, 2]
-    assert [r for _, _, r in got[0]] == [0, 0, 1024, 1024]
-    assert got[0][1][1] < got[0][0][1]  # the second large call sends no room

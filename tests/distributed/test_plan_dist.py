@@ -33,7 +33,6 @@ from tests.support.harness import run_ranks
 from tests.support.plan_cases import DTYPES, Case, call, inputs, planned
 from tests.support.plan_counting import Counter, count_collectives, wchar
 from tests.support.plan_memprobe import case_of
-from wholebatch.losses import room
 from wholebatch.planner.memory import LOSS_STRATEGY, STRATEGY_NAMES, loss_memory
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -61,8 +60,18 @@ CASES = [
     Case(loss="info_nce", sizes=(9, 1, 0, 4), k=1, directions=ALL, small=0),
     # the small path's row limit: N = 58 > 40 runs the tiled form
     Case(loss="clip", sizes=(37, 0, 21), small=40),
-    # the small path past the exchange's room (sizing.carry_bytes): one more all-gather
+    # the small path with rows of 256 dims (rows past what the exchange once carried)
     Case(loss="clip", sizes=(300, 200, 0), dim=256),
+    # the losses of round 4: every path of each
+    Case(loss="dcl", sizes=(7, 0, 5)),
+    Case(loss="dcl", sizes=(7, 0, 5), small=0),
+    Case(loss="dcl", sizes=(7, 0, 5), strategy="ring"),
+    Case(loss="supcon", sizes=(9, 1, 0, 4)),
+    Case(loss="supcon", sizes=(9, 1, 0, 4), small=0),
+    Case(loss="supcon", sizes=(9, 1, 0, 4), strategy="ring", known_sizes=True),
+    Case(loss="maxsim", sizes=(6, 0, 3)),
+    Case(loss="maxsim", sizes=(6, 0, 3), small=0, dtype="bf16"),
+    Case(loss="maxsim", sizes=(6, 0, 3), strategy="ring"),
     # statistics past sizing.STATS_GATHER_BYTES: combined by two all-reduces, not one all-gather
     Case(loss="clip", sizes=(2500, 0, 2600), dim=8),
     Case(loss="nt_xent", sizes=(1500, 0, 1200), dim=8),
@@ -77,9 +86,7 @@ SOCKET = [Case(loss="clip", sizes=(300, 200, 0), dim=256, small=0),
 def _count(case: Case) -> dict[str, Any]:
     """This rank's counted bytes per (phase, primitive), and its socket bytes, for one step."""
     args = inputs(case, dist.get_rank())
-    # a plan is of the call repeated: the exchange's room fitted to this call's rows
-    room.forget()
-    call(case, args).backward()
+    call(case, args).backward()  # a warm-up call: nothing of it may change the counted one
     args = inputs(case, dist.get_rank())
     fwd, bwd = Counter(), Counter()
     dist.barrier()
@@ -183,6 +190,11 @@ MEMORY = [
     "clip/ring:4608:256:256:fp32",
     "info_nce/ring:4608:256:256:bf16:1:q2d+d2q",
     "info_nce/ring:4608:256:256:fp32:1:q2d+q2q+d2d",
+    # round 4's losses (coefficients read at W = 3 and 2: docs/plan.md)
+    "dcl/ring:4608:256:256:fp32",
+    "supcon/ring:4608:256:256:fp32",
+    "maxsim:1536:128:256:fp32",
+    "maxsim/ring:1536:128:256:fp32",
 ]
 
 
@@ -193,7 +205,7 @@ def _planned_memory(spec: str, world: int) -> int:
     return loss_memory(
         c.loss, strategy=strategy, n=sum(c.sizes),
         b=c.sizes[0], dim=c.dim, elem=elem, acc=max(4, elem), tile=c.tile or 512, w=world,
-        negatives=c.k, directions=c.directions,
+        negatives=c.k, directions=c.directions, tokens=c.tokens, device="cpu",
     )  # fmt: skip
 
 

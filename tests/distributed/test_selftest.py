@@ -11,6 +11,7 @@ from torch import Tensor
 from tests.e2e.test_cli import run_cli
 from tests.support.harness import run_ranks
 from wholebatch.cli.selftest import RTOL, _check_collective, _data, _rows
+from wholebatch.losses.specs import SPECS
 
 
 def test_selftest_passes_on_three_local_ranks_with_json() -> None:
@@ -19,9 +20,18 @@ def test_selftest_passes_on_three_local_ranks_with_json() -> None:
     doc = json.loads(result.stdout)
     assert doc["passed"] and doc["world_size"] == 3 and doc["backend"] == "gloo"
     names = [c["check"] for c in doc["checks"]]
-    for op in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "ring_shift",
-               "clip_loss", "siglip_loss", "nt_xent_loss"):  # fmt: skip
+    for op in (
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter",
+        "all_to_all",
+        "broadcast",
+        "ring_shift",
+    ):
         assert any(n.startswith(op) for n in names), op
+    for spec in SPECS.values():  # every loss, on every path it has: a spec without one fails
+        paths = {"small path", *spec.strategies}
+        assert {f"{spec.function} ({p})" for p in paths} <= set(names), (spec.name, names)
     assert all(c["passed"] and c["backward_rel_err"] <= RTOL for c in doc["checks"])
 
 

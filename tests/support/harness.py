@@ -103,10 +103,6 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, stack_path:
             break
         module_name, qualname, args, kwargs = msg
         try:
-            # every task starts as in a fresh process: no exchange-room history from the last
-            from wholebatch.losses import room
-
-            room.forget()
             obj: Any = importlib.import_module(module_name)
             for part in qualname.split("."):
                 obj = getattr(obj, part)

@@ -17,14 +17,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wholebatch.losses import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses import clip_loss, examples, info_nce_loss, nt_xent_loss, siglip_loss
 from wholebatch.losses.sizing import using_small_rows
+from wholebatch.losses.specs import SPECS
 
 __all__ = ["DTYPES", "Case", "by_primitive", "call", "inputs", "planned"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Replicated scalars, learnable (so the agreement's backward runs, as in training).
-SCALARS = {"clip": (10.0,), "siglip": (10.0, -10.0), "nt_xent": (0.1,), "info_nce": (10.0,)}
+SCALARS = {"clip": (10.0,), "siglip": (10.0, -10.0), "nt_xent": (0.1,), "info_nce": (10.0,),
+           "dcl": (10.0,), "supcon": (10.0,), "maxsim": (2.0,)}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,8 @@ class Case:
     """clip, info_nce: "gather" or "ring"."""
     small: int | None = None
     """The small-batch row limit (`sizing.set_small_rows`; 0: never; None: the default, 512)."""
+    tokens: tuple[int, int] = (3, 5)
+    """maxsim: (query, document) tokens per row, on every rank."""
 
     @property
     def world(self) -> int:
@@ -61,7 +65,8 @@ class Case:
 
 
 def inputs(case: Case, rank: int, rows: int | None = None) -> tuple[torch.Tensor, ...]:
-    """This rank's embeddings (two, plus (B, k, D) negatives for info_nce with k > 0) and scalars."""
+    """This rank's inputs (two embeddings, plus (B, k, D) negatives for info_nce with k > 0;
+    supcon's features and labels; maxsim's token sets and masks) and scalars."""
     b = case.sizes[rank] if rows is None else rows
     g = torch.Generator().manual_seed(100 + rank)
     dt = DTYPES[case.dtype]
@@ -69,10 +74,30 @@ def inputs(case: Case, rank: int, rows: int | None = None) -> tuple[torch.Tensor
     def emb(*shape: int) -> torch.Tensor:
         return F.normalize(torch.randn(*shape, generator=g), dim=-1).to(dt).requires_grad_()
 
-    out = [emb(b, case.dim), emb(b, case.dim)]
+    if case.loss == "supcon":
+        out = [emb(b, case.dim), labels(case, rank)]
+    elif case.loss == "maxsim":
+        q, t = case.tokens
+        masks = [torch.rand(b, n, generator=g) > 0.3 for n in (q, t)]
+        for m in masks:
+            m[:, 0] = True
+        out = [emb(b, q, case.dim), masks[0], emb(b, t, case.dim), masks[1]]
+    else:
+        out = [emb(b, case.dim), emb(b, case.dim)]
     if case.loss == "info_nce" and case.k:
         out.append(emb(b, case.k, case.dim))
     return (*out, *(torch.tensor(v, requires_grad=True) for v in SCALARS[case.loss]))
+
+
+def labels(case: Case, rank: int) -> torch.Tensor:
+    """supcon's labels on `rank`: 5 labels, repeating across ranks."""
+    return (torch.arange(case.sizes[rank]) * 3 + rank) % 5
+
+
+def classes(case: Case) -> int:
+    """supcon: the labels with a positive in the whole batch (what the planner takes)."""
+    y = torch.cat([labels(case, r) for r in range(case.world)])
+    return int((torch.bincount(y) > 1).sum())
 
 
 def call(case: Case, args: tuple[torch.Tensor, ...], group: Any = None) -> torch.Tensor:
@@ -96,6 +121,12 @@ def _call(case: Case, args: tuple[torch.Tensor, ...], group: Any = None) -> torc
         return siglip_loss(*args, **kw)
     if case.loss == "nt_xent":
         return nt_xent_loss(*args, **kw)
+    if case.loss in ("dcl", "supcon", "maxsim"):
+        spec = SPECS[case.loss]
+        names = [*spec.inputs, *spec.scalars]
+        parts = dict(zip(names, args, strict=True))
+        values = {n: parts.pop(n) for n in spec.scalars}
+        return examples.call(spec, parts, values, **kw)
     q, d, *rest = args
     negatives = rest.pop(0) if case.k else None
     return info_nce_loss(
@@ -121,6 +152,7 @@ def planned(case: Case, rank: int) -> dict[str, tuple[dict[str, int], dict[str, 
         case.loss, list(case.sizes), rank, case.dim, elem, max(4, elem), negatives=case.k,
         directions=case.directions, exchange=not case.known_sizes,
         strategy="ring" if case.loss == "siglip" else case.strategy, small=case.small,
+        classes=classes(case) if case.loss == "supcon" else 0, tokens=case.tokens,
     )  # fmt: skip
     return by_primitive(rows)
 

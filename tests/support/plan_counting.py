@@ -6,10 +6,8 @@ receives from OTHER ranks, by primitive:
 
 - all-to-all: the input/output split sizes, less this rank's own chunk;
 - point-to-point (`batch_isend_irecv`, the ring shifts): each isend / irecv;
-- all-gather of raw bytes (`comm.direct`, counted when a rank sends: on gloo direct
-  sends to every peer, else c10d's all-gather or all-to-all): (W - 1) x the input
-  sent, N - B received, counted as the primitive it stands for on other backends
-  ("all_gather" for equal sizes, "all_to_all" for uneven), as the planner names it;
+- all-gather (c10d's, equal sizes; `wholebatch.comm._c10d.all_gather_single`, through
+  which every wholebatch all-gather goes): (W - 1) x the input sent, N - B received;
 - all-reduce: 2 (W - 1) / W of the tensor, the ring algorithm's volume.
 
 `wchar()` reads the bytes this process wrote to sockets (gloo's TCP transport):
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import wholebatch.comm.direct as direct
+import wholebatch.comm._c10d as c10d
 
 __all__ = ["Counter", "count_collectives", "wchar"]
 
@@ -72,7 +70,7 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
     """
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     real_a2a, real_p2p = dist.all_to_all_single, dist.batch_isend_irecv
-    real_ar, real_send, real_flat = dist.all_reduce, direct.Expected.send, direct.gather_flat
+    real_ar, real_ag = dist.all_reduce, c10d.all_gather_single
 
     def a2a(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
             input_split_sizes: Any = None, **kw: Any) -> Any:  # fmt: skip
@@ -99,27 +97,18 @@ def count_collectives(counter: Counter, group: Any = None) -> Iterator[Counter]:
         counter.add("all_reduce", moved, moved)
         return real_ar(t, *args, **kw)
 
-    def count(sizes: Any, elem: int, on: Any) -> None:
-        mine = sizes[dist.get_rank(on)]  # the call's own group
-        primitive = "all_to_all" if len(set(sizes)) > 1 else "all_gather"
-        counter.add(primitive, (len(sizes) - 1) * mine * elem, (sum(sizes) - mine) * elem)
-
-    def send(self: direct.Expected, x_B: torch.Tensor, **kw: Any) -> Any:
-        count(self.sizes, x_B.element_size(), self.group)
-        return real_send(self, x_B, **kw)
-
-    def gather_flat(out: torch.Tensor, x_B: torch.Tensor, sizes: Any, on: Any, **kw: Any) -> Any:
-        count(sizes, x_B.element_size(), on)
-        return real_flat(out, x_B, sizes, on, **kw)
+    def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None, **kw: Any) -> Any:
+        peers = dist.get_world_size(group) - 1  # the call's own group
+        nbytes = inp.numel() * inp.element_size()
+        counter.add("all_gather", peers * nbytes, peers * nbytes)
+        return real_ag(out, inp, group=group, **kw)
 
     dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p  # type: ignore[assignment]
     dist.all_reduce = all_reduce  # type: ignore[assignment]
-    direct.Expected.send = send  # type: ignore[method-assign]
-    direct.gather_flat = gather_flat  # type: ignore[assignment]
+    c10d.all_gather_single = all_gather
     try:
         yield counter
     finally:
         dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_p2p
         dist.all_reduce = real_ar
-        direct.Expected.send = real_send  # type: ignore[method-assign]
-        direct.gather_flat = real_flat  # type: ignore[assignment]
+        c10d.all_gather_single = real_ag

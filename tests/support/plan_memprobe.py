@@ -83,7 +83,7 @@ def peak_growth(fn: Any) -> int:
 def _measure(case: Case, rank: int, world: int) -> int:
     args = inputs(case, rank)
     # first-call allocations, once, on the path the measured call takes (64 rows would take
-    # the small path, losses/replicated.py, whose kernels are not the tiled forms')
+    # the small path, losses/small.py, whose kernels are not the tiled forms')
     small = dataclasses.replace(case, sizes=(64,) * world, small=0)
     call(small, inputs(small, rank)).backward()
     if world > 1:

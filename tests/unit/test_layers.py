@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "conventions": 0,
     "_lazy": 0,
+    "meter": 0,
     "comm": 1,
     "losses": 2,
     "train": 3,

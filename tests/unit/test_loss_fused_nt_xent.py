@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.support.features import skip_module_unless
-from wholebatch.losses import nt_xent_loss, tiles
+from wholebatch.losses import nt_xent_loss, symmetric
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -83,5 +83,5 @@ def test_positives_below_the_diagonal_must_be_masked(monkeypatch: pytest.MonkeyP
     x, y = _views(21, torch.float32)
     ref = _reference(x, y)
     torch.testing.assert_close(_run("triton", x, y)[0].double(), ref[0], **TOL)
-    monkeypatch.setattr(tiles, "_sym_masks", lambda m: (0, m // 2))
+    monkeypatch.setattr(symmetric, "_sym_masks", lambda m: (0, m // 2))
     assert not torch.allclose(_run("triton", x, y)[0].double(), ref[0], **TOL)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tests.support.features import skip_module_unless
 from wholebatch.losses import fused, siglip_loss
-from wholebatch.losses.tiles import _softplus_sum
+from wholebatch.losses.sigmoid import _softplus_sum
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

@@ -18,12 +18,8 @@ import wholebatch
 from wholebatch.cli.main import main
 from wholebatch.comm.sizes import ring_block, ring_sizes, shift_splits
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.sizing import (
-    carry_bytes,
-    exchange_row_elements,
-    fitted_room,
-    tile_size_for,
-)
+from wholebatch.losses.sizing import tile_size_for
+from wholebatch.losses.specs import SPECS, exchange_fields
 from wholebatch.planner import PlanConfig, plan, split_rows
 from wholebatch.planner.measure import measure_model
 from wholebatch.planner.traffic import loss_traffic, representative_ranks
@@ -156,14 +152,13 @@ def test_info_nce_hard_negatives_and_directions_cost_bytes_and_memory() -> None:
 
 
 def test_the_exchange_row_is_fixed_and_known_sizes_skip_it() -> None:
-    """The losses' metadata exchange all-gathers 11 float64 per rank (clip: its strategy the one
-    option) at any W, and the room for the rows (at most 256 KiB received): O(W) received."""
+    """The losses' metadata exchange all-gathers 13 float64 per rank (clip: its strategy and
+    ids options, its scale and optional bias) at any W and nothing else: O(W) received."""
+    assert len(exchange_fields(SPECS["clip"])) == 13
     for w in (8, 4096, 65_536):
         c = PlanConfig(loss="clip", batch=w * 16, world=w)
         row = next(x for x in plan(c).collectives if x.name.startswith("agree shapes"))
-        assert exchange_row_elements(1, 1) == 11
-        # + the room for the rows, fitted to them (16 rows of two 512-dim bf16 embeddings)
-        assert row.received == (w - 1) * (11 * 8 + fitted_room([16 * 2 * 512 * 2], w))
+        assert row.received == (w - 1) * 13 * 8
     skipped = plan(dataclasses.replace(c, known_sizes=True))
     assert not any(x.name.startswith("agree shapes") for x in skipped.collectives)
 
@@ -225,15 +220,37 @@ def test_measure_model_counts_saved_activations_per_sample() -> None:
         measure_model(model, lambda m: m(x), rows=0)
 
 
-def test_the_exchange_room_is_fitted_to_the_last_calls() -> None:
-    # sizing.fitted_room: the smallest power of two (>= 1 KiB) holding each call's largest
-    # rank's rows, their maximum; 0 when none fits the cap (a large batch pays no room).
-    assert carry_bytes(2) == 2**18 and carry_bytes(3) == 2**17
-    assert fitted_room([8 * 2 * 512 * 4], 2) == 2**15  # 8 rows of two 512-dim float32 towers
-    assert fitted_room([8 * 2 * 512 * 4 + 1], 2) == 2**16
-    assert fitted_room([64 * 2 * 512 * 4], 2) == 2**18  # exactly the cap
-    assert fitted_room([64 * 2 * 512 * 4 + 8], 2) == 0  # past it: no room
-    assert fitted_room([10, 0], 2) == 1024  # the floor
-    assert fitted_room([100_000, 2**20, 3000], 3) == 2**17  # a large call among small ones
-    assert fitted_room([2**20], 2) == 0
-    assert fitted_room([], 5) == carry_bytes(5)  # nothing seen: the first call's room
+def test_docs_16_bit_gather_formula_is_the_planners() -> None:
+    # docs/plan.md's CLIP 16-bit gather row, evaluated at N = 1,048,576 over dp = 32, D = 768
+    # (issue 35: the page's 11·G·D + 26·B·D gave 9.65 GiB where the planner printed 8.92:
+    # the page was stale; the planner's coefficients are the re-measured ones)
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    alpha, beta = map(
+        float, re.search(r"16-bit: ([\d.]+)·G·D \+ ([\d.]+)·B·D bytes", page).groups()
+    )  # type: ignore[union-attr]
+    c = PlanConfig(loss="clip", batch=1_048_576, world=32, dim=768, dtype="bf16")
+    p = plan(c)
+    n, b, d, t = c.batch, c.batch // 32, c.dim, p.tile
+    from_page = alpha * n * d + beta * b * d + 2.5 * t * t * 4 + 4 * n * 4  # + tiles, columns
+    assert p.memory.loss == int(from_page)
+    assert abs(p.memory.loss / 2**30 - 8.92) < 0.01
+
+
+def test_a_tokens_plan_speaks_of_items_not_tiles() -> None:
+    c = PlanConfig(loss="tokens", batch=4096, mesh="dp=2,tp=2", params=1e9, act_mib=10)
+    text = plan(c).format()
+    assert "tile" not in text.lower() and "gathers over" not in text, text
+    assert "the items are counted over them" in text
+    assert "tile " in plan(PlanConfig(loss="clip", batch=4096)).format()  # a loss with tiles
+
+
+def test_a_pipeline_plan_names_its_bubble() -> None:
+    p = plan(PlanConfig(loss="tokens", batch=4096, mesh="dp=2,pp=8", params=1e9, act_mib=10,
+                        micro_batches=2))  # fmt: skip
+    assert p.bubble == pytest.approx(7 / 9)
+    assert "pipeline bubble at pp = 8: (pp - 1) / (K + pp - 1) = 78%" in p.format()
+    assert p.to_json()["pipeline_bubble"] == pytest.approx(7 / 9)
+    assert plan(PlanConfig(loss="tokens", batch=4096, params=1e9)).bubble is None

@@ -1,4 +1,4 @@
-"""`wholebatch selftest`: every collective and loss against its reference, on the real process group.
+"""`wholebatch selftest`: every collective and every loss against its reference, on the real process group.
 
     wholebatch selftest                                   # 2 local gloo processes
     torchrun --nproc-per-node 8 -m wholebatch selftest    # this machine's GPUs (NCCL)
@@ -10,8 +10,11 @@ the nodes you train on. Every rank builds every rank's inputs (float64,
 different per rank, uneven sizes with an empty rank where W > 2), computes the
 expected outputs and gradients in one process by plain torch (`torch.cat`,
 sums, the N x N loss formulas), runs the real collective or loss on its own
-input, and compares forward values and input gradients. Each rank's loss is
-weighted by (1 + rank) so a backward that drops other ranks' terms cannot pass.
+input, and compares forward values and input gradients. Each rank's output of a
+collective is weighted by (1 + rank) so a backward that drops other ranks' terms
+cannot pass. The losses are every spec of `wholebatch.losses.specs.SPECS`, on
+every path it has (the small path, gather, ring), against its reference formula
+on the whole batch (`wholebatch.losses.examples` builds the inputs).
 The worst error over ranks is agreed, and rank 0 prints a pass/fail table (or
 JSON); every rank exits 0 only if every check passed on every rank.
 
@@ -34,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 import wholebatch
@@ -42,7 +44,9 @@ from wholebatch.comm.agree import agree_rows
 from wholebatch.comm.checks import exchange_text
 from wholebatch.comm.groups import comm_device
 from wholebatch.errors import WholebatchError
-from wholebatch.losses.contrastive import clip_loss, nt_xent_loss, siglip_loss
+from wholebatch.losses import examples
+from wholebatch.losses.sizing import using_small_rows
+from wholebatch.losses.specs import SPECS, LossSpec
 
 __all__ = ["SelftestConfig", "run_checks", "run_selftest"]
 
@@ -171,83 +175,52 @@ def _check_collective(
 
 
 # ---------------------------------------------------------------------------
-# Losses against their N x N formulas
+# Every loss of `wholebatch.losses.specs.SPECS` against its reference formula
 # ---------------------------------------------------------------------------
-
-
-def _embeddings(w: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n = sum(_rows(w)) + 2  # rank 0 gets two more rows, so every W has N >= 3
-    a = F.normalize(torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
-    b = F.normalize(torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
-    return a, b
 
 
 def _loss_rows(w: int) -> list[int]:
     rows = _rows(w)
-    rows[0] += 2
+    rows[0] += 2  # rank 0 gets two more rows, so every W has N >= 3
     return rows
 
 
-def _ref_clip(a: Tensor, b: Tensor, s: Tensor) -> Tensor:
-    logits = s * a @ b.T
-    labels = torch.arange(len(a))
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-
-
-def _ref_siglip(a: Tensor, b: Tensor, s: Tensor, bias: Tensor) -> Tensor:
-    y = 2 * torch.eye(len(a), dtype=a.dtype) - 1
-    return -F.logsigmoid(y * (s * a @ b.T + bias)).sum() / len(a)
-
-
-def _ref_nt_xent(z1: Tensor, z2: Tensor, tau: Tensor) -> Tensor:
-    n = len(z1)
-    z = torch.cat([z1, z2])
-    logits = (z @ z.T / tau).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
-    labels = torch.cat([torch.arange(n) + n, torch.arange(n)])
-    return F.cross_entropy(logits, labels)
-
-
-_LOSSES: list[tuple[str, Callable[..., Tensor], Callable[..., Tensor], tuple[float, ...]]] = [
-    ("clip_loss (+ logit_scale)", clip_loss, _ref_clip, (7.0,)),
-    ("siglip_loss (+ scale, bias)", siglip_loss, _ref_siglip, (5.0, -2.0)),
-    ("nt_xent_loss (+ temperature)", nt_xent_loss, _ref_nt_xent, (0.3,)),
-]
+def _loss_paths(spec: LossSpec) -> list[tuple[str, str, int | None]]:
+    """(label, strategy, small-batch row limit) of every path the loss has."""
+    out = [(path, path, 0) for path in spec.strategies]
+    return [("small path", spec.default_strategy, None), *out]
 
 
 def _check_loss(
-    rank: int,
-    w: int,
-    device: torch.device,
-    loss: Callable[..., Tensor],
-    ref: Callable[..., Tensor],
-    scalars: tuple[float, ...],
-    seed: int,
+    rank: int, w: int, device: torch.device, spec: LossSpec, strategy: str, small: int | None
 ) -> tuple[float, float]:
-    """Forward error, and the worst gradient error (this rank's rows; the scalars after a mean)."""
-    a, b = _embeddings(w, seed)
-    ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
-    ref_s = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in scalars]
-    ref_loss = ref(ref_a, ref_b, *ref_s)
+    """Forward error, and the worst gradient error (this rank's rows; the scalars after a mean),
+    of the loss on this rank against its reference formula on the whole batch in one process."""
+    sizes = _loss_rows(w)
+    per_rank = [examples.inputs(spec, sizes, q, extras=spec.extras) for q in range(w)]
+    rows = examples.whole(spec, per_rank)
+    floats = [k for k, x in rows.items() if x.is_floating_point()]
+    ref_rows = {k: x.clone().requires_grad_(k in floats) for k, x in rows.items()}
+    ref_s = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+             for k, v in examples.scalars(spec).items()}  # fmt: skip
+    ref_loss = examples.reference(spec)(ref_rows, ref_s)
     torch.autograd.backward(ref_loss)
-    rows = _loss_rows(w)
-    lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
-    x_a = a[lo:hi].clone().to(device).requires_grad_()
-    x_b = b[lo:hi].clone().to(device).requires_grad_()
-    xs_s = [
-        torch.tensor(v, dtype=torch.float64, device=device, requires_grad=True) for v in scalars
-    ]
-    out = loss(x_a, x_b, *xs_s)  # grad_reduction="mean": as DDP will average
+    mine = {k: x.to(device).requires_grad_(k in floats) for k, x in per_rank[rank].items()}
+    xs_s = {k: v.detach().to(device).requires_grad_() for k, v in ref_s.items()}
+    with using_small_rows(small):  # grad_reduction="mean": as DDP will average
+        out = examples.call(spec, mine, xs_s, strategy=strategy)
     torch.autograd.backward(out)
     # Contract ("mean"): each rank's gradients are W x its share, so that DDP's mean of the
     # parameter gradients is dL/dθ. Rows belong to one rank: W·dL/drows. Scalars: mean over ranks.
-    errs = [
-        _max_rel(_grad(x_a) / w, _grad(ref_a)[lo:hi]),
-        _max_rel(_grad(x_b) / w, _grad(ref_b)[lo:hi]),
-    ]
-    for s, rs in zip(xs_s, ref_s, strict=True):
-        mean = wholebatch.all_reduce(_grad(s).reshape(1), "mean").reshape(())
-        errs.append(_max_rel(mean, _grad(rs)))
+    lo = sum(sizes[:rank])
+    errs = []
+    for k in floats:
+        want = _grad(ref_rows[k])[lo : lo + sizes[rank]]
+        got = _grad(mine[k]) / w
+        errs.append(_max_rel(got, want[:, : got.shape[1]] if got.dim() == 3 else want))
+    for k, v in xs_s.items():
+        mean = wholebatch.all_reduce(_grad(v).reshape(1), "mean").reshape(())
+        errs.append(_max_rel(mean, _grad(ref_s[k])))
     return _max_rel(out.detach().reshape(()), ref_loss.detach()), max(errs)
 
 
@@ -278,8 +251,10 @@ def run_checks() -> list[dict[str, Any]]:
 
     for name, xs, sim, run in _collectives(w, rank):
         record(name, functools.partial(_check_collective, rank, device, xs, sim, run))
-    for i, (name, loss, ref, scalars) in enumerate(_LOSSES):
-        record(name, functools.partial(_check_loss, rank, w, device, loss, ref, scalars, i))
+    for spec in SPECS.values():
+        for label, strategy, small in _loss_paths(spec):
+            check = functools.partial(_check_loss, rank, w, device, spec, strategy, small)
+            record(f"{spec.function} ({label})", check)
     # One named row per rank (agree_rows), each check's worst over ranks read back;
     # NaN (a check that produced none) counts as a failure.
     table = torch.nan_to_num(torch.tensor(local, dtype=torch.float64), nan=float("inf"))
@@ -332,11 +307,11 @@ def _format(topo: dict[str, Any], checks: Sequence[dict[str, Any]]) -> str:
         f"({', '.join(topo['hosts'])}), backend {topo['backend']}, device {topo['device']}, "
         f"torch {topo['torch']}",
         "",
-        f"  {'check':<30} {'forward err':>12} {'backward err':>13}  result",
+        f"  {'check':<34} {'forward err':>12} {'backward err':>13}  result",
     ]
     for c in checks:
         lines.append(
-            f"  {c['check']:<30} {c['forward_rel_err']:12.1e} {c['backward_rel_err']:13.1e}  "
+            f"  {c['check']:<34} {c['forward_rel_err']:12.1e} {c['backward_rel_err']:13.1e}  "
             f"{'pass' if c['passed'] else 'FAIL'}"
         )
         for r, m in c["errors"].items():

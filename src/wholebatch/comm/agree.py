@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from wholebatch.comm import direct
+from wholebatch.comm import _c10d
 from wholebatch.comm.groups import comm_device, get_world_size, is_distributed
-from wholebatch.errors import WholebatchError
+from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
     "Field",
@@ -43,12 +43,10 @@ __all__ = [
     "agree_rows",
     "errors_text",
     "exchange_text",
-    "expect_rows",
     "gather_errors",
     "per_rank",
     "ranks_text",
     "start_rows",
-    "write_rows",
 ]
 
 _MSG_BYTES = 480
@@ -75,8 +73,6 @@ class Rows:
         self._values: list[list[float]] = table_WF.tolist()
         self.group = group
         self.world_size = table_WF.shape[0]
-        self.carried_WC: Tensor | None = None
-        """Every rank's carried bytes (`start_rows(carry=...)`), (W, carry_bytes) uint8, or None."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -139,20 +135,33 @@ class Rows:
         others = ([row[c] for c in cols] for row in self._values[1:])
         return all(got == first or _same(got, first) for got in others)
 
-    def error(self, op: str, local_error: str | None, *, flag: str = "error") -> None:
-        """Raise the same `WholebatchError` on every rank if any rank set the field `flag`.
+    def error(
+        self,
+        op: str,
+        local_error: str | None,
+        *,
+        flag: str = "error",
+        type_codes: Sequence[int] = (),
+    ) -> None:
+        """Raise the same error on every rank if any rank set the field `flag`.
 
         Every rank must call it (the flags agree, so all do or none): one text
-        all-gather carries each flagged rank's `local_error` into the message.
+        all-gather carries each flagged rank's `local_error` into the message. The
+        error is a `WholebatchTypeError` when every flagged rank's flag is one of
+        `type_codes` (a wrong type, dtype or device), else a `WholebatchError`.
         """
         flagged = self.ranks_where(flag)
         if not flagged:
             return
+        codes = self.ints(flag)
+        kind = (
+            WholebatchTypeError if all(codes[r] in type_codes for r in flagged) else WholebatchError
+        )
         if not is_distributed(self.group):
-            raise WholebatchError(f"{op}: {local_error}")
+            raise kind(f"{op}: {local_error}")
         marks = [r in flagged for r in range(self.world_size)]
         bad = gather_errors(local_error, marks, self.group)
-        raise WholebatchError(f"{op}: {errors_text(bad)}")
+        raise kind(f"{op}: {errors_text(bad)}")
 
     def differ_text(self, name: str) -> str:
         """`{0: a, 1: b}` for the scalar field `name`, ints shown as ints."""
@@ -180,23 +189,14 @@ class PendingRows:
         layout: Mapping[str, tuple[int, int]],
         group: ProcessGroup | None,
         work: Any,
-        carried: int = 0,
     ) -> None:
         self._table, self._layout, self._group, self._work = table, layout, group, work
-        self._carried = carried
 
     def wait(self) -> Rows:
         """Block until every rank's row arrived; the same `Rows` on every rank."""
         if self._work is not None:
             self._work.wait()
-        if not self._carried:
-            return Rows(self._table.cpu(), self._layout, self._group)
-        row_bytes = self._table.shape[1] - self._carried
-        table_WF = self._table[:, :row_bytes].view(torch.float64)  # (W, F): rows strided
-        rows = Rows(table_WF if table_WF.device.type == "cpu" else table_WF.cpu(),
-                    self._layout, self._group)  # fmt: skip
-        rows.carried_WC = self._table[:, row_bytes:]
-        return rows
+        return Rows(self._table.cpu(), self._layout, self._group)
 
 
 def start_rows(
@@ -204,24 +204,11 @@ def start_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
-    carry: Sequence[Tensor] | None = None,
-    carry_bytes: int = 0,
-    expected: direct.Expected | None = None,
 ) -> PendingRows:
     """`agree_rows` without waiting: the all-gather runs while the caller computes.
 
     Every rank of `group` must call it, with the same field names and lengths, and
     then `wait()` on the result before its next collective on `group`.
-
-    With `carry_bytes` > 0 (the same on every rank; float64 rows only) the same
-    all-gather also carries up to that many bytes of this rank's `carry` (tensors of
-    one dtype and one row count B, on the row's device: each tensor's bytes in turn,
-    `write_rows`, zero-padded; None: nothing), read back as `Rows.carried_WC`: data that
-    would otherwise need a second collective.
-
-    `expected`: this exchange's receives, posted earlier by `expect_rows` (with the same
-    `group`, `dtype`, `carry_bytes` and the row's length): peers' rows then arrive as soon
-    as they are sent, while this rank still builds its own.
     """
     distributed = is_distributed(group)
     device = comm_device(group) if distributed else _CPU
@@ -229,8 +216,7 @@ def start_rows(
     numbers: list[float] = []  # every field's numbers; a tensor field's are written after
     tensors: list[tuple[int, Tensor]] = []
     for name, value in row.items():
-        if type(value) in _PLAIN and value.device.type == "cpu" and value.numel() == 1:  # type: ignore[union-attr]
-            value = value.item()  # type: ignore[union-attr]  # on the host: no sync, no copy op
+        value = _host_number(value)
         if isinstance(value, (bool, int, float)):
             layout[name] = (len(numbers), 1)
             numbers.append(value)
@@ -248,69 +234,22 @@ def start_rows(
         mine_F = mine_F.to(device)  # one copy to the device
     for start, value in tensors:  # stays on its device: no host sync
         mine_F[start : start + value.numel()].copy_(value.detach().reshape(-1))
-    send = _with_carry(mine_F, carry, carry_bytes) if carry_bytes else mine_F
     if not distributed:
-        return PendingRows(send.unsqueeze(0), layout, group, None, carry_bytes)
-    w = get_world_size(group)
-    if expected is None:
-        table = torch.empty(w * send.numel(), dtype=send.dtype, device=device)
-        work = direct.gather_flat(table, send, [send.numel()] * w, group, async_op=True)
-        return PendingRows(table.view(w, -1), layout, group, work, carry_bytes)
-    if expected.out_N.dtype != send.dtype:
-        raise ValueError(f"start_rows: receives of {expected.out_N.dtype}, a row of {send.dtype}")
-    work = expected.send(send, async_op=True)  # refuses a row of another length
-    return PendingRows(expected.out_N.view(w, -1), layout, group, work, carry_bytes)
-
-
-def expect_rows(
-    elements: int,
-    *,
-    group: ProcessGroup | None = None,
-    dtype: torch.dtype = torch.float64,
-    carry_bytes: int = 0,
-) -> direct.Expected | None:
-    """Post the receives of this rank's next `start_rows` on `group` (a row of `elements`
-    numbers, `carry_bytes` of room): pass the result to it as `expected`. None on one
-    process. Every rank must then call `start_rows` before any other collective on `group`.
-    """
-    if not is_distributed(group):
-        return None
-    device = comm_device(group)
-    numel = elements * dtype.itemsize + carry_bytes if carry_bytes else elements
-    wire = torch.uint8 if carry_bytes else dtype
-    w = get_world_size(group)
-    table = torch.empty(w * numel, dtype=wire, device=device)
-    return direct.expect_flat(table, [numel] * w, group, device)
-
-
-def _with_carry(mine_F: Tensor, carry: Sequence[Tensor] | None, carry_bytes: int) -> Tensor:
-    """The row's bytes, then each of `carry`'s tensors' bytes in turn (`write_rows`),
-    zero-padded to `carry_bytes`: one buffer, written by one concatenation."""
-    parts = [mine_F.view(torch.uint8)]
-    for x in carry or ():  # rows on another device than the wire's move there (gloo, CUDA rows)
-        parts.append(_bytes(x) if x.device == mine_F.device else _bytes(x).to(mine_F.device))
-    used = sum(p.numel() for p in parts) - parts[0].numel()
-    if used > carry_bytes:
-        raise ValueError(f"start_rows: the carried rows are {used} bytes, past {carry_bytes=}")
-    if used < carry_bytes:
-        parts.append(mine_F.new_zeros(carry_bytes - used, dtype=torch.uint8))
-    return torch.cat(parts)
-
-
-def _bytes(x: Tensor) -> Tensor:
-    """`x`'s elements in row-major order as a 1-D uint8 tensor (a view when `x` is contiguous)."""
-    return x.detach().reshape(-1).view(torch.uint8)
+        return PendingRows(mine_F.unsqueeze(0), layout, group, None)
+    table = torch.empty(get_world_size(group) * mine_F.numel(), dtype=dtype, device=device)
+    work = _c10d.all_gather_single(table, mine_F, group=group, async_op=True)
+    return PendingRows(table.view(-1, mine_F.numel()), layout, group, work)
 
 
 _CPU = torch.device("cpu")
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's item() may communicate)
 
 
-def write_rows(room: Tensor, carry: Sequence[Tensor]) -> None:
-    """Each of `carry`'s tensors' bytes in turn, row-major, at the start of `room` (a 1-D
-    uint8 tensor, long enough): how `start_rows` carries rows (a reader finds a rank's
-    rows of tensor k after its rows of tensors 0 .. k-1)."""
-    torch.cat([_bytes(x) for x in carry], out=room[: sum(x.nbytes for x in carry)])
+def _host_number(value: Field) -> Field:
+    """A one-element plain tensor on the host as its number (no sync, no copy op); else `value`."""
+    if isinstance(value, Tensor) and type(value) in _PLAIN and value.device.type == "cpu":
+        return value.item() if value.numel() == 1 else value
+    return value
 
 
 def agree_rows(
@@ -318,8 +257,6 @@ def agree_rows(
     *,
     group: ProcessGroup | None = None,
     dtype: torch.dtype = torch.float64,
-    carry: Sequence[Tensor] | None = None,
-    carry_bytes: int = 0,
 ) -> Rows:
     """All-gather one named row per rank; every rank gets the same `Rows` table.
 
@@ -331,10 +268,8 @@ def agree_rows(
         group: the process group; None: the default group (or one process).
         dtype: the wire dtype: float64 (default; holds integers exactly up to 2**53,
             and NaN) or int64 for integer-only rows.
-        carry: rows to carry in the same all-gather (`start_rows`).
-        carry_bytes: the room for them on every rank (0: none).
     """
-    return start_rows(row, group=group, dtype=dtype, carry=carry, carry_bytes=carry_bytes).wait()
+    return start_rows(row, group=group, dtype=dtype).wait()
 
 
 def exchange_text(
@@ -353,7 +288,7 @@ def exchange_text(
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.empty(world_size * max_bytes, dtype=torch.uint8, device=device)
-    direct.gather_flat(out, buf.to(device), [max_bytes] * world_size, group)
+    _c10d.all_gather_single(out, buf.to(device), group=group)
     raw = bytes(out.cpu().tolist())
     return [
         raw[r * max_bytes : (r + 1) * max_bytes].rstrip(b"\0").decode("utf-8", "ignore")

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from wholebatch.comm.agree import (
@@ -29,20 +30,27 @@ from wholebatch.comm.agree import (
     gather_errors,
     per_rank,
 )
-from wholebatch.comm.groups import get_world_size
+from wholebatch.comm.debug import arrive
+from wholebatch.comm.groups import checks_enabled, get_world_size
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 
 __all__ = [
     "MAX_DIMS",
     "Fingerprints",
+    "agree_call",
+    "alone",
     "check_arg",
     "check_shapes_except",
     "errors_text",
     "exchange",
     "exchange_text",
     "gather_errors",
+    "norm_dim",
     "per_rank",
+    "require_tensor",
+    "sizes_problem",
     "wire_dtype_code",
+    "wire_problem",
 ]
 
 _MAGIC = 0x57424348  # "WBCH": a row without it came from something that is not a wholebatch op
@@ -59,6 +67,8 @@ _OP_CODES = {
 _OP_NAMES = {v: k for k, v in _OP_CODES.items()}
 # What the header's `arg` slot holds for each op (its value is printed as encoded).
 _ARG_NAMES = {"all_reduce": "op", "broadcast": "src", "ring_shift": "shift (mod W)"}
+# How an op's `arg` is shown by name where it is a code (all_reduce's op: its index + 1).
+_ARG_SHOWN = {"all_reduce": ("?", "sum", "mean", "max", "min")}
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -235,7 +245,12 @@ def _check_common(op: str, rows: Rows) -> None:
     for field, what in (("arg", arg_name), ("dim", "dim"), ("wire", "wire_dtype")):
         vals = rows.ints(field)
         if len(set(vals)) > 1:
-            shown: Sequence[object] = [_dtype_name(v) for v in vals] if field == "wire" else vals
+            shown: Sequence[object] = vals
+            if field == "wire":
+                shown = [_dtype_name(v) for v in vals]
+            elif field == "arg" and op in _ARG_SHOWN:
+                codes = _ARG_SHOWN[op]
+                shown = [codes[v] if 0 <= v < len(codes) else "invalid" for v in vals]
             raise WholebatchError(
                 f"{op}: {what} differs across ranks {per_rank(shown)}; pass the same on every rank"
             )
@@ -263,3 +278,103 @@ def check_shapes_except(op: str, fps: Fingerprints, dim: int | None) -> None:
             f"{op}: shapes other than dim={dim} differ across ranks {per_rank(trailing)} "
             f"(full shapes {per_rank(fps.shapes)}); only dim={dim} may differ"
         )
+
+
+# ---------------------------------------------------------------------------
+# The collectives' argument checks (`wholebatch.comm.collectives`)
+# ---------------------------------------------------------------------------
+
+
+def require_tensor(op: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise WholebatchTypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def norm_dim(x: Tensor, dim: int) -> tuple[int, str | None]:
+    """`dim` made non-negative, or the reason it cannot be (reported on every rank)."""
+    nd = x.dim()
+    if nd == 0:
+        return 0, "a 0-d tensor has no dim to split along; unsqueeze it first"
+    if nd > MAX_DIMS:
+        return 0, f"tensors of more than {MAX_DIMS} dims are not supported (got {nd})"
+    if not -nd <= dim < nd:
+        return 0, f"dim={dim} is out of range for a {nd}-d tensor of shape {tuple(x.shape)}"
+    return dim % nd, None
+
+
+def wire_problem(x: Tensor, wire_dtype: torch.dtype | None) -> str | None:
+    if wire_dtype is None:
+        return None
+    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+        return f"wire_dtype={wire_dtype!r} must be a floating torch.dtype such as torch.bfloat16"
+    if not x.is_floating_point():
+        return f"wire_dtype needs a floating input, got {x.dtype}"
+    return None
+
+
+def sizes_problem(
+    name: str, sizes: Sequence[int] | None, world_size: int, total: int | None
+) -> str | None:
+    """Why `sizes` (one entry per rank) is unusable, or None; `total` is its required sum."""
+    if sizes is None:
+        return None
+    try:
+        vals = [int(s) for s in sizes]
+    except (TypeError, ValueError):
+        return f"{name} must be a sequence of {world_size} ints, got {sizes!r}"
+    if len(vals) != world_size:
+        return (
+            f"{name} has {len(vals)} entries for a group of {world_size} ranks; give one per rank"
+        )
+    if any(v < 0 for v in vals):
+        return f"{name}={vals} has a negative entry"
+    if total is not None and sum(vals) != total:
+        return f"{name}={vals} sums to {sum(vals)} but the input has {total} along dim"
+    return None
+
+
+def agree_call(
+    op: str,
+    x: Tensor,
+    *,
+    need_sizes: bool,
+    check: bool | None,
+    local_error: str | None,
+    dim: int = 0,
+    arg: int = 0,
+    wire_dtype: torch.dtype | None = None,
+    vec_a: Sequence[int] | None = None,
+    vec_b: Sequence[int] | None = None,
+    group: ProcessGroup | None,
+) -> Fingerprints | None:
+    """Exchange fingerprints when sizes must be learnt or checks are on; else raise local errors here.
+
+    In debug mode (`wholebatch.set_debug`) every rank first checks in, so a rank
+    that never arrives is named instead of leaving the others waiting.
+    """
+    arrive(op, x, group)
+    if need_sizes or checks_enabled(check):
+        return exchange(
+            op,
+            x,
+            dim=dim,
+            arg=arg,
+            wire_dtype=wire_dtype,
+            vec_a=vec_a,
+            vec_b=vec_b,
+            local_error=local_error,
+            group=group,
+        )
+    if local_error is not None:
+        raise WholebatchError(f"{op}: {local_error}")
+    return None
+
+
+def alone(op: str, world_size: int, err: str | None) -> bool:
+    """True in a world of one, where every op is the identity (after raising `err`, if any)."""
+    if world_size > 1:
+        return False
+    if err:
+        raise WholebatchError(f"{op}: {err}")
+    return True

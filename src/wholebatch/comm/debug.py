@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,11 @@ def _timeout() -> float:
 
 def call_site() -> str:
     """`file:line in function` of the first caller outside the wholebatch package."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while (
         frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PKG_DIR
     ):
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     if frame is None:
         return "?"
     return (

@@ -27,6 +27,7 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_distributed",
+    "is_gloo",
     "set_checks",
 ]
 
@@ -82,6 +83,16 @@ def get_rank(group: ProcessGroup | None = None) -> int:
 def backend_of(group: ProcessGroup | None = None) -> str:
     """`group`'s backend in lower case ("gloo", "nccl", "cpu:gloo,cuda:nccl"); read once per group."""
     return _once(_BACKEND, group, lambda: str(dist.get_backend(group)).lower())
+
+
+def is_gloo(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether c10d routes tensors on `device` through gloo in `group` ("gloo", or a
+    "cpu:gloo,cuda:nccl" group for a CPU tensor)."""
+    backend = backend_of(group)
+    if ":" not in backend:
+        return backend == "gloo"
+    routes = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return routes.get(device.type) == "gloo"
 
 
 def comm_device(group: ProcessGroup | None = None) -> torch.device:
@@ -178,9 +189,12 @@ def init_process_group(backend: str | None = None, *, timeout_s: float | None = 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         world = int(os.environ["WORLD_SIZE"])
         store = TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-            is_master=False, timeout=timeout,
-        )  # fmt: skip
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size=world,
+            is_master=False,
+            timeout=timeout,
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefixed = PrefixStore(f"wholebatch/attempt-{attempt}", store)
         dist.init_process_group(

@@ -11,9 +11,11 @@ same loss on the same rows with their own batch group:
         ...                                                          # the loss's own exchange
 
 `resolve_group` validates the arguments (from the arguments alone: the same
-error on every rank) and builds the split and its group once per mesh and
-batch dims: flattening several dims creates process groups, which a call in the
-training loop must not do every step.
+error on every rank) and builds the batch dims' group once per mesh and batch
+dims: flattening several dims creates process groups, which a call in the
+training loop must not do every step. The cache holds neither the mesh nor the
+group: an entry goes when its mesh is freed, and a group that
+`destroy_process_group` freed is built again (`_BatchGroups`).
 
 `replicas_agree` checks that replicas really hold the same rows. Each rank
 contributes a fingerprint of its embeddings (rows, and per tensor the sum, the
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +71,40 @@ _ROUNDOFF_EPS = 64.0
 _ROUNDOFF_MAX = 1e-4
 _POS_WEIGHTS = 7
 
-_SPLITS: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, MeshSplit, ProcessGroup]] = {}
+
+class _BatchGroups:
+    """Per mesh (by identity, held weakly) and batch dims, a weak reference to the batch group.
+
+    A `DeviceMesh` compares equal to another of the same layout (a mesh built again
+    after `destroy_process_group` and a new `init_process_group`), so the key is the
+    object itself: its id, checked against a weak reference to it, and the entry
+    removed when the mesh is freed (before its id can be reused). The group is held
+    weakly too: once destroyed and freed, the next call builds the new world's.
+    """
+
+    def __init__(self) -> None:
+        self._by_mesh: dict[int, tuple[weakref.ref[DeviceMesh], dict[Any, weakref.ref[Any]]]] = {}
+
+    def get(self, mesh: DeviceMesh, dims: tuple[str, ...]) -> ProcessGroup | None:
+        entry = self._by_mesh.get(id(mesh))
+        if entry is None or entry[0]() is not mesh:
+            return None
+        ref = entry[1].get(dims)
+        return None if ref is None else ref()
+
+    def put(self, mesh: DeviceMesh, dims: tuple[str, ...], group: ProcessGroup) -> None:
+        key = id(mesh)
+        entry = self._by_mesh.get(key)
+        if entry is None or entry[0]() is not mesh:
+            entry = (weakref.ref(mesh, lambda _: self._by_mesh.pop(key, None)), {})
+            self._by_mesh[key] = entry
+        entry[1][dims] = weakref.ref(group)
+
+    def __len__(self) -> int:
+        return len(self._by_mesh)
+
+
+_GROUPS = _BatchGroups()
 
 
 def _renamed(op: str, err: WholebatchError) -> WholebatchError:
@@ -80,27 +117,24 @@ def _renamed(op: str, err: WholebatchError) -> WholebatchError:
 def resolve_split(
     op: str, group: object, mesh: DeviceMesh | None, batch_dims: Sequence[str] | None
 ) -> tuple[MeshSplit, ProcessGroup] | None:
-    """The cached (split, batch group) for `mesh` and `batch_dims`; None without a mesh.
+    """(the split, its batch group) for `mesh` and `batch_dims`; None without a mesh.
 
     Raises the same `WholebatchError` on every rank (it depends on the arguments
     only) when both `group` and `mesh` are given, `batch_dims` comes without
     `mesh` (or `mesh` without it), or names dims the mesh does not have.
     Every rank must call it the first time for a mesh (the group may be created).
     """
-    if mesh is not None and batch_dims is not None and not isinstance(batch_dims, str):
-        key = (id(mesh), tuple(batch_dims))
-        hit = _SPLITS.get(key)
-        if hit is not None and hit[0] is mesh and group is None:
-            return hit[1], hit[2]
     try:
         split = MeshSplit.from_args(op, mesh, batch_dims, group=group)
     except (WholebatchError, WholebatchTypeError) as err:
         raise _renamed(op, err) from None
     if split is None:
         return None
-    pg = split.batch_group()
-    assert mesh is not None
-    _SPLITS[(id(mesh), tuple(split.batch_dims))] = (mesh, split, pg)
+    dims = tuple(split.batch_dims)
+    pg = _GROUPS.get(split.mesh, dims)
+    if pg is None:
+        pg = split.batch_group()
+        _GROUPS.put(split.mesh, dims, pg)
     return split, pg
 
 
@@ -129,6 +163,14 @@ def has_replicas(split: MeshSplit | None) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _total(values: Sequence[Tensor | float]) -> Tensor | float:
+    """The sum of tensors and numbers (tensors stay on their device)."""
+    out = values[0]
+    for v in values[1:]:
+        out = out + v
+    return out
+
+
 def _stats(x: object, offset: int = 0) -> tuple[Tensor | float, ...]:
     """(rows, eps, sum, abs, sq, pos) of one tensor, on its device (zeros for a non-tensor).
 
@@ -139,7 +181,7 @@ def _stats(x: object, offset: int = 0) -> tuple[Tensor | float, ...]:
         parts = [_stats(part, offset + i) for i, part in enumerate(x)]
         if not parts:
             return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        sums = [sum(p[c] for p in parts[1:]) + parts[0][c] for c in (2, 3, 4, 5)]  # type: ignore[operator]
+        sums = [_total([p[c] for p in parts]) for c in (2, 3, 4, 5)]
         rows = sum(float(p[0]) for p in parts)
         return (rows, max(float(p[1]) for p in parts), *sums)
     if not isinstance(x, Tensor) or x.dim() == 0 or not x.is_floating_point():

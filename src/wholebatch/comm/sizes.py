@@ -87,7 +87,7 @@ class _RingView(Sequence[int]):
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def __getitem__(self, q: int) -> int:  # type: ignore[override]
+    def __getitem__(self, q: int) -> int:  # type: ignore[override]  # a view by index only (Sequence also takes slices)
         if not -len(self._sizes) <= q < len(self._sizes):
             raise IndexError(q)  # ends iteration, as a list's index does
         return ring_block(self._sizes, q, self._step)

@@ -1,23 +1,28 @@
-"""Whole-batch losses: CLIP, SigLIP, NT-Xent and InfoNCE over the global batch.
+"""Whole-batch losses: CLIP, SigLIP, NT-Xent, InfoNCE, DCL, SupCon and MaxSim over the global batch.
 
-`contrastive` and `info_nce` hold the loss functions, `modules` their
-`nn.Module` forms, `specs` one descriptor per loss (torch-free: what the
-exchange, the planner and the docs ask of it), `common` the validation agreed
-across ranks and the gradient convention of DESIGN.md, `tiles` the tiled
-autograd kernels that keep memory linear in the batch, `ring` the ring forms
-of the softmax losses (memory independent of N), `replicated` the small-batch
-path (one all-gather, the whole loss on every rank, no backward collective),
-`sizing` their pure bookkeeping (tile size, the exchange's row, what "auto"
-picks, the small-batch row limit), `meshgroup` the `mesh=`/`batch_dims=`
-arguments (the batch dims' group, replicas checked). Losses use
-`wholebatch.comm` and nothing above it.
+A loss is its descriptor in `specs` (torch-free: what the call path, the planner,
+the selftest and the docs read), and a module of its own (`contrastive`,
+`info_nce`, `dcl`, `supcon`, `maxsim`) holding its function, its one reference
+formula and its row terms. Every call runs one path (`call`): *validate* (local
+checks, one exchange of a named row, the same error on every rank), *choose*
+(`sizing.choose`: the small path, gather or ring, from agreed numbers), *run*:
+`small` (every rank the whole loss from the reference formula, one all-gather)
+or a kernel family (`lse` softmax rows over gathered keys, `ring` the same around
+a ring, `symmetric` NT-Xent's self-similarity, `sigmoid` SigLIP's pairs, `late`
+MaxSim's token pairs; `tiles` their shared pieces, `fused` the Triton tiles).
+`modules` holds the `nn.Module` forms. Losses use `wholebatch.comm` and nothing
+above it.
+
+Every spec's function is exported here from its module (`LossSpec.home`), so a
+new loss needs no line in this file; the typed imports below are for mypy and IDEs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from wholebatch._lazy import lazy_package
+from wholebatch._lazy import lazy_attributes, lazy_package
+from wholebatch.losses.specs import SPECS
 
 if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these imports,
     # and `lazy_package` builds `_LAZY`, `__all__` and the PEP 562 hooks from them
@@ -29,11 +34,13 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
         nt_xent_loss as nt_xent_loss,
         siglip_loss as siglip_loss,
     )
+    from wholebatch.losses.dcl import dcl_loss as dcl_loss
     from wholebatch.losses.info_nce import (
         Direction as Direction,
         PartitionMode as PartitionMode,
         info_nce_loss as info_nce_loss,
     )
+    from wholebatch.losses.maxsim import maxsim_loss as maxsim_loss
     from wholebatch.losses.modules import (
         ClipLoss as ClipLoss,
         InfoNCELoss as InfoNCELoss,
@@ -47,5 +54,9 @@ if TYPE_CHECKING:  # the public names, written once: mypy and IDEs read these im
     from wholebatch.losses.specs import (
         Strategy as Strategy,
     )
+    from wholebatch.losses.supcon import supcon_loss as supcon_loss
 
-_LAZY, __all__, __getattr__, __dir__ = lazy_package(globals())
+_LAZY, _names = lazy_package(globals())[:2]
+_LAZY.update({s.function: s.home for s in SPECS.values()})  # every loss, from its own spec
+__all__ = sorted({*_names, *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

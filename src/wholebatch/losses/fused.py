@@ -179,9 +179,21 @@ def row_stats(
     bm, bn, bd = _blocks(d)
     mk, scale_t = _masks(masks, q_BD.device), _scale(scale, q_BD)
     _kernels()["row"][(-(-b // bm),)](
-        q_BD.contiguous(), k_CD.contiguous(), m, lsum, mk, len(masks), b, c, d, offset,
-        scale_t, BM=bm, BN=bn, BD=bd,
-    )  # fmt: skip
+        q_BD.contiguous(),
+        k_CD.contiguous(),
+        m,
+        lsum,
+        mk,
+        len(masks),
+        b,
+        c,
+        d,
+        offset,
+        scale_t,
+        BM=bm,
+        BN=bn,
+        BD=bd,
+    )
     return m, lsum
 
 
@@ -198,9 +210,22 @@ def col_stats(
     bm, bn, bd = _blocks(d)
     mk, scale_t = _masks(masks, q_BD.device), _scale(scale, q_BD)
     _kernels()["col"][(-(-n_cols // bn),)](
-        q_BD.contiguous(), k_CD.contiguous(), m, lsum, mk, len(masks), b, c, d, offset,
-        scale_t, n_cols, BM=bm, BN=bn, BD=bd,
-    )  # fmt: skip
+        q_BD.contiguous(),
+        k_CD.contiguous(),
+        m,
+        lsum,
+        mk,
+        len(masks),
+        b,
+        c,
+        d,
+        offset,
+        scale_t,
+        n_cols,
+        BM=bm,
+        BN=bn,
+        BD=bd,
+    )
     return m, lsum
 
 
@@ -253,9 +278,21 @@ def sigmoid_sum(
     bm, bn, bd = _blocks(d)
     q, k = _pair(q_BD, k_CD)
     _kernels()["sig_row"][(-(-b // bm),)](
-        q, k, out_B, _masks(masks, q.device), len(masks), b, c, d, offset,
-        _scale(scale, q), _scale(bias, q), BM=bm, BN=bn, BD=bd,
-    )  # fmt: skip
+        q,
+        k,
+        out_B,
+        _masks(masks, q.device),
+        len(masks),
+        b,
+        c,
+        d,
+        offset,
+        _scale(scale, q),
+        _scale(bias, q),
+        BM=bm,
+        BN=bn,
+        BD=bd,
+    )
     return out_B
 
 

@@ -9,7 +9,9 @@ directions (document → query, query → query, document → document) and thei
 normalisation (`partition_mode`) follow sentence-transformers 6.2.0 exactly,
 so its losses (and `CachedMultipleNegativesRankingLoss`, the same objective)
 can be expressed with it; the symmetric form (query → document and document →
-query, one softmax per direction) is `clip_loss`.
+query, one softmax per direction) is `clip_loss`. Its spec, its one reference
+formula (`info_nce_formula`: the small path's) and its row terms on the softmax-rows
+kernels (`_gathered_terms`, `_ring_terms`) are all it is (docs/contrastive.md).
 
     .venv/bin/python -m benchmarks.bench_losses --only info_nce   # memory and time vs naive
 
@@ -20,32 +22,31 @@ negatives), C = N·J candidate documents, D embedding dim, T tile size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from wholebatch.comm.collectives import all_gather
-from wholebatch.comm.groups import get_rank
+from wholebatch.comm.collectives import all_gather, apply
 from wholebatch.conventions import GradReduction
-from wholebatch.losses import replicated
-from wholebatch.losses.common import Prepared, resolve_strategy, resolve_tile, whole
-from wholebatch.losses.meshgroup import prepare_on
+from wholebatch.losses.call import Call, documented, shared, validate
+from wholebatch.losses.lse import PositiveLSE, gathered_ids
 from wholebatch.losses.ring import PositiveRing
-from wholebatch.losses.specs import SPECS, Strategy, strategy_code, strategy_problem
-from wholebatch.losses.tiles import PositiveLSE, compute_dtype, softplus
+from wholebatch.losses.small import evaluate, eye, lse_rows
+from wholebatch.losses.specs import SPECS, Strategy
+from wholebatch.losses.tiles import softplus
 
-__all__ = ["DIRECTIONS", "Direction", "PartitionMode", "info_nce_loss"]
+__all__ = ["DIRECTIONS", "Direction", "PartitionMode", "info_nce_formula", "info_nce_loss"]
 
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 PartitionMode = Literal["joint", "per_direction"]
-DIRECTIONS: tuple[str, ...] = SPECS["info_nce"].directions
-_PARTITIONS: tuple[str, ...] = ("joint", "per_direction")
 SPEC = SPECS["info_nce"]
+DIRECTIONS: tuple[str, ...] = SPEC.directions
+_PARTITIONS: tuple[str, ...] = ("joint", "per_direction")
 
 
 def _check_options(directions: object, partition_mode: object) -> tuple[int, str | None]:
@@ -70,6 +71,7 @@ def _check_options(directions: object, partition_mode: object) -> tuple[int, str
     return sum(1 << DIRECTIONS.index(d) for d in set(directions)), None
 
 
+@documented(SPEC)
 def info_nce_loss(
     query_BD: Tensor,
     document_BD: Tensor,
@@ -78,6 +80,7 @@ def info_nce_loss(
     negatives_BKD: Tensor | None = None,
     directions: Sequence[Direction] = ("query_to_doc",),
     partition_mode: PartitionMode = "joint",
+    ids_B: Tensor | None = None,
     group: ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     batch_dims: Sequence[str] | None = None,
@@ -111,6 +114,9 @@ def info_nce_loss(
     inputs), computed exactly over every rank's rows, uneven sizes included
     (its `hardness_mode` is not offered).
 
+    With `ids_B`, rows of one id (the same anchor twice, on any rank) are never
+    each other's negatives, in every direction; hard negatives stay negatives.
+
     Every rank of `group` must call it (the same k, directions and
     partition_mode); each gets L. One all-gather of [document | negatives]
     (B x (1 + k)·D per rank; backward: reduce-scatter), one of the queries
@@ -126,6 +132,9 @@ def info_nce_loss(
     those of one process computing L on the concatenated batch; with ``"sum"``,
     after a sum over ranks.
 
+    A small batch takes the small path (`losses.small`) unless "ring" is asked;
+    one query without hard negatives has none: loss 0, gradient exactly 0.
+
     Memory: O(C·D + T²) peak (the gathered candidates, their gradient, a few
     tiles); never the B x C logits.
 
@@ -139,112 +148,106 @@ def info_nce_loss(
             every rank); row i holds query i's. None: no hard negatives.
         directions: which directions to include (a tuple holding "query_to_doc").
         partition_mode: "joint" or "per_direction" (see above).
-        group, mesh, batch_dims: the process group (default: the world), or a `DeviceMesh`
-            and its dims that split the batch (`losses.meshgroup`: a replica's gradient).
-        grad_reduction: "mean" if parameter gradients are averaged over ranks (DDP),
-            "sum" if they are summed.
-        tile_size: rows and columns of one logits tile; None: chosen for the device
-            (`wholebatch.losses.tile_size_for`). Ranks may differ.
-        sizes: every rank's query count B, if the caller knows them: with the
-            cross-rank checks off the call makes no metadata exchange and no host sync.
-        check: run the cross-rank checks even when `sizes` is given (default:
-            the process setting, on).
-        strategy: "gather" (the all-gathers above), "ring" (blocks around the ring, memory
-            O(B·(1 + k)·D + T²): `losses.ring`) or "auto"; as for `clip_loss`.
+        ids_B: an optional integer id per row (B,), given on every rank or on none.
+        {common}
     """
     negs = negatives_BKD
-    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
-    prep, group = _prepare(
-        query_BD, document_BD, negatives_BKD, logit_scale, k, directions, partition_mode,
-        strategy, grad_reduction=grad_reduction, tile_size=tile_size, sizes=sizes, check=check,
-        group=group, mesh=mesh, batch_dims=batch_dims,
-    )  # fmt: skip
-    rows = partial(
-        _row_losses, partition_mode=partition_mode, doc_to_query="doc_to_query" in directions
-    )
+    k, options, err = _options(negs, directions, partition_mode, ids_B)
+    tensors = {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negs}
+    call = validate(
+        SPEC,
+        tensors,
+        {"logit_scale": logit_scale},
+        options=options,
+        labels={"ids_B": ids_B},
+        error=err,
+        **shared(locals()),
+    ).choose(key_elements=(1 + k) * query_BD.shape[-1])
+    if call.path == "small":
+        rows = {**tensors, "ids_B": ids_B}
+        return evaluate(call, rows, lambda r, s: info_nce_formula(r, s, directions, partition_mode))
+    terms = _ring_terms if call.path == "ring" else _gathered_terms
     wanted: set[str] = set(directions)
-    args = (query_BD, document_BD, negatives_BKD, wanted, rows)
-    if prep.replicated:  # every rank all N rows (losses/replicated.py)
-        return replicated.info_nce(*args, prep, group)
-    gathered = sum(prep.sizes) * (1 + k) * query_BD.shape[1] * query_BD.element_size()
-    return _tiled(*args, resolve_strategy(strategy, gathered) == "ring", prep, tile_size, group)
+    parts = terms(call, query_BD, document_BD, negs, ids_B, call.scalars["logit_scale"], wanted)
+    rows_B = _row_losses(parts, partition_mode == "per_direction", "doc_to_query" in wanted)
+    return call.whole(rows_B.sum() / call.n)
 
 
-def _tiled(
-    query_BD: Tensor,
-    document_BD: Tensor,
-    negatives_BKD: Tensor | None,
-    wanted: set[str],
-    row_losses: Any,
-    ring: bool,
-    prep: Prepared,
-    tile_size: int | None,
-    group: ProcessGroup | None,
-) -> Tensor:
-    """The gathered or ring forms: each rank its B rows' terms, then the whole-batch sum."""
-    s = prep.scalars[0]
-    pos_B = s * (query_BD.to(compute_dtype(query_BD.dtype)) * document_BD.to(s.dtype)).sum(1)
-    terms = _ring_terms if ring else _direction_terms
-    parts = terms(query_BD, document_BD, negatives_BKD, s, pos_B, wanted, prep, tile_size, group)
-    return whole(row_losses(parts).sum() / sum(prep.sizes), prep, group)
-
-
-def _prepare(
-    query_BD: Tensor,
-    document_BD: Tensor,
-    negatives_BKD: Tensor | None,
-    logit_scale: Tensor | float,
-    k: int,
-    directions: object,
-    partition_mode: object,
-    strategy: object,
-    **common: Any,
-) -> tuple[Prepared, ProcessGroup | None]:
-    """`prepare_on` (the group, on a mesh the batch dims') with InfoNCE's options (k,
-    directions, partition mode, strategy) agreed."""
+def _options(
+    negs: Tensor | None, directions: object, partition_mode: object, ids_B: object
+) -> tuple[int, list[float], str | None]:
+    """(k, the codes of the spec's options: k, directions, partition mode, ids; why unusable)."""
+    k = negs.shape[1] if isinstance(negs, Tensor) and negs.dim() == 3 else 0
     mask, err = _check_options(directions, partition_mode)
     partition = _PARTITIONS.index(str(partition_mode)) if err is None else 0
-    values = (k, mask, partition, strategy_code(strategy))
-    return prepare_on(
-        SPEC.function,
-        {"query_BD": query_BD, "document_BD": document_BD, "negatives_BKD": negatives_BKD},
-        {"logit_scale": logit_scale},
-        options={name: (v, fix) for (name, fix), v in zip(SPEC.options, values, strict=True)},
-        error=err or strategy_problem(SPEC, strategy),
-        small=SPEC.replicable(strategy),
-        carry=True,
-        **common,
-    )
+    return k, [k, mask, partition, ids_B is not None], err
 
 
-def _row_losses(parts: list[Tensor], partition_mode: str, doc_to_query: bool) -> Tensor:
-    """Each row's loss from its directions' a_i: one softmax over all ("joint"), or a mean of CEs."""
-    if partition_mode == "per_direction":
+def _row_losses(parts: list[Tensor], per_direction: bool, doc_to_query: bool) -> Tensor:
+    """Each row's loss from its directions' a_i (query_to_doc first, then doc_to_query where
+    asked): one softmax over all ("joint"), or a mean of one CE per direction.
+
+    A row with no negative at all (a whole batch of one query, no hard negatives) has
+    a_i = -inf: its loss is finite and its gradient exactly 0 (never the NaN of a
+    log-sum-exp over nothing).
+    """
+    if per_direction:
         return torch.stack([softplus(a) for a in parts]).mean(0)
     if doc_to_query:
-        # doc_to_query's own pair d_i·q_i is the positive logit itself: in the
-        # joint softmax it is one more term, exp(0) relative to the positive.
+        # doc_to_query's own pair d_i·q_i is the positive logit itself: in the joint
+        # softmax it is one more term, exp(0) relative to the positive.
         parts = [*parts, torch.zeros_like(parts[0])]
-    return softplus(torch.logsumexp(torch.stack(parts), 0))
+    if len(parts) == 1:
+        return softplus(parts[0])
+    low = torch.finfo(parts[0].dtype).min  # -inf (no negative) counts for nothing, gradient 0
+    return softplus(torch.logsumexp(torch.stack([a.clamp_min(low) for a in parts]), 0))
 
 
-def _direction_terms(
+def info_nce_formula(
+    rows: dict[str, Tensor],
+    scalars: dict[str, Tensor],
+    directions: Sequence[str] = ("query_to_doc",),
+    partition_mode: str = "joint",
+) -> Tensor:
+    """InfoNCE's reference formula on the whole batch: per direction a_i = lse over its
+    negatives − s·qᵢ·dᵢ for all N rows, the row losses' mean."""
+    wanted, per_direction = set(directions), partition_mode == "per_direction"
+    q_ND, d_ND, negs = rows["query_BD"], rows["document_BD"], rows.get("negatives_BKD")
+    s, n = scalars["logit_scale"], rows["query_BD"].shape[0]
+    # candidates [all documents; all first negatives; ...]: the negatives of row g at t·N + g
+    cand_CD = d_ND if negs is None else torch.cat([d_ND, *negs.unbind(1)])
+    pos_N = s * (q_ND * d_ND).sum(1)
+    own_NN = eye(n, q_ND.device)
+    ids = rows.get("ids_B")
+    pair_NN = own_NN if ids is None else own_NN | (ids[:, None] == ids[None, :])
+    hard_NC = torch.zeros(n, cand_CD.shape[0] - n, dtype=torch.bool, device=q_ND.device)
+    q2d_NC = s * (q_ND @ cand_CD.T)
+    parts = [lse_rows(q2d_NC, torch.cat([pair_NN, hard_NC], 1)) - pos_N]
+    if "doc_to_query" in wanted:
+        parts.append(lse_rows(q2d_NC[:, :n], pair_NN, 0) - pos_N)
+    if "query_to_query" in wanted:
+        parts.append(lse_rows(s * (q_ND @ q_ND.T), pair_NN) - pos_N)
+    if "doc_to_doc" in wanted:
+        own_hard_NC = own_NN.repeat(1, cand_CD.shape[0] // n - 1)  # its own hard negatives
+        parts.append(lse_rows(s * (d_ND @ cand_CD.T), torch.cat([pair_NN, own_hard_NC], 1)) - pos_N)
+    return _row_losses(parts, per_direction, "doc_to_query" in wanted).sum() / n
+
+
+def _gathered_terms(
+    call: Call,
     query_BD: Tensor,
     document_BD: Tensor,
     negatives_BKD: Tensor | None,
+    ids_B: Tensor | None,
     s: Tensor,
-    pos_B: Tensor,
     wanted: set[str],
-    prep: Prepared,
-    tile_size: int | None,
-    group: ProcessGroup | None,
 ) -> list[Tensor]:
-    """Each selected direction's a_i = lse over its negatives − the positive, in DIRECTIONS order
-    (query_to_doc first), for this rank's B rows."""
-    rank, n = get_rank(group), sum(prep.sizes)
-    offset, b = sum(prep.sizes[:rank]), prep.sizes[rank]
+    """Each selected direction's a_i for this rank's B rows, in DIRECTIONS order (query_to_doc
+    first), over the all-gathered candidates, the joint softmax's extra term last."""
+    n, b, off, sizes, group = call.n, call.b, call.offset, call.sizes, call.group
     d = query_BD.shape[1]
     k = 0 if negatives_BKD is None else negatives_BKD.shape[1]
+    pos_B = s * (query_BD.to(call.acc) * document_BD.to(call.acc)).sum(1)
     # Candidates [all positives; all first negatives; ...; all k-th]: one all-gather of
     # each rank's B x J x D keys [document | negatives], then the negatives of row g
     # sit at t·N + g, t = 1..k.
@@ -254,47 +257,43 @@ def _direction_terms(
         else torch.cat([document_BD[:, None], negatives_BKD], 1)
     )
     gathered_NJD = all_gather(
-        keys_BJD.reshape(b, (1 + k) * d), sizes=prep.sizes, group=group, check=False
+        keys_BJD.reshape(b, (1 + k) * d), sizes=list(sizes), group=group, check=False
     )
     cand_CD = gathered_NJD.view(n, 1 + k, d).transpose(0, 1).reshape(-1, d)
-    tile = resolve_tile(tile_size, query_BD.device, b, cand_CD.shape[0])
-    sizes_t = tuple(prep.sizes)
+    tile = call.tile(b, cand_CD.shape[0])
+    ids = gathered_ids(ids_B, sizes, group)
     n_cols = n if "doc_to_query" in wanted else 0
-    q2d_B, d2q_B = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-        query_BD, cand_CD, s, pos_B, offset, (0,), n_cols, sizes_t, tile, group
+    q2d_B, d2q_B = apply(
+        PositiveLSE, query_BD, cand_CD, s, pos_B, off, (0,), n_cols, sizes, tile, group, ids
     )
-    parts = [q2d_B]
-    if n_cols:
-        parts.append(d2q_B)
+    parts = [q2d_B, d2q_B] if n_cols else [q2d_B]
     if "query_to_query" in wanted:
-        all_q_ND = all_gather(query_BD, sizes=prep.sizes, group=group, check=False)
-        q2q_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            query_BD, all_q_ND, s, pos_B, offset, (0,), 0, sizes_t, tile, group
+        all_q_ND = all_gather(query_BD, sizes=list(sizes), group=group, check=False)
+        q2q_B, _ = apply(
+            PositiveLSE, query_BD, all_q_ND, s, pos_B, off, (0,), 0, sizes, tile, group, ids
         )
         parts.append(q2q_B)
     if "doc_to_doc" in wanted:
         own = tuple(t * n for t in range(1 + k))  # d_i itself and its own hard negatives
-        d2d_B, _ = PositiveLSE.apply(  # type: ignore[no-untyped-call]
-            document_BD, cand_CD, s, pos_B, offset, own, 0, sizes_t, tile, group
+        d2d_B, _ = apply(
+            PositiveLSE, document_BD, cand_CD, s, pos_B, off, own, 0, sizes, tile, group, ids
         )
         parts.append(d2d_B)
     return parts
 
 
 def _ring_terms(
+    call: Call,
     query_BD: Tensor,
     document_BD: Tensor,
     negatives_BKD: Tensor | None,
+    ids_B: Tensor | None,
     s: Tensor,
-    pos_B: Tensor,
     wanted: set[str],
-    prep: Prepared,
-    tile_size: int | None,
-    group: ProcessGroup | None,
 ) -> list[Tensor]:
-    """`_direction_terms` with every rank's keys passed around the ring (`PositiveRing`):
-    one ring of [document | negatives] blocks for query_to_doc (its columns: doc_to_query),
-    one of query blocks for query_to_query, one more of the key blocks for doc_to_doc."""
+    """`_gathered_terms` with every rank's keys passed around the ring (`PositiveRing`): one
+    ring of [document | negatives] blocks for query_to_doc (its columns: doc_to_query), one
+    of query blocks for query_to_query, one more of the key blocks for doc_to_doc."""
     b, d = query_BD.shape
     k = 0 if negatives_BKD is None else negatives_BKD.shape[1]
     keys_BX = (
@@ -302,18 +301,21 @@ def _ring_terms(
         if negatives_BKD is None
         else torch.cat([document_BD[:, None], negatives_BKD], 1).reshape(b, (1 + k) * d)
     )
-    sizes_t = tuple(prep.sizes)
-    tile = resolve_tile(tile_size, query_BD.device, b, max(sizes_t) * (1 + k))
+    sizes, group = call.sizes, call.group
+    tile = call.tile(b, max(sizes) * (1 + k))
     cols = "doc_to_query" in wanted
-    ring = PositiveRing.apply
+    pos_B = s * (query_BD.to(call.acc) * document_BD.to(call.acc)).sum(1)
+    ring = functools.partial(apply, PositiveRing)
     # its positives s·qᵢ·dᵢ are the ring's own (None): their gradient added in place
-    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+    q2d_B, d2q_B = ring(query_BD, keys_BX, s, None, 1 + k, (0,), cols, sizes, tile, group, ids_B)
     parts = [q2d_B, d2q_B] if cols else [q2d_B]
     if "query_to_query" in wanted:
-        q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+        q2q_B, _ = ring(query_BD, query_BD, s, pos_B, 1, (0,), False, sizes, tile, group, ids_B)
         parts.append(q2q_B)
     if "doc_to_doc" in wanted:
         own = tuple(range(1 + k))  # d_i itself and its own hard negatives
-        d2d_B, _ = ring(document_BD, keys_BX, s, pos_B, 1 + k, own, False, sizes_t, tile, group)  # type: ignore[no-untyped-call]
+        d2d_B, _ = ring(
+            document_BD, keys_BX, s, pos_B, 1 + k, own, False, sizes, tile, group, ids_B
+        )
         parts.append(d2d_B)
     return parts

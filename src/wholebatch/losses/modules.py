@@ -18,7 +18,7 @@ open_clip, lightly and sentence-transformers expect from a loss module:
 
 A learnable scalar is a replicated parameter: keep the module inside the DDP
 module, or give it to the optimizer beside it; every rank's copy receives the
-same whole-batch gradient (see `wholebatch.losses.common`).
+same whole-batch gradient (see `wholebatch.losses.call`).
 
     loss_fn = wholebatch.ClipLoss(normalize=True, logit_scale=1 / 0.07, learn_scale=True)
     loss = loss_fn(image_features, text_features)   # every rank: the whole batch's loss
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,12 @@ class _LossModule(nn.Module):
     def _prep(self, x: Tensor) -> Tensor:
         return F.normalize(x, dim=-1) if self.normalize else x
 
+    def _keywords(self) -> dict[str, Any]:
+        """The function's keywords this module fixes (its strategy too, where it has one)."""
+        names = ("group", "mesh", "batch_dims", "grad_reduction", "tile_size", "strategy")
+        out = {name: getattr(self, name) for name in names if hasattr(self, name)}
+        return out
+
     def extra_repr(self) -> str:
         return f"normalize={self.normalize}, grad_reduction={self.grad_reduction!r}"
 
@@ -152,10 +159,12 @@ class ClipLoss(_LossModule):
     ) -> Tensor:
         """The whole batch's CLIP loss (same on every rank); `logit_bias` has no effect (gradient 0)."""
         return clip_loss(
-            self._prep(image_BD), self._prep(text_BD), self.scale.resolve(logit_scale),
-            logit_bias=logit_bias, group=self.group, mesh=self.mesh, batch_dims=self.batch_dims,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size, strategy=self.strategy,
-        )  # fmt: skip
+            self._prep(image_BD),
+            self._prep(text_BD),
+            self.scale.resolve(logit_scale),
+            logit_bias=logit_bias,
+            **self._keywords(),
+        )
 
 
 class SigLipLoss(_LossModule):
@@ -197,11 +206,12 @@ class SigLipLoss(_LossModule):
     ) -> Tensor:
         """The whole batch's SigLIP loss (same on every rank)."""
         return siglip_loss(
-            self._prep(image_BD), self._prep(text_BD), self.scale.resolve(logit_scale),
-            self.bias.resolve(logit_bias), group=self.group, mesh=self.mesh,
-            batch_dims=self.batch_dims, grad_reduction=self.grad_reduction,
-            tile_size=self.tile_size,
-        )  # fmt: skip
+            self._prep(image_BD),
+            self._prep(text_BD),
+            self.scale.resolve(logit_scale),
+            self.bias.resolve(logit_bias),
+            **self._keywords(),
+        )
 
 
 class NTXentLoss(_LossModule):
@@ -236,10 +246,11 @@ class NTXentLoss(_LossModule):
     ) -> Tensor:
         """The whole batch's NT-Xent loss over its 2N views (same on every rank)."""
         return nt_xent_loss(
-            self._prep(z1_BD), self._prep(z2_BD), self.temperature.resolve(temperature),
-            group=self.group, mesh=self.mesh, batch_dims=self.batch_dims,
-            grad_reduction=self.grad_reduction, tile_size=self.tile_size,
-        )  # fmt: skip
+            self._prep(z1_BD),
+            self._prep(z2_BD),
+            self.temperature.resolve(temperature),
+            **self._keywords(),
+        )
 
 
 class InfoNCELoss(_LossModule):
@@ -301,12 +312,14 @@ class InfoNCELoss(_LossModule):
             cols = list(negatives)
             negs = torch.stack(cols, 1) if cols else None
         return info_nce_loss(
-            self._prep(query_BD), self._prep(document_BD), self.scale.resolve(logit_scale),
+            self._prep(query_BD),
+            self._prep(document_BD),
+            self.scale.resolve(logit_scale),
             negatives_BKD=None if negs is None else self._prep(negs),
-            directions=self.directions, partition_mode=self.partition_mode, group=self.group,
-            mesh=self.mesh, batch_dims=self.batch_dims, grad_reduction=self.grad_reduction,
-            tile_size=self.tile_size, strategy=self.strategy,
-        )  # fmt: skip
+            directions=self.directions,
+            partition_mode=self.partition_mode,
+            **self._keywords(),
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -11,7 +11,8 @@ the backward: it re-sends the blocks with their column coefficients and
 accumulates each block's gradient in flight (the recipe of Inf-CL,
 arXiv:2410.17243, and of `tiles.SigmoidRing`).
 
-Blocks travel in chunks of about one tile of candidates (`_chunk_rows`): a
+Blocks travel in chunks of about one tile of candidates (`sizing.ring_chunk_rows`,
+from agreed numbers only: ranks may pass different tile sizes): a
 chunk goes on to rank + 1, with its statistics or its coefficients and
 gradient, as soon as its tiles are done, while the next chunk is computed, and
 the next block's chunks arrive alike (`_pipeline`). So the transfer overlaps
@@ -50,18 +51,21 @@ from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.comm.sizes import ring_block
 from wholebatch.losses import fused
+from wholebatch.losses.lse import Ids
+from wholebatch.losses.sizing import ring_chunk_rows
 from wholebatch.losses.tiles import (
-    _accelerated,
-    _finish,
-    _logits,
-    _mask_rows,
-    _mm_acc,
-    _running,
-    _scaled_rows,
-    _softmax_coef,
-    _threaded,
-    _tiles,
+    accelerated,
     compute_dtype,
+    finish,
+    logits_tile,
+    mask_ids,
+    mask_rows,
+    mm_acc,
+    running,
+    scaled_rows,
+    softmax_coef,
+    threaded,
+    tile_grid,
 )
 
 __all__ = ["PositiveRing"]
@@ -89,14 +93,6 @@ class _Exchange:
             work.wait()
         self._sends = []
         return self.recvs
-
-
-def _chunk_rows(tile: int, j: int) -> int:
-    """Rows of a key block per message: about one tile of candidates (J keys per row).
-
-    The same on every rank (the tile is agreed), so sender and receiver cut a block alike.
-    """
-    return max(1, tile // j)
 
 
 def _bounds(rows: int, r: int) -> list[tuple[int, int]]:
@@ -203,9 +199,11 @@ class PositiveRing(torch.autograd.Function):
     `j`, `masks` (the key indices 0..J-1 left out of row i against its OWN
     sample's keys: (0,) for a positive, range(J) for InfoNCE's doc_to_doc),
     `columns` (also return the column terms of every
-    block's first keys), the agreed `sizes`, the `tile` (the same on every
-    rank: blocks travel in chunks of `_chunk_rows` rows) and `group`.
-    Outputs, as `PositiveLSE`:
+    block's first keys), the agreed `sizes`, this rank's `tile` (its own
+    arithmetic only: blocks travel in chunks of `sizing.ring_chunk_rows` rows,
+    the same on every rank), `group`, and `ids` (this rank's rows' ids, or None:
+    each block travels with its owner's, and rows of one id are never each
+    other's negatives; the fused kernels take no ids). Outputs, as `PositiveLSE`:
 
     - `row_B[i] = lse over row i's negatives − pos_B[i]` (its loss: softplus);
     - `col_B[i]` the same for column i (key 0 of sample i) over EVERY rank's
@@ -220,8 +218,8 @@ class PositiveRing(torch.autograd.Function):
     """
 
     @staticmethod
-    @_threaded
-    def forward(  # type: ignore[override]
+    @threaded
+    def forward(  # type: ignore[override]  # torch declares forward(ctx, *args)
         ctx: Any,
         q_BD: Tensor,
         keys_BX: Tensor,
@@ -233,6 +231,7 @@ class PositiveRing(torch.autograd.Function):
         sizes: tuple[int, ...],
         tile: int,
         group: Any,
+        ids: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         acc = compute_dtype(q_BD.dtype)
         b, d = q_BD.shape
@@ -240,20 +239,39 @@ class PositiveRing(torch.autograd.Function):
         peers = ring_peers(group) if w > 1 else (0, 0)
         if w > 1:
             arrive("ring_pass", keys_BX, group)
-        qs_BD, post = _scaled_rows(q_BD, scale, acc)
-        fast = fused.use_fused(q_BD)
+        qs_BD, post = scaled_rows(q_BD, scale, acc)
+        fast = ids is None and fused.use_fused(q_BD)
         kdt = keys_BX.dtype if post is not None or fast else acc
         m_row = torch.full((b,), float("-inf"), dtype=acc, device=q_BD.device)
         l_row = torch.zeros(b, dtype=acc, device=q_BD.device)
-        r, keys = _chunk_rows(tile, j), keys_BX.detach()
-        # each chunk travels with the (m, l) of its columns, (rows, 2) (or (rows, 0))
+        r, keys = ring_chunk_rows(q_BD.device.type, max(sizes), j), keys_BX.detach()
+        # each chunk travels with the (m, l) of its columns, (rows, 2) (or (rows, 0)), and its ids
         held: list[Any] = [
-            [keys[r0:r1], _fresh_stats(r1 - r0, 2 if columns else 0, acc, q_BD.device)]
+            [
+                keys[r0:r1],
+                _fresh_stats(r1 - r0, 2 if columns else 0, acc, q_BD.device),
+                *_ids_of(ids, r0, r1),
+            ]
             for r0, r1 in _bounds(b, r)
         ]
         buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-        st = SimpleNamespace(q=q_BD, qs=qs_BD, post=post, acc=acc, tile=tile, j=j, d=d, b=b,
-                             kdt=kdt, scale=scale, m_row=m_row, l_row=l_row, fast=fast, buf=buf)  # fmt: skip
+        st = SimpleNamespace(
+            q=q_BD,
+            qs=qs_BD,
+            post=post,
+            acc=acc,
+            tile=tile,
+            j=j,
+            d=d,
+            b=b,
+            ids=ids,
+            kdt=kdt,
+            scale=scale,
+            m_row=m_row,
+            l_row=l_row,
+            fast=fast,
+            buf=buf,
+        )
         run = (q_BD.device, group, peers, w == 1)
         for step in range(w):
             last, own = step == w - 1, masks if step == 0 else ()
@@ -261,38 +279,43 @@ class PositiveRing(torch.autograd.Function):
             compute = functools.partial(_fold_chunk, st, held, bounds, own, last)
             if not last:
                 nxt = _bounds(ring_block(sizes, rank, step + 1), r)
-                likes = [(tuple(keys.shape[1:]), keys.dtype), ((2 if columns else 0,), acc)]
+                likes = [
+                    (tuple(keys.shape[1:]), keys.dtype),
+                    ((2 if columns else 0,), acc),
+                    *_id_likes(ids),
+                ]
                 held = _pipeline(len(bounds), compute, nxt, likes, *run)
             else:  # the held block's columns are complete: home to their owner
-                home = _pipeline(len(bounds), compute, _bounds(b, r) if columns else [],
-                                 [((2,), acc)], *run)  # fmt: skip
+                home = _pipeline(
+                    len(bounds), compute, _bounds(b, r) if columns else [], [((2,), acc)], *run
+                )
         stats = [x for (x,) in home]
         stats_B2 = torch.cat(stats) if columns and stats else _fresh_stats(0, 2, acc, q_BD.device)
         inside = pos_B is None
         sc = scale.detach().to(acc)
         pos = sc * _rowdot(q_BD, keys[:, :d], acc, r) if pos_B is None else pos_B.detach().to(acc)
-        row_B = _finish(m_row, l_row, pos)
+        row_B = finish(m_row, l_row, pos)
         m_col, l_col = stats_B2[:, 0].contiguous(), stats_B2[:, 1].contiguous()
-        col_B = _finish(m_col, l_col, pos) if columns else pos.new_zeros(0)
+        col_B = finish(m_col, l_col, pos) if columns else pos.new_zeros(0)
         ctx.save_for_backward(q_BD, keys_BX, scale, m_row, l_row, m_col, l_col)
         ctx.j, ctx.masks, ctx.columns, ctx.sizes, ctx.tile = j, masks, columns, sizes, tile
-        ctx.group, ctx.inside = group, inside
+        ctx.group, ctx.inside, ctx.ids, ctx.r = group, inside, ids, r
         ctx.pos_dtype = acc if pos_B is None else pos_B.dtype
         return row_B, col_B
 
     @staticmethod
-    @_threaded
+    @threaded
     def backward(ctx: Any, g_row_B: Tensor, g_col_B: Tensor) -> tuple[Tensor | None, ...]:
         q_BD, keys_BX, scale, m_row, l_row, m_col, l_col = ctx.saved_tensors
-        acc, j, tile, columns = m_row.dtype, ctx.j, ctx.tile, ctx.columns
+        acc, columns = m_row.dtype, ctx.columns
         b, d = q_BD.shape
-        r = _chunk_rows(tile, j)
+        r = ctx.r
         g_row_B = g_row_B.to(acc)
-        sh_row, cf_row = _softmax_coef(m_row, l_row, g_row_B)
+        sh_row, cf_row = softmax_coef(m_row, l_row, g_row_B)
         # the column coefficients (shift, g / sum) of the held block, (Bq, 2): they travel with it
         if columns:
             g_col_B = g_col_B.to(acc)
-            coef_B2 = torch.stack(_softmax_coef(m_col, l_col, g_col_B), 1)
+            coef_B2 = torch.stack(softmax_coef(m_col, l_col, g_col_B), 1)
         else:
             coef_B2 = torch.zeros((b, 0), dtype=acc, device=q_BD.device)
         uq_BD = torch.zeros((b, d), dtype=acc, device=q_BD.device)  # unscaled: dq = s·uq
@@ -309,8 +332,18 @@ class PositiveRing(torch.autograd.Function):
             dk_BX.mul_(s).to(keys_BX.dtype) if need[1] else None,
             ds.to(scale.dtype) if ds is not None else None,
             g_pos.to(ctx.pos_dtype) if need[3] and not ctx.inside else None,
-            *([None] * 6),
+            *([None] * 7),
         )
+
+
+def _ids_of(ids: Tensor | None, r0: int, r1: int) -> list[Tensor]:
+    """A chunk's ids, to travel with it ([] without ids)."""
+    return [] if ids is None else [ids[r0:r1]]
+
+
+def _id_likes(ids: Tensor | None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The ids' shape and dtype among a chunk's travelling tensors ([] without ids)."""
+    return [] if ids is None else [((), ids.dtype)]
 
 
 def _ring_grads(
@@ -335,17 +368,34 @@ def _ring_grads(
     peers = ring_peers(group) if w > 1 else (0, 0)
     if w > 1:
         arrive("ring_pass", keys_BX, group)
-    fast = fused.use_fused(q_BD)
-    low = _accelerated(q_BD) and q_BD.dtype != acc
+    fast = ctx.ids is None and fused.use_fused(q_BD)
+    low = accelerated(q_BD) and q_BD.dtype != acc
     q = q_BD if low or fast else q_BD.to(acc)
     # The scale is applied to each tile, not to a scaled copy of the queries.
     post = scale.detach().to(acc)
     kdt = keys_BX.dtype if low or fast else acc
     keys, width = keys_BX.detach(), keys_BX.shape[1]
-    held: list[Any] = [[keys[r0:r1], coef_B2[r0:r1], None] for r0, r1 in _bounds(b, r)]
+    held: list[Any] = [
+        [keys[r0:r1], coef_B2[r0:r1], None, *_ids_of(ctx.ids, r0, r1)] for r0, r1 in _bounds(b, r)
+    ]
     buf = torch.empty(tile * tile, dtype=acc, device=q_BD.device)
-    st = SimpleNamespace(q=q, post=post, acc=acc, tile=tile, j=j, d=d, b=b, kdt=kdt, scale=scale,
-                         coefs=coefs, uq=uq_BD, fast=fast, buf=buf, width=width)  # fmt: skip
+    st = SimpleNamespace(
+        q=q,
+        post=post,
+        acc=acc,
+        tile=tile,
+        j=j,
+        d=d,
+        b=b,
+        kdt=kdt,
+        scale=scale,
+        coefs=coefs,
+        uq=uq_BD,
+        fast=fast,
+        buf=buf,
+        width=width,
+        ids=ctx.ids,
+    )
     run = (q_BD.device, group, peers, w == 1)
     for step in range(w):
         last, own = step == w - 1, ctx.masks if step == 0 else ()
@@ -353,7 +403,12 @@ def _ring_grads(
         compute = functools.partial(_grad_chunk, st, held, bounds, own, last)
         if not last:
             nxt = _bounds(ring_block(ctx.sizes, rank, step + 1), r)
-            likes = [((width,), keys.dtype), ((coef_B2.shape[1],), acc), ((width,), acc)]
+            likes = [
+                ((width,), keys.dtype),
+                ((coef_B2.shape[1],), acc),
+                ((width,), acc),
+                *_id_likes(ctx.ids),
+            ]
             held = _pipeline(len(bounds), compute, nxt, likes, *run)
         else:  # the held block's gradient is complete: home to its owner
             home = [
@@ -376,7 +431,7 @@ def _fold_chunk(
     Returns what goes on: the chunk and its statistics, or at the last step only the
     statistics (home). The held reference is dropped, so the chunk lives only while sent.
     """
-    (blk, stats), held[c] = held[c], None
+    (blk, stats, *ids), held[c] = held[c], None
     r0, r1 = bounds[c]
     cand = _candidates(blk, st.j, st.d, st.kdt)
     for a0, a1, mk in _row_ranges(st.b, r0, r1, own):
@@ -387,8 +442,9 @@ def _fold_chunk(
                 is not None
             )
         if not st.fast:
-            _fold(st.qs[a0:a1], cand, st.post, st.acc, st.tile, r1 - r0, mk, *rows, st.buf)
-    return [stats] if last else [blk, stats]
+            pair = (st.ids[a0:a1], ids[0]) if ids else None
+            _fold(st.qs[a0:a1], cand, st.post, st.acc, st.tile, r1 - r0, mk, *rows, st.buf, pair)
+    return [stats] if last else [blk, stats, *ids]
 
 
 def _grad_chunk(
@@ -405,7 +461,7 @@ def _grad_chunk(
     Returns what goes on: the chunk, its coefficients and gradient, or at the last step the
     gradient alone (home).
     """
-    (blk, cf, g), held[c] = held[c], None
+    (blk, cf, g, *ids), held[c] = held[c], None
     r0, r1 = bounds[c]
     if g is None:  # this rank's own block: its gradient starts here
         g = torch.zeros((r1 - r0, st.width), dtype=st.acc, device=blk.device)
@@ -421,10 +477,11 @@ def _grad_chunk(
                 is not None
             )
         if not st.fast:
-            _grad_block(q, q, cand, st.post, st.acc, st.tile, mk, rc, cf, uq, dcand, st.buf)
+            pair = (st.ids[a0:a1], ids[0]) if ids else None
+            _grad_block(q, q, cand, st.post, st.acc, st.tile, mk, rc, cf, uq, dcand, st.buf, pair)
     if st.j > 1:
         _add_wire(g, dcand, st.j, st.d)
-    return [g] if last else [blk, cf, g]
+    return [g] if last else [blk, cf, g, *ids]
 
 
 def _fresh_stats(rows: int, cols: int, acc: torch.dtype, device: torch.device) -> Tensor:
@@ -446,22 +503,25 @@ def _fold(
     l_row: Tensor,
     stats_B2: Tensor,
     buf: Tensor,
+    ids: Ids,
 ) -> None:
     """Fold one key block into the rows' (m, l) and, for its first `bq` keys, its columns' (in place)."""
     b, c = qs_BD.shape[0], cand.shape[0]
     n_cols = stats_B2.shape[0] if stats_B2.shape[1] else 0
     masks = tuple(t * bq for t in own)
-    for i0, i1, j0, j1 in _tiles(b, c, tile):
-        s_TT = _logits(qs_BD[i0:i1], cand[j0:j1].T, post, acc)
-        _mask_rows(s_TT, masks, i0 - j0)  # this rank's own samples: not negatives
+    for i0, i1, j0, j1 in tile_grid(b, c, tile):
+        s_TT = logits_tile(qs_BD[i0:i1], cand[j0:j1].T, post, acc)
+        mask_rows(s_TT, masks, i0 - j0)  # this rank's own samples: not negatives
+        if ids is not None:  # rows of one id: the block's first keys carry its rows' ids
+            mask_ids(s_TT, ids[0][i0:i1], ids[1][j0:j1])
         e = buf[: s_TT.numel()].view(s_TT.shape)
-        m_row[i0:i1], l_row[i0:i1] = _running(m_row[i0:i1], l_row[i0:i1], s_TT, 1, e)
+        m_row[i0:i1], l_row[i0:i1] = running(m_row[i0:i1], l_row[i0:i1], s_TT, 1, e)
         if j0 < n_cols:
             jc = min(j1, n_cols)
             sc = s_TT[:, : jc - j0]
             e = buf[: sc.numel()].view(sc.shape)
             m_c, l_c = stats_B2[j0:jc, 0].clone(), stats_B2[j0:jc, 1].clone()
-            stats_B2[j0:jc, 0], stats_B2[j0:jc, 1] = _running(m_c, l_c, sc, 0, e)
+            stats_B2[j0:jc, 0], stats_B2[j0:jc, 1] = running(m_c, l_c, sc, 0, e)
 
 
 def _fold_fused(
@@ -521,6 +581,7 @@ def _grad_block(
     uq_BD: Tensor,
     dcand: Tensor,
     buf: Tensor,
+    ids: Ids,
 ) -> None:
     """One block's tiles recomputed: adds the rows' gradient to `uq_BD`, the keys' to `dcand` (unscaled)."""
     sh_row, cf_row = row_coefs
@@ -529,9 +590,11 @@ def _grad_block(
     sh_col, cf_col = (coef_B2[:, 0], coef_B2[:, 1]) if n_cols else (coef_B2, coef_B2)
     bq = coef_B2.shape[0]
     masks = tuple(t * bq for t in own)
-    for i0, i1, j0, j1 in _tiles(b, c, tile):
-        s_TT = _logits(qs_BD[i0:i1], cand[j0:j1].T, post, acc)
-        _mask_rows(s_TT, masks, i0 - j0)
+    for i0, i1, j0, j1 in tile_grid(b, c, tile):
+        s_TT = logits_tile(qs_BD[i0:i1], cand[j0:j1].T, post, acc)
+        mask_rows(s_TT, masks, i0 - j0)
+        if ids is not None:
+            mask_ids(s_TT, ids[0][i0:i1], ids[1][j0:j1])
         # d a_i / d s_ij = softmax over row i's negatives; likewise along the columns.
         g_TT = buf[: s_TT.numel()].view(s_TT.shape)
         torch.sub(s_TT, sh_row[i0:i1, None], out=g_TT).exp_().mul_(cf_row[i0:i1, None])
@@ -544,7 +607,7 @@ def _grad_block(
 
 
 def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    return _mm_acc(a.to(b.dtype), b, acc)
+    return mm_acc(a.to(b.dtype), b, acc)
 
 
 def _add_wire(dblk_BX: Tensor, dcand: Tensor, j: int, d: int) -> None:

@@ -1,9 +1,9 @@
-"""Pure bookkeeping of the losses (no torch): the tile size, and the row of the cross-rank exchange.
+"""Pure bookkeeping of the losses (no torch): the tile size, the ring's chunks, which path a call takes.
 
-The losses (`wholebatch.losses.tiles`, `wholebatch.losses.common`) take these
-from here, and `wholebatch plan` reads them without loading torch, so the
-planner's tile and its count of the exchange's bytes come from the code the
-losses run, not from a second copy.
+The losses (`wholebatch.losses.call`, the kernels) take these from here, and
+`wholebatch plan` reads them without loading torch, so the planner's tile, its
+chunks and its choice of path come from the code the losses run, not from a
+second copy.
 
 Legend: W ranks, T the tile size (rows and columns of one logits tile).
 """
@@ -13,24 +13,24 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wholebatch.losses.specs import LossSpec
 
 __all__ = [
     "ACCEL_TILE_BUDGET",
     "AUTO_RING_BYTES",
-    "CARRY_BYTES",
     "CPU_TILE",
-    "EXCHANGE_HEADER",
-    "ROOM_HISTORY",
     "SMALL_GATHER_BYTES",
     "SMALL_ROWS",
     "STATS_GATHER_BYTES",
     "TILE_BUFFERS",
     "auto_strategy",
-    "carry_bytes",
-    "exchange_row_elements",
-    "fitted_room",
+    "choose",
     "replicates",
+    "ring_chunk_rows",
     "set_small_rows",
     "sizes_fingerprint",
     "small_rows",
@@ -69,11 +69,7 @@ def stats_gathered(rows: int, world: int, elem: int) -> bool:
     return (world - 1) * 2 * rows * elem <= STATS_GATHER_BYTES
 
 
-# The exchange row's fixed columns (losses/common.py): error flag, rows, dim,
-# dtype, device, reduction, the small-batch row limit.
-EXCHANGE_HEADER = 7
-
-# Small batches (losses/replicated.py): while the whole batch has at most this many
+# Small batches (losses/small.py): while the whole batch has at most this many
 # rows (and its gathered rows fit `SMALL_GATHER_BYTES`), every rank gathers every
 # rank's rows in one all-gather and computes the whole loss itself, with no other
 # collective forward or backward. At 8-64 rows per rank a call is latency: each
@@ -83,36 +79,6 @@ SMALL_ROWS = 512
 SMALL_GATHER_BYTES = 2**24  # 16 MiB of gathered rows per rank
 _SMALL_ENV = "WHOLEBATCH_SMALL_ROWS"
 _small_override: int | None = None
-
-
-# With the checks on, the exchange's all-gather also carries each rank's rows of
-# every embedding in a zero-padded room: when every rank's fit, the small path
-# needs no second collective. The room is the same on every rank and is fitted to
-# the rows the last calls on the group carried (`fitted_room`; the state in
-# `wholebatch.losses.room`): the first call on a group gets `carry_bytes(W)`, a
-# batch past it none. At 8 rows a room of 256 KiB measured ~0.1 ms more per call
-# than a fitted one on 2 CPU ranks (benchmarks/RESULTS.md, "small batches").
-CARRY_BYTES = 2**18  # 256 KiB: 64 rows of two 512-dim float32 towers at W = 2
-ROOM_HISTORY = 8  # calls on a group whose rows the room is fitted to
-_ROOM_FLOOR = 1024
-
-
-def carry_bytes(world: int) -> int:
-    """The most bytes of rows each rank carries in the losses' exchange at W = `world` (a
-    multiple of 8), and the room of the first call on a group: (W - 1)·carry_bytes(W) <=
-    `CARRY_BYTES` received per rank."""
-    return CARRY_BYTES // max(world - 1, 1) // 8 * 8
-
-
-def fitted_room(needed: Sequence[int], world: int) -> int:
-    """The exchange's room after calls whose largest rank carried `needed` bytes of rows
-    each (the last `ROOM_HISTORY` on the group, every rank the same list): the smallest
-    power of two (>= 1 KiB) holding each that fits `carry_bytes(world)`, their maximum;
-    0 when none fits (a large batch pays no room). Pure: the losses and `wholebatch plan`
-    decide with it."""
-    cap = carry_bytes(world)
-    fits = [max(_ROOM_FLOOR, 1 << max(x - 1, 0).bit_length()) for x in needed]
-    return max([x if x <= cap else 0 for x in fits], default=cap)
 
 
 def set_small_rows(rows: int | None) -> None:
@@ -158,6 +124,41 @@ def replicates(n: int, row_elements: int, elem: int, limit: int) -> bool:
     return 0 < n <= limit and n * row_elements * elem <= SMALL_GATHER_BYTES
 
 
+def choose(
+    loss: LossSpec,
+    strategy: str,
+    n: int,
+    row_elements: int,
+    key_elements: int,
+    elem: int,
+    limit: int,
+) -> str:
+    """The path a call takes: "small", "gather" or "ring" (the call path's *choose* stage).
+
+    From agreed numbers only, so every rank chooses alike: the spec, the agreed
+    `strategy`, N, a row's elements over every embedding (`row_elements`, the small
+    path gathers them) and over the keys a gather would hold (`key_elements`), the
+    element size and the agreed small-batch row limit (the smallest over ranks).
+    """
+    if loss.replicable(strategy) and replicates(n, row_elements, elem, limit):
+        return "small"
+    if strategy == "auto":
+        return auto_strategy(n * key_elements * elem)
+    return strategy
+
+
+def ring_chunk_rows(device_type: str, rows: int, keys_per_row: int) -> int:
+    """Rows of a key block per message of the softmax rings (`ring.PositiveRing`).
+
+    About one tile of candidates, the tile the device would choose for the
+    largest block (`rows`: the largest rank's rows, agreed): the same on every
+    rank whatever tile size each rank passes, so sender and receiver always cut a
+    block alike (a rank's own `tile_size` only tiles its own arithmetic).
+    """
+    cols = max(rows, 1) * keys_per_row
+    return max(1, tile_size_for(device_type, cols, cols) // keys_per_row)
+
+
 def tile_size_for(
     device_type: str, rows: int, cols: int, *, budget_bytes: int | None = None
 ) -> int:
@@ -190,19 +191,6 @@ def tile_size_for(
     t = max(_TILE_QUANTUM, t // _TILE_QUANTUM * _TILE_QUANTUM)
     longest = max(rows, cols, 1)
     return min(t, -(-longest // _TILE_QUANTUM) * _TILE_QUANTUM)
-
-
-def exchange_row_elements(options: int, scalars: int) -> int:
-    """Elements (float64) of the row each rank all-gathers in a loss's cross-rank exchange.
-
-    The header, one column per option that must agree (InfoNCE: k, directions,
-    partition mode), two for the caller's `sizes=` (given or not, and its
-    `sizes_fingerprint`), one column per replicated scalar (`logit_scale`, ...).
-    The row does not grow with W: the all-gather moves (W - 1)·row·8 bytes per
-    rank, the least that learning every rank's row count takes; `sizes=` with
-    `check=False` skips it (docs/plan.md).
-    """
-    return EXCHANGE_HEADER + options + 2 + scalars
 
 
 # A prime below 2^52: every fingerprint is an integer a float64 holds exactly.

@@ -49,6 +49,16 @@ class PlanConfig:
     """info_nce's directions, comma-separated: query_to_doc (always), doc_to_query,
     query_to_query, doc_to_doc."""
 
+    classes: int = 0
+    """supcon: the labels that have a positive in the whole batch (their sums are all-reduced);
+    0: N // 2, the most there can be."""
+
+    query_tokens: int = 32
+    """maxsim: tokens per query (the largest rank's, after padding)."""
+
+    doc_tokens: int = 180
+    """maxsim: tokens per document (the largest rank's, after padding)."""
+
     strategy: str = ""
     """How the loss reaches other ranks' rows: gather, ring (clip, info_nce; siglip always
     rings) or auto (ring past wholebatch.losses.sizing.AUTO_RING_BYTES of gathered keys);
@@ -142,12 +152,22 @@ class PlanConfig:
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", self.dtype, f"is not one of {', '.join(DTYPE_BYTES)}")
         self._check_mesh(bad)
-        names = ("batch", "dim", "world", "gpus_per_node", "tokens", "grad_bytes", "param_bytes")
+        names = (
+            "batch",
+            "dim",
+            "world",
+            "gpus_per_node",
+            "tokens",
+            "grad_bytes",
+            "param_bytes",
+            "query_tokens",
+            "doc_tokens",
+        )
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, value, "must be a positive int")
-        for name in ("micro_batches", "tile", "negatives"):
+        for name in ("micro_batches", "tile", "negatives", "classes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(
@@ -159,15 +179,16 @@ class PlanConfig:
         dirs = self.direction_list
         if not set(dirs) <= set(DIRECTIONS) or DIRECTIONS[0] not in dirs:
             raise bad(
-                "directions", self.directions,
+                "directions",
+                self.directions,
                 f"must be comma-separated names of {', '.join(DIRECTIONS)}, holding query_to_doc",
-            )  # fmt: skip
+            )
         if self.negatives and self.loss not in _WITH_NEGATIVES:
             raise bad("negatives", self.negatives, f"applies to {_losses(_WITH_NEGATIVES)} only")
         if dirs != DIRECTIONS[:1] and self.loss not in _WITH_DIRECTIONS:
             raise bad("directions", self.directions, f"applies to {_losses(_WITH_DIRECTIONS)} only")
         spec = SPECS.get(self.loss)
-        if self.strategy and (spec is None or not spec.offers(self.strategy)):
+        if self.strategy and (spec is None or self.strategy not in spec.offered()):
             offered = spec.strategies if spec else ()
             raise bad("strategy", self.strategy, f"is not one of {offered} for loss={self.loss!r}")
         if self.world > 65536:
@@ -200,9 +221,11 @@ class PlanConfig:
         shape = PlanMesh.parse(self.mesh)
         if self.world not in (0, shape.world):
             raise bad(
-                "world", self.world, f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
+                "world",
+                self.world,
+                f"differs from the {shape.world} ranks of mesh={self.mesh!r}; "
                 "leave world out (it is the mesh's size) or give the same number",
-            )  # fmt: skip
+            )
         if self.plots:
             raise bad("plots", self.plots, "sweeps a flat world's W; plot without mesh")
         object.__setattr__(self, "world", shape.world)

@@ -130,6 +130,16 @@ class Plan:
     """On a mesh with pp > 1: the peak of a rank of any stage but the last (which holds the
     loss, and is the busiest one `memory` describes): its parameters and activations."""
 
+    @property
+    def bubble(self) -> float | None:
+        """On a mesh with pp > 1: the share of a GPipe / 1F1B schedule a stage idles at this K,
+        (pp - 1) / (K + pp - 1); None without a pipeline."""
+        m = self.config.mesh_shape
+        pp = m.size("pp") if m is not None else 1
+        if pp <= 1:
+            return None
+        return (pp - 1) / (self.micro_batches + pp - 1)
+
     def bytes(self, phase: str | None = None) -> tuple[int, int]:
         """(sent, received) bytes per rank per step, over `phase` ("forward"/"backward") or both."""
         rows = [c for c in self.collectives if phase is None or c.phase == phase]
@@ -148,11 +158,15 @@ class Plan:
         out = dataclasses.asdict(self)
         out["config"] = dataclasses.asdict(self.config)
         out["times"] = {**dataclasses.asdict(self.times), "step": self.times.step}
+        out["pipeline_bubble"] = self.bubble
         fs, fr = self.bytes("forward")
         bs, br = self.bytes("backward")
         out["bytes_per_rank"] = {
-            "forward_sent": fs, "forward_received": fr, "backward_sent": bs, "backward_received": br,
-        }  # fmt: skip
+            "forward_sent": fs,
+            "forward_received": fr,
+            "backward_sent": bs,
+            "backward_received": br,
+        }
         if self.config.mesh:
             out["bytes_per_dims"] = {
                 d or "world": {"sent": s, "received": r}
@@ -187,9 +201,14 @@ def grad_traffic(c: PlanConfig) -> list[Collective]:
     if m is None:
         return ddp_grad_traffic(int(c.params), c.grad_bytes, c.world)
     return mesh_grad_traffic(
-        c.params / m.model_split, c.grad_bytes, c.param_bytes, m.shard, m.size("dp_replicate"),
-        shard_dims=m.label(("dp", "cp")), replicate_dims=m.label(("dp_replicate",)),
-    )  # fmt: skip
+        c.params / m.model_split,
+        c.grad_bytes,
+        c.param_bytes,
+        m.shard,
+        m.size("dp_replicate"),
+        shard_dims=m.label(("dp", "cp")),
+        replicate_dims=m.label(("dp_replicate",)),
+    )
 
 
 def _engine_rows(c: PlanConfig) -> list[Collective]:
@@ -210,8 +229,12 @@ def _act(c: PlanConfig, rows: int) -> int:
 
 
 def _embeddings(c: PlanConfig, b: int) -> int:
-    """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k negatives)."""
-    return SPECS[c.loss].embeddings_per_row(c.negatives) * b * c.dim * c.elem
+    """Bytes of the embeddings the loss receives on a rank of `b` rows (two per row, + k
+    negatives; maxsim's token sets)."""
+    spec = SPECS[c.loss]
+    if spec.kernel == "tokens":
+        return (c.query_tokens + c.doc_tokens) * b * c.dim * c.elem
+    return spec.embeddings_per_row(c.negatives) * b * c.dim * c.elem
 
 
 def resolved_strategy(c: PlanConfig, n: int) -> str:
@@ -230,9 +253,19 @@ def _own(c: PlanConfig, n: int) -> str:
 
 def _loss_memory(c: PlanConfig, n: int, b: int, tile: int, strategy: str | None = None) -> int:
     return loss_memory(
-        c.loss, strategy=strategy or _own(c, n), n=n, b=b, dim=c.dim, elem=c.elem,
-        acc=c.acc, tile=tile, w=c.shards, negatives=c.negatives, directions=c.direction_list,
-    )  # fmt: skip
+        c.loss,
+        strategy=strategy or _own(c, n),
+        n=n,
+        b=b,
+        dim=c.dim,
+        elem=c.elem,
+        acc=c.acc,
+        tile=tile,
+        w=c.shards,
+        negatives=c.negatives,
+        directions=c.direction_list,
+        tokens=(c.query_tokens, c.doc_tokens),
+    )
 
 
 def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
@@ -242,16 +275,26 @@ def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
     if c.loss == "tokens":
         peak = static + act
         return MemoryPlan(
-            static=static, activations=act, cache=0, loss=0, peak=peak, budget=c.budget,
+            static=static,
+            activations=act,
+            cache=0,
+            loss=0,
+            peak=peak,
+            budget=c.budget,
             peak_phase="micro-batch",
-        )  # fmt: skip
+        )
     lmem = _loss_memory(c, n, b, tile)
     if k == 1:  # no caching: the loss runs while the batch's activations are alive
         peak = static + act + lmem
         return MemoryPlan(
-            static=static, activations=act, cache=0, loss=lmem, peak=peak, budget=c.budget,
+            static=static,
+            activations=act,
+            cache=0,
+            loss=lmem,
+            peak=peak,
+            budget=c.budget,
             peak_phase="loss",
-        )  # fmt: skip
+        )
     # Gradient caching (wholebatch.GradCache, CachedStep): the loss runs on the cached
     # embeddings of all K micro-batches while the LAST micro-batch's graph is kept
     # (its second forward is never run); pass 2 then holds the embeddings'
@@ -260,9 +303,14 @@ def _memory(c: PlanConfig, n: int, b: int, k: int, tile: int) -> MemoryPlan:
     loss_phase = static + act + emb + lmem
     mb_phase = static + emb + act
     return MemoryPlan(
-        static=static, activations=act, cache=emb, loss=lmem, peak=max(loss_phase, mb_phase),
-        budget=c.budget, peak_phase="loss" if loss_phase >= mb_phase else "micro-batch",
-    )  # fmt: skip
+        static=static,
+        activations=act,
+        cache=emb,
+        loss=lmem,
+        peak=max(loss_phase, mb_phase),
+        budget=c.budget,
+        peak_phase="loss" if loss_phase >= mb_phase else "micro-batch",
+    )
 
 
 def _choose_k(c: PlanConfig, n: int, b: int, tile: int) -> int:
@@ -290,11 +338,12 @@ def _sweep(c: PlanConfig, n: int, b: int, sizes: Sequence[int] | None = None) ->
     spec = SPECS.get(c.loss)
     if spec is None:  # tokens: no sweep
         return b, n
-    if spec.kernel == "symmetric":
+    ring = resolved_strategy(c, n) == "ring"
+    if spec.kernel == "symmetric" and not ring:
         return spec.views * n, spec.views * n
-    if spec.kernel == "sigmoid":
+    if spec.kernel == "sigmoid" or (spec.kernel == "tokens" and ring):
         return b, max(sizes) if sizes else b
-    if resolved_strategy(c, n) == "ring":  # one block at a time: the largest
+    if ring:  # one block at a time: the largest
         return b, (max(sizes) if sizes else b) * spec.key_rows(c.negatives)
     return b, n * spec.key_rows(c.negatives)
 
@@ -373,6 +422,8 @@ def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
         dirs = c.direction_list
         cands = n * spec.key_rows(c.negatives)
         cols = cands * (1 + ("doc_to_doc" in dirs)) + n * ("query_to_query" in dirs)
+        if spec.kernel == "tokens":  # every (query token, document token) pair is a product
+            cols = n * c.query_tokens * c.doc_tokens
         elements = float(b) * cols
         mm = 8.0 * b * cols * c.dim
         passes += COLUMN_PASSES * n / cols if spec.has_columns(dirs) else 0
@@ -387,7 +438,10 @@ def _loss_seconds(c: PlanConfig, n: int, b: int) -> float:
 # Elements per row of the blocks each loss moves: the keys (texts; InfoNCE's
 # [document | negatives]; NT-Xent's [z1 | z2]).
 def _key_width(c: PlanConfig) -> int:
-    return SPECS[c.loss].key_rows(c.negatives) * c.dim
+    spec = SPECS[c.loss]
+    if spec.kernel == "tokens":
+        return c.doc_tokens * c.dim
+    return spec.key_rows(c.negatives) * c.dim
 
 
 class _Traffic:
@@ -409,9 +463,19 @@ class _Traffic:
         own = {v: k for k, v in STRATEGY_NAMES.items()}.get(strategy)
         if own is not None and own in spec.strategies:  # the library's own loss, every call counted
             return loss_traffic(
-                c.loss, sizes, rank, c.dim, c.elem, c.acc, negatives=c.negatives,
-                directions=c.direction_list, exchange=not c.known_sizes, strategy=own,
-            )  # fmt: skip
+                c.loss,
+                sizes,
+                rank,
+                c.dim,
+                c.elem,
+                c.acc,
+                negatives=c.negatives,
+                directions=c.direction_list,
+                exchange=not c.known_sizes,
+                strategy=own,
+                classes=c.classes,
+                tokens=(c.query_tokens, c.doc_tokens),
+            )
         width = _key_width(c)
         if strategy == "ring + tiled":
             return ring_traffic("key blocks", sizes, rank, width, c.elem, c.acc)
@@ -490,15 +554,23 @@ def plan(config: PlanConfig | None = None, *, sizes: Sequence[int] | None = None
     collectives = loss_rows + _engine_rows(c) + grads
     times = _times(c, n, b, k, loss_rows + _engine_rows(c))
     return Plan(
-        config=c, rows_per_rank=(min(rows), b), ranks_counted=tuple(ranks), micro_batches=k,
-        micro_batch_rows=math.ceil(b / k) if b else 0, tile=tile, fits=mem.peak <= c.budget,
-        memory=mem, collectives=tuple(collectives), times=times,
+        config=c,
+        rows_per_rank=(min(rows), b),
+        ranks_counted=tuple(ranks),
+        micro_batches=k,
+        micro_batch_rows=math.ceil(b / k) if b else 0,
+        tile=tile,
+        fits=mem.peak <= c.budget,
+        memory=mem,
+        collectives=tuple(collectives),
+        times=times,
         max_batch=_largest_batch(c, fixed_k=False),
         max_batch_at_k=_largest_batch(dataclasses.replace(c, micro_batches=k), fixed_k=True),
         strategies=tuple(_strategies(c, n, rows, busiest, tile, traffic)),
-        assumptions=tuple(_assumptions(c)), seconds=time.perf_counter() - t0,
+        assumptions=tuple(_assumptions(c)),
+        seconds=time.perf_counter() - t0,
         other_stages_peak=_other_stages_peak(c, b, k),
-    )  # fmt: skip
+    )
 
 
 def _other_stages_peak(c: PlanConfig, b: int, k: int) -> int | None:
@@ -515,9 +587,10 @@ def _parallel_assumption(c: PlanConfig) -> str:
         return (
             "DDP replicas (no FSDP sharding); the model's activations scale with micro-batch rows"
         )
+    over = "the loss gathers over them" if c.loss != "tokens" else "the items are counted over them"
     out = (
         f"mesh {m.describe()}: the items are split over the {m.batch} ranks of {m.batch_label} "
-        "(the loss gathers over them); tp ranks replicate them; parameters, gradients and "
+        f"({over}); tp ranks replicate them; parameters, gradients and "
         f"optimizer state are 1/(tp x pp) per rank, FSDP2 keeping 1/{m.shard} of that "
         "(dp x cp); act_mib is one rank's activations per item as measured on its part "
         "of the model; tensor-parallel collectives and pipeline sends are not counted"
@@ -538,16 +611,16 @@ def _assumptions(c: PlanConfig) -> list[str]:
         f"per GPU per direction, {c.latency_us:g} us per message round; no overlap of communication and compute",
         "all-reduce: ring model 2(W-1)/W of the tensor (NCCL trees/NVLS move less at scale)",
         _parallel_assumption(c),
-        f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute for 16-bit; "
-        "CUDA's 16-bit path skips some float32 copies), an even split",
-        "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
-        "replicated scalars (logit_scale, ...) are learnable: their gradients are agreed in the backward",
     ]
-    if c.loss != "tokens":
-        out.append(
+    if c.loss != "tokens":  # a per-item loss: no loss kernels, tiles or replicated scalars
+        out += [
+            f"loss memory: measured buffer counts of the CPU kernels ({c.dtype} in, float32 compute "
+            "for 16-bit; CUDA's 16-bit path skips some float32 copies), an even split",
+            "tile: wholebatch.losses.tile_size_for on an accelerator (3 float32 T x T buffers within 1 GiB)",
+            "replicated scalars (logit_scale, ...) are learnable: their gradients are agreed in the backward",
             "K > 1 uses gradient caching (wholebatch.GradCache / CachedStep): K - 1 extra forwards, "
-            "the last micro-batch's graph kept through the loss"
-        )
+            "the last micro-batch's graph kept through the loss",
+        ]
     if c.loss != "tokens" and not c.known_sizes and c.shards > 1:
         row = 8 * (c.shards - 1) * 15
         if row > 2**20:

@@ -32,7 +32,7 @@ def measure_model(model: Any, forward: Callable[[Any], Any], *, rows: int) -> tu
     """
     import torch
 
-    from wholebatch.verify.recording import SavedTensorMeter
+    from wholebatch.meter import SavedTensorMeter
 
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
         raise WholebatchError(f"measure_model: rows={rows!r} must be a positive int")

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from wholebatch.losses.sizing import ring_chunk_rows
 from wholebatch.losses.specs import RING, SPECS
 
 __all__ = ["LOSS_STRATEGY", "STRATEGY_NAMES", "loss_memory"]
@@ -83,12 +84,19 @@ def _ring_per_bd(w: int, elem: int, acc: int) -> float:
 
 
 def _positive_ring(
-    b: int, dim: int, elem: int, acc: int, w: int, k: int, directions: Sequence[str], tile: int
+    b: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    w: int,
+    k: int,
+    directions: Sequence[str],
+    chunk_rows: int,
 ) -> float:
     """`PositiveRing` (clip, info_nce with strategy="ring"): B·D, B·J·D and chunk buffers only.
 
-    The blocks travel in chunks of about one tile of candidates (T / J rows, at most
-    the block), so a rank holds about ONE block of each travelling tensor (the held
+    The blocks travel in chunks of about one tile of candidates (`chunk_rows`:
+    `sizing.ring_chunk_rows`, the device's tile / J rows, at most the block), so a rank holds about ONE block of each travelling tensor (the held
     chunks not yet sent and the arriving ones), not two. Read off peak RSS at W = 2
     and 4 (B = 2,048, D = 256, J = 1..3, tiles 256 and 1,024;
     tests/support/plan_memprobe.py, docs/plan.md): float32 a per B·D (the queries'
@@ -106,7 +114,7 @@ def _positive_ring(
     1.05a per B·J·D more. W = 1 (nothing in flight, not measured): as W = 2.
     """
     bd, bjd = b * dim, b * (1 + k) * dim
-    chunk = min(max(1, tile // (1 + k)), max(b, 1)) * (1 + k) * dim
+    chunk = min(chunk_rows, max(b, 1)) * (1 + k) * dim
     if elem < acc:
         out = 2.0 * acc * bd + (0.83 + k if k else 1.38) * acc * bjd
     else:
@@ -157,11 +165,13 @@ def loss_memory(
     w: int,
     negatives: int = 0,
     directions: Sequence[str] = ("query_to_doc",),
+    tokens: tuple[int, int] = (32, 180),
+    device: str = "cuda",
 ) -> int:
     """Peak bytes of the loss's forward + backward on a rank with `b` of the `n` rows.
 
     Args:
-        loss: "clip", "siglip", "nt_xent" or "info_nce".
+        loss: a key of `SPECS`.
         strategy: "gather + tiled" or "ring + tiled" (wholebatch's kernels), or
             "naive" (N x N logits on every rank) or "local" (B x N logits), for comparison.
         n: N, global rows (pairs; nt_xent has 2N views; info_nce's queries).
@@ -173,10 +183,14 @@ def loss_memory(
         w: W.
         negatives: info_nce's k hard negatives per query.
         directions: info_nce's directions.
+        tokens: maxsim's (query, document) tokens per row.
+        device: the device type the rings cut their chunks for (`sizing.ring_chunk_rows`).
     """
     spec = SPECS[loss]
     views = spec.views
     k = negatives if spec.negatives else 0
+    if spec.kernel == "tokens":
+        return _token_memory(strategy, n, b, dim, elem, acc, tile, w, tokens)
     # both towers' gathered features and their gradients (gather_with_grad)
     gathered = (2 + 2 * (1 + k)) * n * dim * elem if w > 1 else 0
     if strategy == "naive":  # every rank holds the whole (views·N)^2 logits
@@ -184,8 +198,19 @@ def loss_memory(
     if strategy == "local":  # B x N logits per direction (open_clip's local_loss, DisCo-CLIP)
         return 4 * (views * b) * (views * n * (1 + k)) * acc + gathered
     tiles = tile * tile * acc
-    if strategy == "ring + tiled" and spec.kernel == "positive" and RING in spec.strategies:
-        return int(_positive_ring(b, dim, elem, acc, w, k, directions, tile) + 2.8 * tiles)
+    if (
+        strategy == "ring + tiled"
+        and spec.kernel in ("positive", "symmetric")
+        and RING in spec.strategies
+    ):
+        j = spec.key_rows(k)
+        rows = ring_chunk_rows(device, b, j)
+        ring = _positive_ring(b, dim, elem, acc, w, j - 1, directions, rows)
+        # two views (dcl): the second view's sweep runs while the first's gradients (its rows',
+        # its key block's) are held: 3a per B·D more, read off peak RSS at W = 3 (docs/plan.md)
+        extra = 3 * (views - 1) * acc * b * dim
+        labels = 8 * n + acc * b * dim if spec.name == "supcon" else 0  # labels, label sums
+        return int(ring + extra + labels + 2.8 * tiles)
     if strategy == "ring + tiled":  # SigmoidRing's schedule (the comparison for other losses)
         width = spec.key_rows(k)  # key blocks of `width` x D per row
         buffers = 2.0 if spec.kernel != "sigmoid" else spec.tile_buffers
@@ -195,8 +220,42 @@ def loss_memory(
         return int(per_nd * n * dim + spec.tile_buffers * tiles + 4 * 2 * n * acc)
     if spec.kernel == "sigmoid":  # siglip with a gather (for comparison): clip's kernel, no columns
         return int(_gather_keys(n, b, dim, elem, acc, w, 0, ()) + 2.5 * tiles)
+    labels = 8 * n + acc * b * dim if spec.name == "supcon" else 0
     return int(
         _gather_keys(n, b, dim, elem, acc, w, k, directions)
         + spec.tile_buffers * tiles
         + (4 * n * acc if spec.has_columns(directions) else 0)
+        + labels
     )
+
+
+def _token_memory(
+    strategy: str,
+    n: int,
+    b: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    tile: int,
+    w: int,
+    tokens: tuple[int, int],
+) -> int:
+    """maxsim (`late.MaxSimLSE`, `late.MaxSimRing`): the documents' token blocks, never N x Q x T.
+
+    Gather: the gathered documents N·T·D (the embeddings' dtype) and their gradient
+    (compute dtype; e + 1.2a per N·T·D), the queries' gradient B·Q·D (2a with its
+    float32 copy), and the tiles: one tile of T² token similarities and autograd's
+    copies of it in the recomputing backward (about 4). Ring: 3a per B·T·D from W = 3,
+    2a at W = 2 (the block held, the block and its gradient in flight), the queries' gradient, the tiles. The
+    own pairs' scores B·Q·T are kept for their gradient. Read off peak RSS at W = 3
+    (D = 128, Q = 3, T = 5, tile 256), checked at W = 2 (docs/plan.md).
+    """
+    q, t = tokens
+    bqd, btd = b * q * dim, b * t * dim
+    tiles = 4 * tile * tile * acc + b * q * t * acc
+    if strategy == "naive":
+        return 4 * n * n * q * t * acc
+    if strategy == "ring + tiled":
+        return int((2 if w <= 2 else 3) * acc * btd + 2 * acc * bqd + tiles)
+    gathered = (elem + 1.2 * acc) * n * t * dim if w > 1 else (elem + acc) * btd
+    return int(gathered + 2 * acc * bqd + tiles)

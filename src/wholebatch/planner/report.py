@@ -68,8 +68,11 @@ def _header(p: Plan) -> list[str]:
     nodes = f"({max(1, -(-c.world // c.gpus_per_node)):,} node(s) of {c.gpus_per_node})"
     m = c.mesh_shape
     if m is None:
-        return [f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
-                f"{nodes}; {split}", ""]  # fmt: skip
+        return [
+            f"wholebatch plan: {what}; global batch {c.batch:,} over W = {c.world:,} "
+            f"{nodes}; {split}",
+            "",
+        ]
     per = split.replace("per rank", f"per item shard ({m.batch_label}; tp replicas see the same)")
     out = [
         f"wholebatch plan: {what}; global batch {c.batch:,} over the mesh {m.describe()}: "
@@ -86,10 +89,18 @@ def _header(p: Plan) -> list[str]:
 def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     verdict = "fits" if p.fits else "DOES NOT FIT"
+    tile = "" if p.config.loss == "tokens" else f", tile {p.tile}"  # a per-item loss has no tiles
     out = [
-        f"memory per rank (busiest), K = {p.micro_batches} micro-batch(es) of {p.micro_batch_rows:,} rows, "
-        f"tile {p.tile}: {verdict} in {human_bytes(m.budget)} usable"
+        f"memory per rank (busiest), K = {p.micro_batches} micro-batch(es) of {p.micro_batch_rows:,} rows"
+        f"{tile}: {verdict} in {human_bytes(m.budget)} usable"
     ]
+    if p.bubble is not None:
+        pp = p.config.mesh_shape.size("pp") if p.config.mesh_shape else 1
+        out.append(
+            f"pipeline bubble at pp = {pp}: (pp - 1) / (K + pp - 1) = {p.bubble:.0%} of the schedule "
+            f"idle at K = {p.micro_batches} (GPipe / 1F1B); K >= {4 * pp} keeps it under 20%, "
+            "at the memory of more micro-batches in flight (--micro-batches)"
+        )
     rows = [
         ["weights, gradients, optimizer state", human_bytes(m.static)],
         [
@@ -119,10 +130,17 @@ def _bytes_lines(p: Plan) -> list[str]:
     )
     mesh = bool(p.config.mesh)
     rows = [
-        [x.phase, x.name, *([x.dims] if mesh else []), x.primitive, f"{x.calls:,}",
-         human_bytes(x.sent), human_bytes(x.received)]
+        [
+            x.phase,
+            x.name,
+            *([x.dims] if mesh else []),
+            x.primitive,
+            f"{x.calls:,}",
+            human_bytes(x.sent),
+            human_bytes(x.received),
+        ]
         for x in p.collectives
-    ]  # fmt: skip
+    ]
     fs, fr = p.bytes("forward")
     bs, br = p.bytes("backward")
     pad = [""] * (3 if mesh else 2)

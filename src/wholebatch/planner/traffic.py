@@ -1,36 +1,30 @@
 """Bytes each rank sends and receives per step, collective by collective, from the library's own size bookkeeping.
 
 Every count here walks the sequence of collectives a loss issues (read off
-`wholebatch.losses.common`, `.contrastive`, `.info_nce` and `.tiles`; the tests
+`wholebatch.losses.call`, the loss modules and their kernels; the tests
 count the real calls on gloo and compare, every rank, every primitive) and
 takes each call's split sizes from `wholebatch.comm.sizes` and the exchange's
 row from `wholebatch.losses.sizing`, the functions the collectives and the
 losses themselves call. So a count at W = 65,536 runs the same bookkeeping as
 a real run, for one virtual rank, without a process.
 
-Every loss call on W > 1 ranks (losses/common.py `prepare` and `whole`):
+Every loss call on W > 1 ranks (losses/call.py `validate`, `Call.choose` and `Call.whole`):
 
 - the exchange (unless the caller passes `sizes=` with `check=False`): an
-  all-gather of one float64 row per rank, `exchange_row_elements` long
-  (header, options, the sizes= fingerprint, scalars): the same length at any W;
-  and a zero-padded room for the rank's rows (the small path uses them). A plan is
-  of the call repeated (steady state): the room is `sizing.fitted_room` of this
-  call's rows, the smallest power of two >= 1 KiB holding the largest rank's B·R·e
-  bytes while that fits `sizing.carry_bytes(W)` (256 KiB at W = 2,
-  (W - 1)·carry_bytes(W) <= 256 KiB received per rank), else none; the first
-  call on a group carries `carry_bytes(W)` (`wholebatch.losses.room`);
+  all-gather of one float64 row per rank, `specs.exchange_fields(spec)` long
+  (header, per-rank numbers, options, the sizes= fingerprint, scalars): the same
+  length at any W, and nothing else; a call's bytes depend on its own sizes only;
 - the agreement: after the exchange none in the forward (it checked the
   scalars equal), backward one all-reduce of the scalars' gradients; without
   it an all-reduce (max) of the scalars and the reduction code, backward one
   all-reduce of twice that (the gradient and the tie count);
 - the whole-batch sum: an all-reduce of one element; backward the same.
 
-A small batch (`wholebatch.losses.sizing.replicates`, losses/replicated.py) makes
-instead the exchange alone when it carried every rank's rows (B·R·e within the room,
-R = (2 + k)·D); otherwise (and without the exchange) ONE all-gather of every
-rank's rows of all its embeddings (B·R·e bytes per rank, plus the agreement's
-float64 row of the scalars and the reduction code without the exchange); and
-backward one all-reduce of one element (the upstream gradient of L, its mean).
+A small batch (`wholebatch.losses.sizing.choose`, losses/small.py) makes instead
+the exchange (if it runs) and ONE all-gather of every rank's rows of all its
+embeddings (B·R·e bytes per rank, R = (2 + k)·D, plus the agreement's float64
+row of the scalars and the reduction code without the exchange); and backward
+one all-reduce of one element (the upstream gradient of L, its mean).
 
 Legend: W ranks, N global rows, B a rank's rows, D embedding dim, k hard
 negatives per query; e the embeddings' element size, a the kernels' compute
@@ -50,14 +44,8 @@ from wholebatch.comm.sizes import (
     shift_splits,
     wire_rows,
 )
-from wholebatch.losses.sizing import (
-    exchange_row_elements,
-    fitted_room,
-    replicates,
-    small_rows,
-    stats_gathered,
-)
-from wholebatch.losses.specs import SPECS, LossSpec
+from wholebatch.losses.sizing import replicates, small_rows, stats_gathered
+from wholebatch.losses.specs import SPECS, LossSpec, exchange_fields
 
 __all__ = [
     "SCALARS",
@@ -106,9 +94,14 @@ def _gather(name: str, phase: str, sizes: Sequence[int], rank: int, row_bytes: i
     sent, recv = wire_rows(splits, rank)
     uneven = len(set(sizes)) > 1
     return Collective(
-        name=name, phase=phase, primitive="all_to_all" if uneven else "all_gather", calls=1,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=len(sizes) - 1,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_to_all" if uneven else "all_gather",
+        calls=1,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=len(sizes) - 1,
+    )
 
 
 def _reduce_scatter(
@@ -116,17 +109,27 @@ def _reduce_scatter(
 ) -> Collective:
     sent, recv = wire_rows(reduce_scatter_splits(sizes, rank), rank)
     return Collective(
-        name=name, phase=phase, primitive="all_to_all", calls=1,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=len(sizes) - 1,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_to_all",
+        calls=1,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=len(sizes) - 1,
+    )
 
 
 def _all_reduce(name: str, phase: str, numel: int, elem: int, w: int, calls: int) -> Collective:
     moved = round(ring_all_reduce_elements(numel, w) * elem) * calls
     return Collective(
-        name=name, phase=phase, primitive="all_reduce", calls=calls,
-        sent=moved, received=moved, steps=2 * (w - 1) * calls,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="all_reduce",
+        calls=calls,
+        sent=moved,
+        received=moved,
+        steps=2 * (w - 1) * calls,
+    )
 
 
 def _ring(
@@ -140,9 +143,14 @@ def _ring(
         recv += in_rows
         calls += 1
     return Collective(
-        name=name, phase=phase, primitive="p2p", calls=calls,
-        sent=sent * row_bytes, received=recv * row_bytes, steps=calls,
-    )  # fmt: skip
+        name=name,
+        phase=phase,
+        primitive="p2p",
+        calls=calls,
+        sent=sent * row_bytes,
+        received=recv * row_bytes,
+        steps=calls,
+    )
 
 
 def gather_traffic(what: str, sizes: Sequence[int], rank: int, row_bytes: int) -> list[Collective]:
@@ -190,11 +198,13 @@ def loss_traffic(
     exchange: bool = True,
     strategy: str = "gather",
     small: int | None = None,
+    classes: int = 0,
+    tokens: tuple[int, int] = (0, 0),
 ) -> list[Collective]:
     """The collectives of one forward + backward of `loss` on rank `rank` (none in a world of one).
 
     Args:
-        loss: "clip", "siglip", "nt_xent" or "info_nce".
+        loss: a key of `SPECS`.
         sizes: every rank's rows B (queries, for info_nce).
         rank: the rank to count for.
         dim: D.
@@ -205,6 +215,8 @@ def loss_traffic(
         exchange: the losses' metadata exchange runs (False: `sizes=` with `check=False`).
         strategy: "gather" or "ring" (resolved: what the loss runs; siglip always rings).
         small: the small-batch row limit (`sizing.small_rows`; None: this process's).
+        classes: supcon's labels that have a positive (0: N // 2, the most there can be).
+        tokens: maxsim's (query, document) tokens per row.
     """
     w = len(sizes)
     if w <= 1:
@@ -212,20 +224,22 @@ def loss_traffic(
     spec = SPECS[loss]
     fwd, bwd = "forward", "backward"
     scalars = len(spec.scalars)
-    row_elements = spec.embeddings_per_row(negatives) * dim
+    decides, row_bytes = small_rows_of(spec, sum(sizes), dim, elem, negatives, tokens)
     limit = small_rows() if small is None else small
-    room = fitted_room([max(sizes) * row_elements * elem], w)  # the call repeated: steady
-    if spec.replicable(strategy) and replicates(sum(sizes), row_elements, elem, limit):
-        return _replicated_traffic(spec, sizes, rank, row_elements * elem, exchange, acc, room)
-    stats: list[Collective]
-    if strategy == "ring" and spec.kernel == "positive":
+    if spec.replicable(strategy) and replicates(sum(sizes), decides, elem, limit):
+        return _replicated_traffic(spec, sizes, rank, row_bytes, exchange, acc)
+    stats: list[Collective] = []
+    if spec.kernel == "tokens":
+        moves = _token_moves(spec, sizes, rank, dim, elem, acc, strategy, tokens)
+    elif strategy == "ring" and spec.kernel in ("positive", "symmetric"):
         moves = _positive_rings(spec, sizes, rank, dim, elem, acc, negatives, directions)
-        stats = []
     else:
         moves, stats = _moves(spec, sizes, rank, dim, elem, acc, negatives, directions)
+    if spec.name == "supcon":  # the labels, agreed rows; the label sums, chunk by chunk
+        moves += _label_sums(sizes, rank, dim, acc, classes or sum(sizes) // 2)
     out = []
     if exchange:  # the exchange checks the scalars equal: no forward agreement
-        out.append(_exchange(spec, w, rank, room))
+        out.append(_exchange(spec, w, rank))
     else:
         out.append(_all_reduce("agree scalars, reduction (max)", fwd, scalars + 1, acc, w, 1))
     out += [x for x in moves + stats if x.phase == fwd]
@@ -239,11 +253,73 @@ def loss_traffic(
     return out
 
 
-def _exchange(spec: LossSpec, w: int, rank: int, room: int) -> Collective:
-    """The exchange: every rank's float64 row and its room for rows (`room` bytes, padded)."""
-    row = exchange_row_elements(spec.exchange_options(), len(spec.scalars))
-    name = "agree shapes, dtypes, options (float64 row) + rows carried"
-    return _gather(name, "forward", [1] * w, rank, 8 * row + room)
+def small_rows_of(
+    spec: LossSpec, n: int, dim: int, elem: int, negatives: int, tokens: tuple[int, int]
+) -> tuple[int, int]:
+    """(elements per row that decide the small path, bytes per row it gathers), as the losses
+    count them: every embedding's row; maxsim's dense N x N x Q x T similarities too (and its
+    masks, a byte per token); supcon's labels, 8 bytes per row."""
+    if spec.kernel == "tokens":
+        q, t = tokens
+        return max((q + t) * dim, n * q * t), (q + t) * dim * elem + q + t
+    elements = spec.embeddings_per_row(negatives) * dim
+    return elements, elements * elem + (8 if spec.name == "supcon" else 0)
+
+
+def _label_sums(
+    sizes: Sequence[int], rank: int, dim: int, acc: int, classes: int
+) -> list[Collective]:
+    """supcon: its labels all-gathered (int64), then the sums of the `classes` labels that have
+    a positive, all-reduced max(B) labels at a time (backward: the same all-reduces)."""
+    w, chunk = len(sizes), max(max(sizes), 1)
+    out = [_gather("all_gather labels", "forward", sizes, rank, 8)]
+    for phase in ("forward", "backward"):
+        for c0 in range(0, classes, chunk):
+            rows = min(chunk, classes - c0)
+            out.append(_all_reduce(f"label sums ({phase})", phase, rows * dim, acc, w, 1))
+    return out
+
+
+def _token_moves(
+    spec: LossSpec,
+    sizes: Sequence[int],
+    rank: int,
+    dim: int,
+    elem: int,
+    acc: int,
+    strategy: str,
+    tokens: tuple[int, int],
+) -> list[Collective]:
+    """maxsim's document blocks (T x D and their masks, a byte per token): all-gathered
+    (their gradient reduce-scattered), or around the ring (`late.MaxSimRing`)."""
+    t = tokens[1]
+    if strategy == "ring":
+        w = len(sizes)
+        steps = range(w - 1)
+        return [
+            _ring(f"ring_shift {spec.keys}", "forward", sizes, rank, steps, t * dim * elem + t),
+            _ring(
+                "ring_shift block and gradient",
+                "backward",
+                sizes,
+                rank,
+                steps,
+                t * dim * (elem + acc) + t,
+            ),
+            _ring(
+                "ring_shift gradient home", "backward", sizes, rank, range(w - 1, w), t * dim * acc
+            ),
+        ]
+    return [
+        *gather_traffic(spec.keys, sizes, rank, t * dim * elem),
+        _gather("all_gather document masks", "forward", sizes, rank, t),
+    ]
+
+
+def _exchange(spec: LossSpec, w: int, rank: int) -> Collective:
+    """The exchange: every rank's float64 row (`specs.exchange_fields`), nothing else."""
+    name = "agree shapes, dtypes, options (float64 row)"
+    return _gather(name, "forward", [1] * w, rank, 8 * len(exchange_fields(spec)))
 
 
 def _replicated_traffic(
@@ -253,20 +329,18 @@ def _replicated_traffic(
     row_bytes: int,
     exchange: bool,
     acc: int,
-    room: int,
 ) -> list[Collective]:
-    """The small path's collectives: the exchange (if it runs), one all-gather of raw bytes
-    unless the exchange carried every rank's rows; backward, the upstream gradient's mean."""
+    """The small path's collectives: the exchange (if it runs), one all-gather of raw bytes;
+    backward, the upstream gradient's mean."""
     w = len(sizes)
     out = []
     head = 0
     if exchange:
-        out.append(_exchange(spec, w, rank, room))
+        out.append(_exchange(spec, w, rank))
     else:  # the agreement's float64 row rides with the rows: the scalars and the reduction code
         head = 8 * (len(spec.scalars) + 1)
-    if not exchange or max(sizes) * row_bytes > room:
-        payload = [b * row_bytes + head for b in sizes]
-        out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
+    payload = [b * row_bytes + head for b in sizes]
+    out.append(_gather("all_gather whole batch (every embedding)", "forward", payload, rank, 1))
     out.append(_all_reduce("upstream gradient of L (mean)", "backward", 1, acc, w, 1))
     return out
 
@@ -337,11 +411,17 @@ def positive_ring_traffic(
         ]
     return [
         *out,
-        _ring(f"ring_shift {what} (and column coefficients)", "backward", sizes, rank, steps,
-              width * elem + stat),
+        _ring(
+            f"ring_shift {what} (and column coefficients)",
+            "backward",
+            sizes,
+            rank,
+            steps,
+            width * elem + stat,
+        ),
         _ring("ring_shift accumulated key gradient", "backward", sizes, rank, steps, width * acc),
         _ring("ring_shift key gradient home", "backward", sizes, rank, home, width * acc),
-    ]  # fmt: skip
+    ]
 
 
 def _positive_rings(
@@ -354,10 +434,15 @@ def _positive_rings(
     negatives: int,
     directions: Sequence[str],
 ) -> list[Collective]:
-    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py)."""
+    """The rings of a softmax loss with `strategy="ring"`: one per sweep (losses/info_nce.py);
+    two views (dcl): each view's rows sweep the [a | b] blocks, two rings."""
     width = spec.key_rows(negatives) * dim
     cols = spec.has_columns(directions)
     out = positive_ring_traffic(spec.keys, sizes, rank, width, elem, acc, cols)
+    if spec.views > 1:
+        out += positive_ring_traffic(
+            f"{spec.keys} (second views)", sizes, rank, width, elem, acc, cols
+        )
     if "query_to_query" in directions:
         out += positive_ring_traffic("queries", sizes, rank, dim, elem, acc, False)
     if "doc_to_doc" in directions:
@@ -403,18 +488,35 @@ def mesh_grad_traffic(
         part = (shard - 1) / shard * params
         gathered, reduced = round(part * param_elem), round(part * grad_elem)
         for phase, what in (("forward", "forward"), ("backward", "backward re-gather")):
-            out.append(Collective(
-                name=f"FSDP2 parameter all-gather ({what})", phase=phase, primitive="all_gather",
-                calls=1, sent=gathered, received=gathered, steps=shard - 1, dims=shard_dims,
-            ))  # fmt: skip
-        out.append(Collective(
-            name="FSDP2 gradient reduce-scatter", phase="backward", primitive="reduce_scatter",
-            calls=1, sent=reduced, received=reduced, steps=shard - 1, dims=shard_dims,
-        ))  # fmt: skip
+            out.append(
+                Collective(
+                    name=f"FSDP2 parameter all-gather ({what})",
+                    phase=phase,
+                    primitive="all_gather",
+                    calls=1,
+                    sent=gathered,
+                    received=gathered,
+                    steps=shard - 1,
+                    dims=shard_dims,
+                )
+            )
+        out.append(
+            Collective(
+                name="FSDP2 gradient reduce-scatter",
+                phase="backward",
+                primitive="reduce_scatter",
+                calls=1,
+                sent=reduced,
+                received=reduced,
+                steps=shard - 1,
+                dims=shard_dims,
+            )
+        )
     if replicate > 1:
         what = "HSDP gradient all-reduce of the shard" if shard > 1 else "DDP gradient all-reduce"
-        row = _all_reduce(f"{what} (ring model)", "backward", round(params / shard), grad_elem,
-                          replicate, 1)  # fmt: skip
+        row = _all_reduce(
+            f"{what} (ring model)", "backward", round(params / shard), grad_elem, replicate, 1
+        )
         out.append(dataclasses.replace(row, dims=replicate_dims))
     return out
 

@@ -8,9 +8,10 @@
   draws (from torch's global RNG, as `nn.Dropout` does, so RNG replay matters
   exactly as it does for the real module) and can replay them in a reference
   model, or be switched off.
-- `SavedTensorMeter`: the peak bytes of activations held for backward (tensors
-  saved by autograd, parameters excluded): a deterministic measure of
-  activation memory that works on CPU.
+- `SavedTensorMeter` (from `wholebatch.meter`, below verify and the planner):
+  the peak bytes of activations held for backward (tensors saved by autograd,
+  parameters excluded): a deterministic measure of activation memory that works
+  on CPU.
 - `watch_collectives` / `collectives_seen`: counts the `torch.distributed`
   collectives a step calls on tensors that need gradient (they carry none), and
   (`collectives_in_functions`) those called inside a custom autograd Function's
@@ -28,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from wholebatch.errors import WholebatchError
+from wholebatch.meter import SavedTensorMeter as SavedTensorMeter
 
 __all__ = [
     "AUTOCAST_DEVICES",
@@ -197,41 +198,6 @@ def install_tape_dropout(model: nn.Module, mode: DropoutMode) -> dict[str, TapeD
                 setattr(parent, child_name, tape)
                 found[name] = tape
     return found
-
-
-class SavedTensorMeter:
-    """Peak bytes of tensors autograd saves for backward, while `track()` is active.
-
-    A saved tensor counts from when it is saved until it is freed (its graph is
-    released after backward and nothing else holds it); storages are counted
-    once however often they are saved; parameters (always resident) are not
-    counted. CPU-only friendly and deterministic, unlike resident memory.
-    """
-
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self.peak = 0
-        self.live = 0
-        self._storages: dict[int, int] = {}
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-
-    def _free(self, key: int) -> None:
-        self.live -= self._storages.pop(key, 0)
-
-    def _pack(self, t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in self._exclude and key not in self._storages:
-            self._storages[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, key)
-        return t
-
-    @contextlib.contextmanager
-    def track(self) -> Iterator[SavedTensorMeter]:
-        """Count saved tensors inside this context."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield self
 
 
 # ---------------------------------------------------------------------------
