@@ -7,6 +7,8 @@ half (tuning, evaluation), per finding and on code the repository reaches.
     .venv/bin/python -m benchmarks.lint_corpus --root /tmp/corpus --half evaluation
     .venv/bin/python -m benchmarks.lint_corpus --root /tmp/corpus --baseline 75b74af
     .venv/bin/python -m benchmarks.lint_corpus --root . --markdown    # docs/lint.md's tables
+    .venv/bin/python -m benchmarks.lint_corpus --manifest benchmarks/lint_heldout.toml \
+        --root /tmp/heldout                                          # the held-out set
 
 `--root DIR` holds one folder per repository, `DIR/<owner>+<name>/`, with the files of
 its snapshot at the manifest's commit (e.g. `git --git-dir=<mirror> archive <commit> |
@@ -14,7 +16,9 @@ tar -x -C DIR/<owner>+<name>`); none of their code is in this repository. `--mir
 DIR` extracts the `.py` files from git mirrors laid out as `DIR/<owner>+<name>/repo`
 first. `--baseline REV` lints with this repository's `src/` at revision REV instead
 (read from git into a temporary folder), to judge the linter before a change on the
-same verdicts.
+same verdicts. `--manifest PATH` reads another manifest of the same form (the held-out
+set of benchmarks/lint_heldout.toml: every repository in the half "heldout", judged once,
+never tuned on); its `[revisions]` table names the linters its `found_by` lists.
 
 Counts: a finding judged "true" is a true positive, "false" a false positive, one not
 in the manifest is "unjudged" (printed, so it gets a verdict before any number is
@@ -179,16 +183,23 @@ def score(manifest: dict[str, Any], rev: str, half: str) -> dict[str, int]:
     return out
 
 
+def _halves(manifest: dict[str, Any]) -> list[str]:
+    """The manifest's halves, in the order of its repositories."""
+    return list(dict.fromkeys(r["half"] for r in manifest["repo"]))
+
+
 def markdown(manifest: dict[str, Any]) -> str:
     """The tables of docs/lint.md's corpus section: scores per half and linter, then
     every judged entry with its verdict and why."""
+    revisions: dict[str, str] = manifest.get("revisions", REVISIONS)
+    order = sorted(_halves(manifest), key=lambda h: h != "tuning")
     lines = [
         "| half | linter | TP | FP | FN | precision | recall | on code it reaches: "
         "precision | recall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for half in ("tuning", "evaluation"):
-        for rev, label in REVISIONS.items():
+    for half in order:
+        for rev, label in revisions.items():
             c = score(manifest, rev, half)
             lines.append(
                 f"| {half} | `{rev}` ({label}) | {c['tp']} | {c['fp']} | {c['fn']} | "
@@ -204,7 +215,7 @@ def markdown(manifest: dict[str, Any]) -> str:
     halves = {r["repo"]: r["half"] for r in manifest["repo"]}
     for f in sorted(
         manifest.get("finding", []),
-        key=lambda f: (halves[f["repo"]] != "tuning", f["repo"], f["file"], f["line"]),
+        key=lambda f: (order.index(halves[f["repo"]]), f["repo"], f["file"], f["line"]),
     ):
         by = ", ".join(f"`{r}`" for r in f.get("found_by", [])) or "(read)"
         verdict = f["verdict"] + ("" if f.get("reached", True) else ", not reached")
@@ -224,6 +235,8 @@ def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
         if dest.exists():
             continue
         git = mirror / name / "repo"
+        if (git / ".git").is_dir():  # a snapshot that came as a work tree
+            git = git / ".git"
         listing = subprocess.run(
             ["git", "--git-dir", str(git), "ls-tree", "-r", "--name-only", "-z", r["commit"]],
             capture_output=True,
@@ -246,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lint_corpus")
     parser.add_argument("--root", type=Path, required=True, help="one folder per repository")
     parser.add_argument("--mirror", type=Path, help="extract the snapshots from these mirrors")
-    parser.add_argument("--half", choices=("tuning", "evaluation", "all"), default="tuning")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="the judged corpus")
+    parser.add_argument(
+        "--half",
+        choices=("tuning", "evaluation", "heldout", "all"),
+        help="default: tuning for lint_corpus.toml, all for another manifest",
+    )
     parser.add_argument("--repo", action="append", help="only these repositories")
     parser.add_argument("--baseline", default="", help="lint with src/ at this git revision")
     parser.add_argument("--json", type=Path, help="write every finding here")
@@ -254,11 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         "--markdown", action="store_true", help="print docs/lint.md's tables from the manifest"
     )
     args = parser.parse_args(argv)
-    manifest = load()
+    manifest = load(args.manifest)
+    half = args.half or ("tuning" if args.manifest == MANIFEST else "all")
     if args.markdown:
         print(markdown(manifest))
         return 0
-    repos = [r for r in manifest["repo"] if args.half in ("all", r["half"])]
+    repos = [r for r in manifest["repo"] if half in ("all", r["half"])]
     if args.repo:
         repos = [r for r in repos if r["repo"] in args.repo]
     if args.mirror is not None:

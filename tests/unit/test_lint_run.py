@@ -133,6 +133,28 @@ def test_the_corpus_manifest_and_its_tables_in_the_docs() -> None:
     assert markdown(manifest) in doc, "run `python -m benchmarks.lint_corpus --root . --markdown`"
 
 
+def test_the_held_out_manifest_and_its_judgment_in_the_docs() -> None:
+    # benchmarks/lint_heldout.toml: disjoint from the corpus and from every set kept
+    # aside, every entry judged with a why, and docs/lint.md shows each verdict and the
+    # score computed from the manifest (it was judged once, at ab6ca31).
+    from benchmarks.lint_corpus import MANIFEST, load, score
+
+    manifest = load(ROOT / "benchmarks" / "lint_heldout.toml")
+    repos = manifest["repo"]
+    assert len(repos) >= 20 and all(len(r["commit"]) == 40 for r in repos)
+    names = {r["repo"] for r in repos}
+    assert not names & _KEPT_ASIDE and not names & {r["repo"] for r in load(MANIFEST)["repo"]}
+    assert {r["half"] for r in repos} == {"heldout"} and list(manifest["revisions"]) == ["ab6ca31"]
+    doc = (ROOT / "docs" / "lint.md").read_text()
+    section = doc[doc.index("## A held-out judgment") : doc.index("## Never aborts")]
+    for f in manifest["finding"]:
+        assert f["repo"] in names and f["verdict"] in ("true", "false", "expected") and f["why"]
+        if f["code"] != "WB000":
+            assert f"`{f['file']}:{f['line']}` | {f['code']} |" in section, f
+    c = score(manifest, "ab6ca31", "heldout")
+    assert f"| {c['tp']} | {c['fp']} | {c['fn']} |" in section
+
+
 # Issue 26's 17 repositories (tuned on) and issue 33's 18 (kept for an independent judgment).
 _KEPT_ASIDE = frozenset(
     [
