@@ -21,7 +21,6 @@ import dataclasses
 import pytest
 
 from tests.distributed.test_mesh_dist import CP, TIMEOUT, TP, W, same_error_everywhere
-from tests.support.features import skip_unless
 from tests.support.harness import run_ranks, run_ranks_outcomes
 from tests.support.mesh_cases import params_close
 from tests.support.mesh_normalize import MODES, NormResult, reference, run_modes
@@ -50,8 +49,6 @@ def _close(got: NormResult, want: NormResult) -> list[str]:
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_every_mode_on_the_mesh_equals_one_process(mesh: str) -> None:
-    if "tp" in mesh:
-        skip_unless("fsdp_tp_uneven")  # TinyLM's 6 rows over dp 2 x tp 2
     case = MESHES[mesh]
     refs = {mode: reference(case, mode) for mode in MODES}
     results = run_ranks(W, run_modes, case, MODES, timeout=TIMEOUT)
@@ -67,8 +64,6 @@ def test_every_mode_on_the_mesh_equals_one_process(mesh: str) -> None:
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_a_table_past_the_inline_rows_takes_its_own_all_gather(mesh: str) -> None:
     # 2 inline rows: every rank holds more, so the rows travel in one more all-gather.
-    if "tp" in mesh:
-        skip_unless("fsdp_tp_uneven")
     case = MESHES[mesh]
     modes = ("sequence", "group")
     results = run_ranks(W, run_modes, case, modes, None, 2, timeout=TIMEOUT)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.features import skip_unless
+from tests.support.features import has, skip_unless
 from wholebatch.testing import WholeBatchMismatch, assert_whole_batch, verify
 from wholebatch.verify import VerifyConfig
 
@@ -89,6 +89,25 @@ def test_replica_message_names_the_ranks(
         1,
         1,
     ]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    has("fsdp_tp_uneven"),
+    reason="this torch reads FSDP2 x tensor-parallel uneven shards back right: verify judges "
+    "them (the tests above)",
+)
+def test_verify_refuses_the_layout_where_torch_reads_it_back_wrong() -> None:
+    # torch 2.8 - 2.9: training on it is exact (tests/distributed/test_mesh_dist.py reads the
+    # local pieces), but verify compares full tensors, which torch assembles wrong there:
+    # the same error from every rank, no verdict on the gradient.
+    with pytest.raises(WholeBatchMismatch) as caught:
+        assert_whole_batch(f"{TARGETS}:exact", mesh="dp=2,tp=2", micro_batches=2, timeout=60.0)
+    (report,) = caught.value.reports
+    assert not report.passed and not report.comparisons, report.format()
+    text = str(caught.value)
+    assert "the split step failed on ranks [0, 1, 2, 3]: WholebatchError: verify: torch" in text
+    assert "_StridedShard" in text and "or torch >= 2.10" in text, text
 
 
 CP_EXPECTED: dict[str, str | None] = {

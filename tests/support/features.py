@@ -106,6 +106,10 @@ def _fsdp_tp_uneven() -> str | None:
     not support uneven sharding"), 2.8 shards it but its `full_tensor()` of such a
     parameter is wrong (measured at init, before any step); 2.10, 2.11 and 2.13 are right
     (2.9 not measured: treated as 2.8). The same bound as wholebatch.comm._c10d.full_tensor.
+    Training on that layout is exact on 2.8 (each rank's local pieces of the gradients and
+    parameters, and the forward, equal one process's), so the training tests read the local
+    pieces (`tests.support.mesh_cases.read_params`) and run on every torch; this feature is
+    for what reads the full tensor back: `wholebatch verify` on such a mesh.
     """
     from wholebatch.comm._c10d import FULL_TENSOR_UNEVEN_STRIDED, torch_version
 

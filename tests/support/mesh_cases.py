@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,9 +86,49 @@ class MeshCase:
     seconds: bool = False  # time each step (bench)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """This rank's local shard of a DTensor parameter and where it starts in the full tensor."""
+
+    local: Tensor
+    offset: tuple[int, ...]
+
+    def of(self, full: Tensor) -> Tensor:
+        """The same piece cut from a full tensor (the reference's)."""
+        index = tuple(slice(o, o + n) for o, n in zip(self.offset, self.local.shape, strict=True))
+        return full[index]
+
+
+def read_params(model: nn.Module) -> dict[str, Tensor | Piece]:
+    """This rank's parameters by TinyLM name; a DTensor's as its local piece (no collective).
+
+    The piece rather than `full_tensor()`: torch 2.8 reads an FSDP2 x tensor-parallel
+    parameter with uneven shards back wrong (wholebatch.comm._c10d.full_tensor refuses
+    it there) while training on it is exact, and the tests judge the training. Every
+    rank's piece is compared, so all ranks together judge the whole tensor; the offsets
+    (`shard_offset`) are checked against FSDP2's own construction in
+    tests/distributed/test_c10d_shim.py.
+    """
+    from wholebatch.comm._c10d import shard_offset
+
+    out: dict[str, Tensor | Piece] = {}
+    for k, p in model.named_parameters():
+        name = k.replace("module.", "")
+        if hasattr(p, "to_local"):
+            out[name] = Piece(p.to_local().detach().clone(), shard_offset(p))
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def local(t: Tensor | Piece) -> Tensor:
+    """The tensor this rank holds."""
+    return t.local if isinstance(t, Piece) else t
+
+
 @dataclasses.dataclass
 class MeshResult:
-    params: dict[str, Tensor]  # full parameters after the run, by TinyLM name (owned ones)
+    params: dict[str, Tensor | Piece]  # after the run, by TinyLM name (`read_params`)
     losses: list[float]  # the step's whole-batch loss as the engine reported it
     items: list[float]
     grad_norms: list[float]
@@ -163,7 +203,7 @@ def reference(case: MeshCase) -> MeshResult:
         losses.append(float(loss.detach()))
         items.append(float(n))
         norms.append(float(norm))
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params: dict[str, Tensor | Piece] = {k: v.detach().clone() for k, v in model.named_parameters()}
     return MeshResult(params, losses, items, norms, [], [])
 
 
@@ -275,14 +315,6 @@ def _fsdp_model(case: MeshCase, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _full_params(model: nn.Module) -> dict[str, Tensor]:
-    out = {}
-    for k, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[k.replace("module.", "")] = t.detach().clone()
-    return out
-
-
 def run_fsdp(case: MeshCase) -> MeshResult:
     """dp x tp (FSDP2 on dp, TP on tp) or dp x cp (FSDP2 on dp_cp, sequence sharding)."""
     from wholebatch.train.accumulate import Accumulator
@@ -317,7 +349,7 @@ def run_fsdp(case: MeshCase) -> MeshResult:
                 items.append(n)
             seconds.append(time.perf_counter() - t0)
             reductions.append(counter.calls - before)
-    return MeshResult(_full_params(model), losses, items, norms, reductions, seconds)
+    return MeshResult(read_params(model), losses, items, norms, reductions, seconds)
 
 
 def run_misfed(case: MeshCase) -> dict[str, Any]:
@@ -327,8 +359,8 @@ def run_misfed(case: MeshCase) -> dict[str, Any]:
     from wholebatch.train.accumulate import Accumulator
 
     mesh = get_mesh(case.shape)
-    model, _ = _fsdp_model(case, mesh)
-    before = _full_params(model)
+    model = _fsdp_model(case, mesh)
+    before = read_params(model)
     forwards: list[int] = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     opt = torch.optim.SGD(model.parameters(), lr=case.lr)
@@ -340,8 +372,8 @@ def run_misfed(case: MeshCase) -> dict[str, Any]:
         acc.step(_my_batch(case, mesh, 0), lm_loss_sum)
     except WholebatchError as e:
         error = str(e)
-    after = _full_params(model)
-    unchanged = all(torch.equal(after[k], before[k]) for k in before)
+    after = read_params(model)
+    unchanged = all(torch.equal(local(after[k]), local(before[k])) for k in before)
     return {"error": error, "forwards": len(forwards), "unchanged": unchanged}
 
 
@@ -532,11 +564,20 @@ class _HandPipeline:
         return loss_sum / n, n
 
 
-def params_close(got: dict[str, Tensor], ref: dict[str, Tensor], tol: float = 1e-10) -> list[str]:
-    """The parameter names whose values differ from `ref` beyond `tol` (relative and absolute)."""
+def params_close(
+    got: Mapping[str, Tensor | Piece], ref: Mapping[str, Tensor | Piece], tol: float = 1e-10
+) -> list[str]:
+    """The parameter names whose values differ from `ref` beyond `tol` (relative and absolute);
+    a `Piece` against the same piece of the reference's full tensor."""
     bad = []
-    for name, t in got.items():
-        if not torch.allclose(t, ref[name], rtol=tol, atol=tol):
+    for name, value in got.items():
+        full = ref[name]
+        if isinstance(full, Piece):
+            raise TypeError(
+                f"params_close: the reference's {name!r} is a piece, not the full tensor"
+            )
+        t, want = (value.local, value.of(full)) if isinstance(value, Piece) else (value, full)
+        if t.shape != want.shape or not torch.allclose(t, want, rtol=tol, atol=tol):
             bad.append(name)
     return bad
 

@@ -30,11 +30,12 @@ from torch import Tensor, nn
 from tests.support.mesh_cases import (
     WIDTH,
     MeshCase,
+    Piece,
     _fsdp_model,
-    _full_params,
     _my_batch,
     _sequences,
     get_mesh,
+    read_params,
 )
 from tests.support.models import IGNORE, TinyLM, micro_batch
 
@@ -46,7 +47,7 @@ GROUP = 3  # groups per step: sequence s is in group s % 3 (they straddle ranks 
 
 @dataclasses.dataclass
 class NormResult:
-    params: dict[str, Tensor]  # full parameters after the steps
+    params: dict[str, Tensor | Piece]  # after the steps (`mesh_cases.read_params`)
     losses: list[float]  # StepStats.loss of each step
     items: list[float]  # StepStats.items of each step
 
@@ -143,7 +144,7 @@ def _run_modes(
             st = acc.step(mbs, per_token, normalize=Normalize(mode, items=_items, constant=c))  # type: ignore[arg-type]
             losses.append(st.loss)
             items.append(st.items)
-        out[mode] = NormResult(_full_params(model), losses, items)
+        out[mode] = NormResult(read_params(model), losses, items)
     return out
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from tests.support.mesh_cases import WIDTH, MeshCase, _sequences, ragged_steps
+from tests.support.mesh_cases import WIDTH, MeshCase, Piece, _sequences, ragged_steps, read_params
 from tests.support.models import IGNORE, PAD, VOCAB, micro_batch
 from wholebatch.train.auxloss import LoadBalancingLoss, RouterZLoss
 
@@ -208,7 +208,7 @@ def aux_value(stats: list[dict[str, Tensor]], top_k: int, totals: Tensor | None 
 
 @dataclasses.dataclass
 class Result:
-    params: dict[str, Tensor]
+    params: dict[str, Tensor | Piece]  # `mesh_cases.read_params`
     losses: list[float]
     aux: list[float]
     seconds: list[float]
@@ -238,12 +238,10 @@ def reference(mc: MoECase) -> Result:
     return Result({k: v.detach().clone() for k, v in model.named_parameters()}, losses, auxes, [])
 
 
-def _full(model: nn.Module) -> dict[str, Tensor]:
-    out = {}
-    for k, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[k.removeprefix("module.")] = t.detach().clone()
-    return out
+def _full(model: nn.Module) -> dict[str, Tensor | Piece]:
+    # local pieces, not full_tensor(): torch 2.8 reads the head's 6 hidden rows over dp 2 x
+    # tp 2 back wrong (`mesh_cases.read_params`)
+    return read_params(model)
 
 
 def _steps(mc: MoECase) -> int:

@@ -135,12 +135,17 @@ class _Shard:
 class _StridedShard(_Shard):
     """Named as torch's private FSDP2 x TP placement, which is what the shim looks for."""
 
+    split_factor = 2  # FSDP2 over tp 2: the tp shards cut dim 0 first
+
 
 class _Mesh2x2:
     mesh = torch.arange(4).reshape(2, 2)
 
     def size(self, mesh_dim: int) -> int:
         return 2
+
+    def get_coordinate(self) -> list[int]:
+        return [0, 1]
 
 
 class _FsdpTpParam:
@@ -171,3 +176,17 @@ def test_full_tensor_refuses_what_older_torch_reads_back_wrong(
             _c10d.full_tensor(dt, op="verify")
     else:
         assert _c10d.full_tensor(dt).shape == (rows, 3)
+
+
+@pytest.mark.parametrize(("split_factor", "offset"), [(2, (3, 0)), (3, None)])
+def test_shard_offset_public_branch_reads_only_fsdp2s_strided_shard(
+    split_factor: int, offset: tuple[int, ...] | None
+) -> None:
+    # rank (dp 0, tp 1) of 6 rows: tp's second half (rows 3-5), then dp's first piece of it
+    dt = _FsdpTpParam(6)
+    dt.placements[0].split_factor = split_factor
+    if offset is not None:
+        assert _c10d.shard_offset(dt, use_private=False) == offset
+    else:  # not the split FSDP2 over tp makes: refused, never a guessed offset
+        with pytest.raises(WholebatchError, match="not FSDP2 over tensor parallel"):
+            _c10d.shard_offset(dt, use_private=False)

@@ -15,7 +15,7 @@ torch, a middle release and the newest tested:
 | `Store`, `PrefixStore`, `TCPStore` | `torch.distributed.*` (typed from `torch._C` only for mypy) | same | - |
 | `flat_group` | `DeviceMesh._flatten` (private in every release) | same | one `new_subgroups_by_enumeration` group per mesh (public) |
 | `flatten_mesh` | `DeviceMesh._flatten` | same | none: a `WholebatchError` naming the torch it needs |
-| `shard_offset` | `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` (private) | same | the offset computed from the DTensor's public placements |
+| `shard_offset` | `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` (private) | same | the offset computed from the DTensor's placements (FSDP2's strided shard included) |
 | `full_tensor` | `DTensor.full_tensor()`, refused for FSDP2 x TP uneven shards below 2.10 | `DTensor.full_tensor()` | - |
 
 Importing this module on a torch below `MIN_TORCH` raises `ImportError` naming
@@ -187,12 +187,17 @@ def _private_offset() -> Any:
 def shard_offset(dt: Any, *, use_private: bool | None = None) -> tuple[int, ...]:
     """Where this rank's local shard of DTensor `dt` starts in the full tensor, per tensor dim.
 
-    Placements Shard and Replicate only (the caller refuses others). torch's own
-    `compute_local_shape_and_global_offset` (private) where it imports; else the same
-    layout from the public placements: DTensor shards a dim like `torch.chunk`
-    (pieces of ceil(n / k), the last ones short or empty), mesh dims in order, each
-    cutting the piece the earlier ones left. `use_private` forces a branch (the tests
-    compare both); None: torch's when present.
+    Placements Shard, Replicate and FSDP2's `_StridedShard` over tensor parallel.
+    torch's own `compute_local_shape_and_global_offset` (private) where it imports;
+    else the same layout from the public placements: DTensor shards a dim like
+    `torch.chunk` (pieces of ceil(n / k), the last ones short or empty), mesh dims in
+    order, each cutting the piece the earlier ones left; a `_StridedShard` cuts after
+    the later shards of its dim (FSDP2 shards the piece tensor parallel left). `use_private`
+    forces a branch (the tests compare both); None: torch's when present.
+
+    Raises:
+        WholebatchError: on the public branch, for a strided shard whose split factor is
+            not the later shards of its dim (a layout FSDP2 does not make).
     """
     fn = _private_offset() if use_private in (None, True) else None
     if use_private and fn is None:
@@ -209,10 +214,7 @@ def shard_offset(dt: Any, *, use_private: bool | None = None) -> tuple[int, ...]
         return tuple(0 for _ in dt.shape)
     length = list(dt.shape)
     offset = [0] * len(length)
-    for mesh_dim, placement in enumerate(dt.placements):
-        if not placement.is_shard():
-            continue
-        d = placement.dim % len(length)
+    for mesh_dim, d in _cut_order(dt):
         k = mesh.size(mesh_dim)
         chunk = -(-length[d] // k)
         start = min(coord[mesh_dim] * chunk, length[d])
@@ -221,9 +223,45 @@ def shard_offset(dt: Any, *, use_private: bool | None = None) -> tuple[int, ...]
     return tuple(offset)
 
 
-# torch 2.8 assembles an FSDP2 x tensor-parallel parameter (placements _StridedShard on the
-# FSDP dim, then Shard on tp) wrongly when its dim does not divide evenly over both: measured
-# off by 1.3 at init, before any step; 2.10 reads it right (2.9 not measured: refused too).
+def _is_strided(p: Any) -> bool:
+    # by name: `_StridedShard` is private, and a `Shard` subclass only in some releases
+    return type(p).__name__ == "_StridedShard"
+
+
+def _cut_order(dt: Any) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) of each shard of `dt`, in the order they cut the tensor."""
+    placements = tuple(dt.placements)
+    plain = [
+        (i, p.dim % dt.dim())
+        for i, p in enumerate(placements)
+        if not _is_strided(p) and p.is_shard()
+    ]
+    strided: list[tuple[int, int]] = []
+    for i, p in enumerate(placements):
+        if not _is_strided(p):
+            continue
+        d = p.dim % dt.dim()
+        later = [j for j, e in plain if e == d and j > i]
+        ways = 1
+        for j in later:
+            ways *= dt.device_mesh.size(j)
+        if int(p.split_factor) != ways or any(e == d for _, e in strided):
+            raise WholebatchError(
+                f"shard_offset: placements {placements} on mesh {dt.device_mesh.mesh.tolist()} "
+                f"are not FSDP2 over tensor parallel (the strided shard of dim {d} splits "
+                f"{p.split_factor} ways, the later shards of that dim {ways}); torch's "
+                "compute_local_shape_and_global_offset reads other layouts"
+            )
+        strided.append((i, d))
+    return plain + strided
+
+
+# torch 2.8's `full_tensor()` of an FSDP2 x tensor-parallel parameter (placements
+# _StridedShard on the FSDP dim, then Shard on tp) is wrong when its dim does not divide
+# evenly over both: measured off by 1.3 at init, before any step; 2.10 reads it right (2.9
+# not measured: refused too). Training on that layout is exact on 2.8 (each rank's local
+# shards of parameters and gradients, and the forward, equal one process's: measured, and
+# judged so by the distributed tests); only reading the full tensor back is refused.
 # tests/support/features.py, "fsdp_tp_uneven".
 FULL_TENSOR_UNEVEN_STRIDED = (2, 10)
 
@@ -231,11 +269,11 @@ FULL_TENSOR_UNEVEN_STRIDED = (2, 10)
 def _strided_uneven(dt: Any) -> bool:
     """Whether `dt` has a strided shard (FSDP2 over TP) on a dim its mesh dims do not divide."""
     placements = tuple(getattr(dt, "placements", ()))
-    if not any(type(p).__name__ == "_StridedShard" for p in placements):
+    if not any(_is_strided(p) for p in placements):
         return False
     ways: dict[int, int] = {}
     for mesh_dim, p in enumerate(placements):
-        if p.is_shard():
+        if p.is_shard() or _is_strided(p):
             d = p.dim % dt.dim()
             ways[d] = ways.get(d, 1) * dt.device_mesh.size(mesh_dim)
     return any(dt.shape[d] % k for d, k in ways.items())
