@@ -179,12 +179,9 @@ def split_rank_mesh(
     from torch.distributed.device_mesh import init_device_mesh
 
     from wholebatch.verify import worker
-    from wholebatch.verify.recording import (
-        DtypeMeter,
-        collectives_in_functions,
-        collectives_seen,
-    )
-    from wholebatch.verify.spec import TrainerSpec, fingerprint
+    from wholebatch.verify.precision import PrecisionMeter, dtype_names
+    from wholebatch.verify.recording import collectives_in_functions, collectives_seen
+    from wholebatch.verify.spec import TrainerSpec, VerifySpec, fingerprint
 
     shape = parse_mesh_shape(condition.mesh)
     if math.prod(shape.values()) != world_size:
@@ -209,13 +206,14 @@ def split_rank_mesh(
         optimizer = ModelGradRecorder(model)
         collectives_seen(reset=True)
         collectives_in_functions(reset=True)
-        meter = DtypeMeter()
+        meter = PrecisionMeter()
         # Replicas draw the same random numbers (dropout masks): seeded by the row shard.
         torch.manual_seed(spec.seed + 1 + at.shard)
         with meter:
             if isinstance(spec, TrainerSpec):
                 pieces, rows_note = _run_trainer(spec, module, model, optimizer, batch, mesh, at)
             else:
+                assert isinstance(spec, VerifySpec), "a ReplaySpec is refused on a mesh (describe)"
                 spec.step(module, optimizer, at.micro_batches(batch))
                 pieces, rows_note = at.pieces(rows(batch)), ""
         collectives = collectives_seen(reset=True)
@@ -239,7 +237,7 @@ def split_rank_mesh(
         masks={name: t.first_rows(my_rows) for name, t in tapes.items()} if keep else {},
         collectives=collectives,
         pieces=pieces if at.primary else [],
-        dtypes=worker._dtype_names(meter.dtypes),
+        dtypes=dtype_names(meter.dtypes),
         params_fp=params_fp,
         batch_fp=fingerprint(batch),
         autocast=tuple(sorted(meter.autocast)),
@@ -324,7 +322,7 @@ def _run_trainer(
     import torch.distributed as dist
 
     from wholebatch.verify import worker
-    from wholebatch.verify.recording import RowRecorder
+    from wholebatch.verify.rows import RowRecorder
     from wholebatch.verify.spec import TrainerRun, dataset_rows, split_batch
 
     n = rows(batch)
