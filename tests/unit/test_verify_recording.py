@@ -16,6 +16,7 @@ from wholebatch.verify.precision import PrecisionMeter
 from wholebatch.verify.recording import (
     collectives_seen,
     install_tape_dropout,
+    is_watched,
     unwatch_collectives,
     watch_collectives,
 )
@@ -110,7 +111,7 @@ def test_collective_watch_counts_tensors_that_need_gradient_once() -> None:
     finally:
         dist.destroy_process_group()
         unwatch_collectives()
-    assert not hasattr(dist.all_gather, "__wholebatch_watched__")
+    assert not is_watched(dist.all_gather)
 
 
 def test_row_recorder_finds_the_rows_a_forward_saw() -> None:

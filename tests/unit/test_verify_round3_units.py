@@ -26,6 +26,7 @@ from wholebatch.verify.recording import (
     collectives_in_functions,
     collectives_seen,
     install_tape_dropout,
+    is_watched,
     unwatch_collectives,
     watch_collectives,
 )
@@ -98,8 +99,8 @@ def test_collectives_inside_autograd_functions_are_named() -> None:
         unwatch_collectives()
     from torch.autograd.function import BackwardCFunction, Function
 
-    assert not getattr(Function.__dict__["apply"].__func__, "__wholebatch_watched__", False)
-    assert not getattr(BackwardCFunction.apply, "__wholebatch_watched__", False)
+    assert not is_watched(Function.__dict__["apply"].__func__)
+    assert not is_watched(BackwardCFunction.apply)
 
 
 class _Drop(nn.Module):

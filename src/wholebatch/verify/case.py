@@ -65,9 +65,17 @@ def names(params: Sequence[ParamError], limit: int = 4) -> str:
 def named(name: str) -> ParamError:
     """A placeholder ParamError that carries only a name (for `names`)."""
     return ParamError(
-        name=name, shape=(), ref_max=0.0, abs_err=0.0, rel_err=0.0, ratio=math.nan,
-        fit_err=0.0, rank_spread=0.0, missing=False, ok=True,
-    )  # fmt: skip
+        name=name,
+        shape=(),
+        ref_max=0.0,
+        abs_err=0.0,
+        rel_err=0.0,
+        ratio=math.nan,
+        fit_err=0.0,
+        rank_spread=0.0,
+        missing=False,
+        ok=True,
+    )
 
 
 def fmt(xs: Sequence[float]) -> str:

@@ -189,22 +189,34 @@ def _norm_fit(
             flat_I = losses.reshape(-1)
             for c in range(n_cells):
                 grads = torch.autograd.grad(
-                    flat_I[cell_I == c].sum(), [p for _, p in named],
-                    retain_graph=True, allow_unused=True,
-                )  # fmt: skip
+                    flat_I[cell_I == c].sum(),
+                    [p for _, p in named],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
                 columns.append(
                     _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
                 )
     except WholebatchError as exc:
         return NormFit(
-            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
-            reference_residual=math.inf, note=str(exc),
-        )  # fmt: skip
+            declared=norm.mode,
+            found=None,
+            expected=None,
+            cells=0,
+            split_residual=math.inf,
+            reference_residual=math.inf,
+            note=str(exc),
+        )
     if not columns:
         return NormFit(
-            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
-            reference_residual=math.inf, note="no item is in the mask",
-        )  # fmt: skip
+            declared=norm.mode,
+            found=None,
+            expected=None,
+            cells=0,
+            split_residual=math.inf,
+            reference_residual=math.inf,
+            note="no item is in the mask",
+        )
     m_PC = torch.stack(columns, dim=1)
     cells_named = "(micro-batch, sequence, group) cells"
     a, ra, why_a = lstsq(m_PC, _flat(fit_to, shapes), cells_named)
@@ -230,6 +242,11 @@ def _norm_fit(
         side = "reference_loss" if expected is None else "the split step"
         note = f"the item weights of {side} match no normalisation mode"
     return NormFit(
-        declared=norm.mode, found=found, expected=expected, cells=len(columns),
-        split_residual=ra, reference_residual=rb, note=note,
-    )  # fmt: skip
+        declared=norm.mode,
+        found=found,
+        expected=expected,
+        cells=len(columns),
+        split_residual=ra,
+        reference_residual=rb,
+        note=note,
+    )

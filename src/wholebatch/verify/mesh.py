@@ -330,12 +330,22 @@ def _run_trainer(
     try:
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             run = TrainerRun(
-                model=module, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
-                world_size=dist.get_world_size(), rank=at.rank, micro_batches=at.k,
-                per_device_rows=n // (at.shards * at.k), output_dir=out, seed=spec.seed,
-                mesh=mesh, batch_dims=at.dims, data_shards=at.shards, data_rank=at.shard,
+                model=module,
+                optimizer=optimizer,
+                batch=batch,
+                dataset=dataset_rows(batch),
+                world_size=dist.get_world_size(),
+                rank=at.rank,
+                micro_batches=at.k,
+                per_device_rows=n // (at.shards * at.k),
+                output_dir=out,
+                seed=spec.seed,
+                mesh=mesh,
+                batch_dims=at.dims,
+                data_shards=at.shards,
+                data_rank=at.shard,
                 shard=dataset_rows(split_batch(batch, at.shards)[at.shard]),
-            )  # fmt: skip
+            )
             spec.train(run)
     finally:
         recorder.remove()

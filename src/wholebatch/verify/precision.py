@@ -171,8 +171,7 @@ def watch_autocast() -> None:
     if _WRAPPER and cls.__enter__ is _WRAPPER[0]:
         return
     wrapper = _entered(cls.__enter__)
-    # Assigning a method is what wrapping a class's method is; mypy flags any such assignment.
-    cls.__enter__ = wrapper  # type: ignore[method-assign]
+    recording.patch(cls, "__enter__", wrapper)
     _WRAPPER[:] = [wrapper]
 
 

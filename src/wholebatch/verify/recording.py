@@ -27,7 +27,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,8 @@ __all__ = [
     "in_backward",
     "in_function",
     "install_tape_dropout",
+    "is_watched",
+    "patch",
     "unwatch_collectives",
     "watch_collectives",
 ]
@@ -64,19 +66,28 @@ class GradRecorder(torch.optim.Optimizer):
         self.calls = 0
         self.grads: dict[int, Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Record the current gradients (a `closure` is called first, as optimizers do)."""
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Record the current gradients (a `closure` is called first, as optimizers do, and its
+        loss returned)."""
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         self.calls += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.detach().to(torch.float64).clone()
-                self.grads[id(p)] = g if id(p) not in self.grads else self.grads[id(p)] + g
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    g = p.grad.detach().to(torch.float64).clone()
+                    self.grads[id(p)] = g if id(p) not in self.grads else self.grads[id(p)] + g
+        return loss
 
     def gradient(self, p: Tensor) -> Tensor | None:
         """The gradient `p` was stepped with, or, if `step()` was never called, its `.grad`."""
@@ -280,8 +291,29 @@ def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _DEPTH[0] -= 1
 
-    call.__wholebatch_watched__ = True  # type: ignore[attr-defined]
+    _WRAPPED[call] = fn
     return call
+
+
+# The wrappers verify installed in torch, each to the function it wraps (keyed by the wrapper
+# itself, not marked by an attribute on it).
+_WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def is_watched(fn: object) -> bool:
+    """Whether `fn` is one of the wrappers `watch_collectives` installed."""
+    try:
+        return fn in _WRAPPED
+    except TypeError:  # not weak-referenceable: not ours
+        return False
+
+
+def patch(owner: Any, name: str, value: Any) -> None:
+    """Set `owner.name` (a torch function or method verify wraps, or restores): the one place
+    verify assigns into torch's namespaces and classes."""
+    setattr(owner, name, value)
 
 
 def in_function() -> bool:
@@ -304,7 +336,7 @@ def _watch_functions() -> None:
     from torch.autograd.function import BackwardCFunction, Function
 
     apply = Function.__dict__["apply"]
-    if getattr(apply.__func__, "__wholebatch_watched__", False):
+    if is_watched(apply.__func__):
         return
     forward_apply: Callable[..., Any] = apply.__func__
     backward_apply: Callable[..., Any] = BackwardCFunction.apply
@@ -317,26 +349,21 @@ def _watch_functions() -> None:
         with _inside(f"{self._forward_cls.__qualname__}.backward"):
             return backward_apply(self, *args)
 
-    pairs: tuple[tuple[Any, Any], ...] = (
-        (watched_forward, apply),
-        (watched_backward, backward_apply),
-    )
-    for fn, original in pairs:
-        fn.__wholebatch_watched__ = True
-        fn.__wrapped__ = original
-    Function.apply = classmethod(watched_forward)  # type: ignore[assignment]
-    BackwardCFunction.apply = watched_backward  # type: ignore[method-assign]
+    _WRAPPED[watched_forward] = forward_apply
+    _WRAPPED[watched_backward] = backward_apply
+    patch(Function, "apply", classmethod(watched_forward))
+    patch(BackwardCFunction, "apply", watched_backward)
 
 
 def _unwatch_functions() -> None:
     from torch.autograd.function import BackwardCFunction, Function
 
     apply = Function.__dict__["apply"]
-    if getattr(apply.__func__, "__wholebatch_watched__", False):
-        Function.apply = apply.__func__.__wrapped__  # type: ignore[method-assign]
+    if is_watched(apply.__func__):
+        patch(Function, "apply", classmethod(_WRAPPED[apply.__func__]))
     backward: Any = BackwardCFunction.apply
-    if getattr(backward, "__wholebatch_watched__", False):
-        BackwardCFunction.apply = backward.__wrapped__  # type: ignore[method-assign]
+    if is_watched(backward):
+        patch(BackwardCFunction, "apply", _WRAPPED[backward])
 
 
 def watch_collectives() -> None:
@@ -356,12 +383,12 @@ def watch_collectives() -> None:
     _watch_functions()
     for name in _WATCHED:
         fn = getattr(c10d, name, None)
-        if fn is None or getattr(fn, "__wholebatch_watched__", False):
+        if fn is None or is_watched(fn):
             continue
         wrapped = _watched(name, fn)
-        setattr(c10d, name, wrapped)
+        patch(c10d, name, wrapped)
         if getattr(dist, name, None) is fn:
-            setattr(dist, name, wrapped)
+            patch(dist, name, wrapped)
 
 
 def unwatch_collectives() -> None:
@@ -372,12 +399,12 @@ def unwatch_collectives() -> None:
     _unwatch_functions()
     for name in _WATCHED:
         fn = getattr(c10d, name, None)
-        if fn is None or not getattr(fn, "__wholebatch_watched__", False):
+        if fn is None or not is_watched(fn):
             continue
-        original = fn.__wrapped__
-        setattr(c10d, name, original)
+        original = _WRAPPED[fn]
+        patch(c10d, name, original)
         if getattr(dist, name, None) is fn:
-            setattr(dist, name, original)
+            patch(dist, name, original)
 
 
 def collectives_seen(reset: bool = False) -> dict[str, int]:

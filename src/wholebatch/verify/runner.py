@@ -177,9 +177,13 @@ class _Target:
         if reuse and key in self._refs:
             return self._refs[key]
         (value,) = self.session.call(self.where, reference, (req,))
-        if isinstance(value, RefResult) and reuse:
+        if isinstance(value, ChildFailure):
+            return value
+        if not isinstance(value, RefResult):
+            raise RuntimeError(f"verify: the reference process sent {type(value).__name__}")
+        if reuse:
             self._refs[key] = value
-        return value  # type: ignore[no-any-return]
+        return value
 
     def _ref_for(
         self, condition: Condition, outs: list[RankResult], probe: bool = False
@@ -208,10 +212,14 @@ class _Target:
         if what.startswith("the reference"):
             code = "reference-raised"
         return error_report(
-            target=self.target, world_size=self.world,
-            micro_batches=self.config.micro_batches, rows=self.desc.rows, wrap=self._wrap(),
-            error=text, code=code,
-        )  # fmt: skip
+            target=self.target,
+            world_size=self.world,
+            micro_batches=self.config.micro_batches,
+            rows=self.desc.rows,
+            wrap=self._wrap(),
+            error=text,
+            code=code,
+        )
 
     def _wrap(self) -> str:
         """The report's wrapper column: the spec's, or the mesh the split ran on."""
@@ -241,10 +249,16 @@ class _Target:
         if isinstance(ref, ChildFailure):
             return None
         cmp = compare(
-            label, ref.grads, [o.grads for o in outs], rtol=rtol,
-            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
-            dropout=condition.dropout and self.desc.has_dropout, equal=condition.equal,
-        )  # fmt: skip
+            label,
+            ref.grads,
+            [o.grads for o in outs],
+            rtol=rtol,
+            step_calls=[o.calls for o in outs],
+            world_size=w,
+            micro_batches=k,
+            dropout=condition.dropout and self.desc.has_dropout,
+            equal=condition.equal,
+        )
         return cmp, outs
 
     def _fit_and_floor(
@@ -307,9 +321,14 @@ class _Target:
                     f"autocast ({', '.join(autocast)}): {measured:.1e}"
                 )
         return Floor(
-            dtypes=names, unit_roundoff=eps_of(names), measured=None, rtol=rtol,
-            rtol_from=rtol_from, autocast=autocast, autocast_measured=measured,
-        )  # fmt: skip
+            dtypes=names,
+            unit_roundoff=eps_of(names),
+            measured=None,
+            rtol=rtol,
+            rtol_from=rtol_from,
+            autocast=autocast,
+            autocast_measured=measured,
+        )
 
     def _variants(
         self, main: Comparison, outs: list[RankResult], rtol: float
@@ -353,9 +372,12 @@ class _Target:
         if not shape:
             return []
         again = self._rerun(
-            Condition(mesh=shape), mesh_world(shape), self.config.micro_batches, rtol,
+            Condition(mesh=shape),
+            mesh_world(shape),
+            self.config.micro_batches,
+            rtol,
             f"{REPLICAS_ONE} ({shape})",
-        )  # fmt: skip
+        )
         return [] if again is None else [again[0]]
 
     def verify(self) -> VerifyReport:
@@ -371,10 +393,16 @@ class _Target:
         floor = self._tolerance(outs, ref)
         rtol = floor.rtol
         main = compare(
-            "as given", ref.grads, [o.grads for o in outs], rtol=rtol,
-            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
-            dropout=self.desc.has_dropout, equal=False,
-        )  # fmt: skip
+            "as given",
+            ref.grads,
+            [o.grads for o in outs],
+            rtol=rtol,
+            step_calls=[o.calls for o in outs],
+            world_size=w,
+            micro_batches=k,
+            dropout=self.desc.has_dropout,
+            equal=False,
+        )
         evidence = Evidence(
             kind=self.desc.kind,
             step_calls=tuple(o.calls for o in outs),
@@ -394,9 +422,16 @@ class _Target:
             comparisons, fit, measured = self._variants(main, outs, rtol)
             floor = dataclasses.replace(floor, measured=measured)
         report = diagnose(
-            target=self.target, world_size=w, micro_batches=k, rows=self._rows_of(outs, main_cond),
-            wrap=self._wrap(), comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
-        )  # fmt: skip
+            target=self.target,
+            world_size=w,
+            micro_batches=k,
+            rows=self._rows_of(outs, main_cond),
+            wrap=self._wrap(),
+            comparisons=comparisons,
+            evidence=evidence,
+            floor=floor,
+            fit=fit,
+        )
         notes = _blind_spots(ref.piece_counts)
         if not main.ok and evidence.rows_note:
             notes += (evidence.rows_note,)
@@ -461,9 +496,14 @@ def _rows_missing(outs: list[RankResult], n: int) -> str:
 def _no_fit(note: str) -> Fit:
     """A fit that could not be made, saying why."""
     return Fit(
-        ranks=(), split=(), reference=(), split_residual=math.inf,
-        reference_residual=math.inf, counts={}, note=note,
-    )  # fmt: skip
+        ranks=(),
+        split=(),
+        reference=(),
+        split_residual=math.inf,
+        reference_residual=math.inf,
+        counts={},
+        note=note,
+    )
 
 
 def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:

@@ -214,9 +214,14 @@ def describe(target: str, world_size: int, micro_batches: int, mesh: str = "") -
                 )
             _build(spec, "off")
             return Description(
-                kind="replay", wrap="replay", rows=0, equal_rows=0, has_dropout=False,
-                has_equal=False, rtol=None if spec.rtol is None else float(spec.rtol),
-            )  # fmt: skip
+                kind="replay",
+                wrap="replay",
+                rows=0,
+                equal_rows=0,
+                has_dropout=False,
+                has_equal=False,
+                rtol=None if spec.rtol is None else float(spec.rtol),
+            )
         w, k = world_size, micro_batches
         for what, batch in (("batch", spec.batch), ("equal_batch", spec.equal_batch)):
             if batch is None or mesh or spec.mesh:
@@ -326,12 +331,21 @@ def _run_step(
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             share = len(data) // world_size
             run = TrainerRun(
-                model=model, optimizer=optimizer, batch=None, dataset=data,
-                world_size=world_size, rank=rank, micro_batches=k,
-                per_device_rows=len(data) // (world_size * k), output_dir=out, seed=spec.seed,
-                data_shards=world_size, data_rank=rank,
-                shard=data[rank * share : (rank + 1) * share], record=record,
-            )  # fmt: skip
+                model=model,
+                optimizer=optimizer,
+                batch=None,
+                dataset=data,
+                world_size=world_size,
+                rank=rank,
+                micro_batches=k,
+                per_device_rows=len(data) // (world_size * k),
+                output_dir=out,
+                seed=spec.seed,
+                data_shards=world_size,
+                data_rank=rank,
+                shard=data[rank * share : (rank + 1) * share],
+                record=record,
+            )
             torch.manual_seed(spec.seed + 1 + rank)
             spec.train(run)
         return _Ran(pieces=[], masks={}, recorded=record.micro_batches)
@@ -340,12 +354,20 @@ def _run_step(
         recorder = RowRecorder(model, batch, spec.row_key)
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             run = TrainerRun(
-                model=model, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
-                world_size=world_size, rank=rank, micro_batches=k,
-                per_device_rows=n // (world_size * k), output_dir=out, seed=spec.seed,
-                data_shards=world_size, data_rank=rank,
+                model=model,
+                optimizer=optimizer,
+                batch=batch,
+                dataset=dataset_rows(batch),
+                world_size=world_size,
+                rank=rank,
+                micro_batches=k,
+                per_device_rows=n // (world_size * k),
+                output_dir=out,
+                seed=spec.seed,
+                data_shards=world_size,
+                data_rank=rank,
                 shard=dataset_rows(split_batch(batch, world_size)[rank]),
-            )  # fmt: skip
+            )
             torch.manual_seed(spec.seed + 1 + rank)
             spec.train(run)
         recorder.remove()
@@ -495,9 +517,15 @@ def reference(req: RefRequest) -> RefResult:
     if req.pieces is not None and req.fit_to is not None:
         whole = plain if plain is not None else _ref_grads(spec, batch, None, seed)[0]
         fit = fit_weights(
-            spec, batch, req.pieces, req.piece_ranks, req.fit_to, whole,
-            lambda: _build(spec, "off")[0], seed,
-        )  # fmt: skip
+            spec,
+            batch,
+            req.pieces,
+            req.piece_ranks,
+            req.fit_to,
+            whole,
+            lambda: _build(spec, "off")[0],
+            seed,
+        )
     model, _ = _build(spec, "off")
     return RefResult(
         grads=grads,
