@@ -65,6 +65,10 @@ _NOT_ROW_DIMS = ("tp", "cp", "pp")
 
 _CURRENT: list[DeviceMesh] = []
 
+# A gradient piece whose reference stays below this fraction of its parameter's scale
+# (`report.param_scales`) holds round-off only: no factor is read from it.
+_ROUND_OFF = 1e-8
+
 REPLICAS_ONE = "replicas 1"
 """The label of the re-run with every replica dim of size 1 (its variant starts with it)."""
 
@@ -431,6 +435,9 @@ def rank_factors(
     A rank's FSDP shard scaled by its own wrong count shows here, where the full
     gradient (shards of different ranks at different factors) has no single ratio.
     """
+    from wholebatch.verify.report import param_scales
+
+    scales = param_scales(reference)
     out: list[float | None] = []
     for pieces in local:
         factors: list[float] = []
@@ -441,7 +448,9 @@ def rank_factors(
                 continue
             ref = full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))]
             norm = float((ref * ref).sum())
-            if norm == 0.0:
+            # a piece whose reference is round-off of its module's scale (an attention key
+            # bias: zero in exact arithmetic) has no factor to read
+            if norm == 0.0 or float(ref.abs().max()) <= _ROUND_OFF * scales[name]:
                 continue
             f = float((piece * ref).sum()) / norm
             if float((piece - f * ref).norm()) > 1e-6 * float(piece.norm()):

@@ -117,8 +117,8 @@ def _compensated_replicas_message(case: Case) -> str:
 def dp_count_factors(case: Case) -> dict[int, float]:
     """On a mesh: each data shard's factor, when every rank's shard of the gradient is one
     multiple f_s of the reference, the ranks of one data shard (its replicas) agree, the
-    factors are not all 1 and sum over the shards of 1/f_s = 1: each data-parallel rank
-    divided by its own item count N_s where the whole batch has N = sum N_s (f_s = N / N_s)."""
+    factors differ and sum over the shards of 1/f_s = 1: each data-parallel rank divided
+    by its own item count N_s where the whole batch has N = sum N_s (f_s = N / N_s)."""
     ev = case.ev
     b = case.b
     if not ev.mesh or b < 2 or len(ev.rank_factors) != len(ev.shards) or not ev.rank_factors:
@@ -128,8 +128,9 @@ def dp_count_factors(case: Case) -> dict[int, float]:
         if f is None or f <= 0 or (shard in by_shard and not near(by_shard[shard], f)):
             return {}
         by_shard.setdefault(shard, f)
-    if len(by_shard) != b or all(near(f, 1.0) for f in by_shard.values()):
-        return {}
+    first = next(iter(by_shard.values()))
+    if len(by_shard) != b or all(near(f, first) for f in by_shard.values()):
+        return {}  # one factor everywhere is a constant multiple: the factor causes read it
     return by_shard if abs(math.fsum(1.0 / f for f in by_shard.values()) - 1.0) <= 1e-6 else {}
 
 
@@ -140,9 +141,10 @@ def dp_count_text(case: Case, factors: dict[int, float]) -> str:
     return (
         f"on the mesh {_mesh_shown(case)} each rank's shard of the gradient is its own multiple "
         f"of the whole-batch gradient ({shown}), and {inverse} = 1: each data-parallel rank "
-        f"divides by its own item count N_s (not agreed across {' x '.join(case.ev.row_dims)}) "
-        "where the whole batch has N = the sum of them, so each shard is N/N_s times what it "
-        "should be: the mean of the ranks' means, as on a flat world"
+        f"normalises by its own item count N_s instead of the count agreed across "
+        f"{' x '.join(case.ev.row_dims)} (N, the sum of them), so its shard is N/N_s times the "
+        "whole batch's: per-rank counts, the mistake a flat world shows as a mean of the ranks' "
+        "means"
     )
 
 
