@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tests.support.verify_words import tokenizer
 from wholebatch.train.normalize import Normalize
 from wholebatch.verify import ReplaySpec, TrainerRun
 
@@ -50,28 +51,6 @@ REFERENCE_MODE: dict[str, str] = {
 }  # fmt: skip
 RECORDED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 Batch = dict[str, Tensor]
-
-
-SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
-WORDS = (*SPECIALS, *(f"t{i}" for i in range(len(SPECIALS), 40)))
-"""Token i's text: the specials (pad 0, bos 1, eos 2, unk 3), then "t4".."t39"."""
-
-
-def tokenizer() -> Any:
-    """A word-level tokenizer over `WORDS`, split on spaces.
-
-    The specials are not prefixes of the words: a tokenizer matches special tokens inside
-    words before it splits them, so a pad named "t0" would cut "t05" in two.
-    """
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>",
-    )  # fmt: skip
 
 
 def policy() -> nn.Module:

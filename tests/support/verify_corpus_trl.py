@@ -1,7 +1,7 @@
 """Verify corpus, round 4: trl 1.16's `SFTTrainer` and `DPOTrainer` as their users run them.
 
 Tiny GPT-2 and Llama from configs (float64 unless named 32), the word-level
-tokenizer of tests/support/trl_grpo_verify.py (pad 0, eos 2, words "t4".."t39"),
+tokenizer of tests/support/verify_words.py (pad 0, eos 2, words "t4".."t39"),
 W·K·B = 2·3·4 rows. `SFTConfig` / `DPOConfig` defaults (`bf16=True`: CPU bf16
 autocast, trl's fused log-prob head) where the name says so, else `bf16=False`.
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.support.trl_grpo_verify import WORDS, tokenizer
+from tests.support.verify_words import WORDS, tokenizer
 from wholebatch.verify import TrainerRun, TrainerSpec
 
 N, SEQ, P, C, VOCAB = 24, 10, 4, 4, 40
@@ -81,7 +81,8 @@ def causal_mean(model: nn.Module, batch: Batch) -> Tensor:
 def _texts(ids: Tensor, mask: Tensor, lead: str = "") -> list[str]:
     """Rows as text ("t5 t9"); `lead` before each (a completion follows its prompt after a space)."""
     return [
-        lead + " ".join(WORDS[int(i)] for i in row[m.bool()]) for row, m in zip(ids, mask, strict=True)
+        lead + " ".join(WORDS[int(i)] for i in row[m.bool()])
+        for row, m in zip(ids, mask, strict=True)
     ]
 
 

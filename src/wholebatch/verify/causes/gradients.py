@@ -177,7 +177,9 @@ def _mean_of_means_message(case: Case) -> str:
     tail = f"; {overall}" if overall else ""
     if factors:
         return f"{dp_count_text(case, factors)}{tail}. That over-weights ranks with few items."
+    unit = "micro-batches"
     if reading is not None and fit is not None and reading[0] == "per-rank":
+        unit = "ranks"
         c = reading[1]
         how = (
             f"each of the {case.b} data-parallel ranks divides by its own item count: every "
@@ -202,7 +204,7 @@ def _mean_of_means_message(case: Case) -> str:
             "and differ on the ragged batch: each micro-batch (or rank) divides by its own item "
             "count and the results are averaged."
         )
-    return f"{how} That over-weights micro-batches with few items."
+    return f"{how} That over-weights {unit} with few items."
 
 
 def _replicated_k(case: Case) -> bool:
