@@ -408,13 +408,13 @@ def _rows_note(recorder: RowRecorder, expected: int) -> str:
         )
     return (
         f"verify recognised {matched} of this rank's {expected} rows in the model's "
-        f"{recorder.forwards} forward call(s): it looks for the batch's {recorder.key_name} "
-        "among the forward's arguments (same dtype and trailing shape; padding removed "
-        "through attention_mask, or the batch's pad value), and the trainer fed the model "
-        "something else (remapped or embedded ids, packed rows, a different column). So the "
-        "rows each micro-batch held, and the weight each gets, are unknown. Give the "
-        "TrainerSpec a row_key: a batch column with an id per row that the model's forward "
-        "receives"
+        f"{recorder.forwards} forward call(s) in grad mode: it looks for the contents of the "
+        f"batch's {recorder.key_name} (padding removed through their masks) in the integer "
+        "tensors the forward receives, by argument name and inside dicts (equal, or holding "
+        "them between other tokens), and the trainer fed the model something else (remapped "
+        "or embedded ids, packed rows, text tokenized to other ids). So the rows each "
+        "micro-batch held, and the weight each gets, are unknown. Give the TrainerSpec a "
+        "row_key: a batch column with an id per row that the model's forward receives"
     )
 
 
