@@ -41,7 +41,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_once(src: str, targets: tuple[str, ...]) -> tuple[float, float, list[tuple[str, list[str]]]]:
+def run_once(
+    src: str, targets: tuple[str, ...]
+) -> tuple[float, float, list[tuple[str, list[str]]]]:
     """(wall s, CPU s of the process tree, each target's verdict) of one verify command."""
     env = {**os.environ, "PYTHONPATH": f"{src}:{ROOT}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "wholebatch", "verify", *targets, "--json"]
@@ -55,8 +57,12 @@ def run_once(src: str, targets: tuple[str, ...]) -> tuple[float, float, list[tup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--other", required=True, help="the other tree's src/ (e.g. a worktree at 75b74af)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--other", required=True, help="the other tree's src/ (e.g. a worktree at 75b74af)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--targets", nargs="*", default=list(TARGETS))
     args = parser.parse_args()

@@ -89,7 +89,9 @@ def test_2_trl_defaults_run_in_bf16_and_pass_or_say_round_off(
         assert "bfloat16" in floor["dtypes"] and floor["rtol"] >= 1e-2, (name, floor)
         assert reports[name]["variants"][0]["max_rel_err"] > 1e-5  # it is bf16's round-off
     wrong = reports["sft_defaults_local_average"]
-    assert wrong["fit"]["ranks"] == [0, 0, 0, 1, 1, 1] and "ranks" in wrong["diagnoses"][0]["message"]
+    assert (
+        wrong["fit"]["ranks"] == [0, 0, 0, 1, 1, 1] and "ranks" in wrong["diagnoses"][0]["message"]
+    )
 
 
 @pytest.mark.parametrize("name", ["bart_seq2seq", "t5_seq2seq", "bert_stock_trainer"])

@@ -172,7 +172,12 @@ CORPUS: tuple[Entry, ...] = (
     _e("st_peer_mnrl", ST, "sentence-transformers", causes=("breaks-across-ranks",)),
     _e("st_wholebatch_mnrl", ST, "sentence-transformers"),
     _e("st_wholebatch_cached", ST, "sentence-transformers"),
-    _e("st_wholebatch_accumulated", ST, "sentence-transformers", causes=("breaks-across-micro-batches",)),
+    _e(
+        "st_wholebatch_accumulated",
+        ST,
+        "sentence-transformers",
+        causes=("breaks-across-micro-batches",),
+    ),
     # FSDP2 and dp x tp on gloo
     _e("fsdp_global", MESH, "fsdp2", mesh="dp=2", micro_batches=2),
     _e("fsdp_rank_count", MESH, "fsdp2", mesh="dp=2", micro_batches=2, causes=("mean-of-means",)),
