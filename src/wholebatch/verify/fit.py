@@ -146,6 +146,19 @@ def fit_weights(
 _NORM_RESIDUAL = 1e-4
 
 
+def _unread(mode: str, note: str) -> NormFit:
+    """A normalisation that could not be read, and why."""
+    return NormFit(
+        declared=mode,
+        found=None,
+        expected=None,
+        cells=0,
+        split_residual=math.inf,
+        reference_residual=math.inf,
+        note=note,
+    )
+
+
 def _norm_fit(
     spec: Spec,
     batch: Batch,
@@ -198,25 +211,9 @@ def _norm_fit(
                     _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
                 )
     except WholebatchError as exc:
-        return NormFit(
-            declared=norm.mode,
-            found=None,
-            expected=None,
-            cells=0,
-            split_residual=math.inf,
-            reference_residual=math.inf,
-            note=str(exc),
-        )
+        return _unread(norm.mode, str(exc))
     if not columns:
-        return NormFit(
-            declared=norm.mode,
-            found=None,
-            expected=None,
-            cells=0,
-            split_residual=math.inf,
-            reference_residual=math.inf,
-            note="no item is in the mask",
-        )
+        return _unread(norm.mode, "no item is in the mask")
     m_PC = torch.stack(columns, dim=1)
     cells_named = "(micro-batch, sequence, group) cells"
     a, ra, why_a = lstsq(m_PC, _flat(fit_to, shapes), cells_named)
