@@ -177,7 +177,12 @@ def _full(g: Tensor | None, p: Tensor) -> Tensor | None:
 
 
 def split_rank_mesh(
-    spec: Spec, condition: Condition, micro_batches: int, rank: int, world_size: int
+    spec: Spec,
+    condition: Condition,
+    micro_batches: int,
+    measure: bool,
+    rank: int,
+    world_size: int,
 ) -> RankResult:
     """One rank of a split run on `condition.mesh` (called in a forked process in the W-rank group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -210,7 +215,7 @@ def split_rank_mesh(
         optimizer = ModelGradRecorder(model)
         collectives_seen(reset=True)
         collectives_in_functions(reset=True)
-        meter = PrecisionMeter()
+        meter = PrecisionMeter(active=measure)
         # Replicas draw the same random numbers (dropout masks): seeded by the row shard.
         torch.manual_seed(spec.seed + 1 + at.shard)
         with meter:

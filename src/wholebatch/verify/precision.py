@@ -90,21 +90,26 @@ class PrecisionMeter:
     "device:dtype" for every `torch.autocast` entered with autocast enabled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+        """False: record nothing (a re-run whose precision is not read costs no dispatch mode)."""
         self.dtypes: set[torch.dtype] = set()
         self.ops: dict[torch.dtype, set[str]] = {}
         self.autocast: set[str] = set()
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> PrecisionMeter:
+        if not self.active:
+            return self
         watch_autocast()
         _ACTIVE.append(self)
         self._stack.enter_context(_Dispatch(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-        _ACTIVE.remove(self)
+        if self.active:
+            self._stack.close()
+            _ACTIVE.remove(self)
 
     def saw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Record one aten op's input dtypes if it rounds a sum and can reach a gradient."""

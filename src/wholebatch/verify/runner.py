@@ -127,9 +127,12 @@ class _Target:
         if self.mesh:
             _check_mesh_split(target, self.mesh, desc, config.micro_batches)
 
-    def _split(self, condition: Condition, w: int, k: int) -> list[RankResult] | ChildFailure:
+    def _split(
+        self, condition: Condition, w: int, k: int, measure: bool = False
+    ) -> list[RankResult] | ChildFailure:
+        """One split run; `measure`: record the precision it computes in (the first run's only)."""
         values = self.session.call(
-            self.where, split_rank, (self.target, condition, k), nproc=w, distributed=True
+            self.where, split_rank, (self.target, condition, k, measure), nproc=w, distributed=True
         )
         failures = [v for v in values if isinstance(v, ChildFailure)]
         if failures:
@@ -383,7 +386,7 @@ class _Target:
     def verify(self) -> VerifyReport:
         w, k = self.world, self.config.micro_batches
         main_cond = Condition(mesh=self.mesh)
-        outs = self._split(main_cond, w, k)
+        outs = self._split(main_cond, w, k, measure=True)
         if isinstance(outs, ChildFailure):
             return self._error(outs, "the split step failed")
         ref = self._ref_for(main_cond, outs, probe=True)

@@ -257,14 +257,22 @@ def describe(target: str, world_size: int, micro_batches: int, mesh: str = "") -
 
 
 def split_rank(
-    target: str, condition: Condition, micro_batches: int, rank: int, world_size: int
+    target: str,
+    condition: Condition,
+    micro_batches: int,
+    measure: bool,
+    rank: int,
+    world_size: int,
 ) -> RankResult:
-    """One rank of the split run (called in a forked process that joined the W-rank group)."""
+    """One rank of the split run (called in a forked process that joined the W-rank group).
+
+    `measure`: record the precision the step runs in (the first run; its re-runs' is not read).
+    """
     spec = load_spec(target)
     if condition.mesh:
         from wholebatch.verify.mesh import split_rank_mesh
 
-        return split_rank_mesh(spec, condition, micro_batches, rank, world_size)
+        return split_rank_mesh(spec, condition, micro_batches, measure, rank, world_size)
     replay = isinstance(spec, ReplaySpec)
     batch = None if replay else _batch(spec, condition)
     trainer = isinstance(spec, TrainerSpec | ReplaySpec)
@@ -276,7 +284,7 @@ def split_rank(
     k = micro_batches
     collectives_seen(reset=True)
     collectives_in_functions(reset=True)
-    meter = PrecisionMeter()
+    meter = PrecisionMeter(active=measure)
     with meter:
         ran = _run_step(spec, model, tapes, optimizer, batch, k, rank, world_size)
     collectives = collectives_seen(reset=True)
@@ -438,8 +446,10 @@ def _ref_grads(
     masks: Sequence[Mapping[str, Tensor | None]] | None,
     seed: int,
     autocast: Sequence[str] = (),
+    measure: bool = False,
 ) -> tuple[dict[str, Tensor | None], PrecisionMeter]:
-    """The reference gradient of `batch` and the precision its forward and backward ran in."""
+    """The reference gradient of `batch` and (`measure`) the precision its forward and backward
+    ran in."""
     model, tapes = _build(spec, "record" if masks is not None else "off")
     for name, tape in tapes.items():
         if masks is None:
@@ -454,7 +464,7 @@ def _ref_grads(
         tape.tape = [m for m in per_rank if m is not None]
         tape.mode = "replay"
     torch.manual_seed(seed)
-    with PrecisionMeter() as meter:
+    with PrecisionMeter(active=measure) as meter:
         with _autocasts(autocast):
             loss = spec.reference_loss(model, batch)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -496,7 +506,7 @@ def reference(req: RefRequest) -> RefResult:
     replaying = req.condition.dropout and isinstance(spec, VerifySpec)
     masks = (req.masks if req.masks is not None else ()) if replaying else None
     seed = spec.seed + 10_007
-    grads, meter = _ref_grads(spec, batch, masks, seed)
+    grads, meter = _ref_grads(spec, batch, masks, seed, measure=req.probe)
     autocast_floor = None
     if req.autocast:
         # The same reference computed under the step's autocast: the round-off of that dtype.
