@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from wholebatch.verify.replay import ReplaySpec
 from wholebatch.verify.report import VerifyReport
 from wholebatch.verify.runner import run_verify
 from wholebatch.verify.spec import TrainerSpec, VerifyConfig, VerifySpec
 
 __all__ = ["WholeBatchMismatch", "assert_whole_batch", "verify"]
 
-Target = str | Callable[[], VerifySpec | TrainerSpec]
+Target = str | Callable[[], VerifySpec | TrainerSpec | ReplaySpec]
 
 
 class WholeBatchMismatch(AssertionError):
