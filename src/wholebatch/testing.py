@@ -12,8 +12,9 @@
 
 "Test with small batches that gradients accumulate correctly", the last item of
 every gradient-accumulation checklist, made one call: it runs `wholebatch
-verify` on the targets (a module-level function returning a `VerifySpec` or
-`TrainerSpec`, or a 'module:function' / 'file.py:function' string), split over
+verify` on the targets (a module-level function returning a `VerifySpec`,
+`TrainerSpec` or `ReplaySpec`, or a 'module:function' / 'file.py:function'
+string), split over
 `nproc` ranks x `micro_batches` micro-batches against one process on the whole
 batch, and fails with the report as the message: the per-parameter table, where
 the step breaks and the likely cause with its fix.
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from wholebatch.verify.replay import ReplaySpec
 from wholebatch.verify.report import VerifyReport
 from wholebatch.verify.runner import run_verify
 from wholebatch.verify.spec import TrainerSpec, VerifyConfig, VerifySpec
 
 __all__ = ["WholeBatchMismatch", "assert_whole_batch", "verify"]
 
-Target = str | Callable[[], VerifySpec | TrainerSpec]
+Target = str | Callable[[], VerifySpec | TrainerSpec | ReplaySpec]
 
 
 class WholeBatchMismatch(AssertionError):

@@ -1,4 +1,4 @@
-"""verify's instruments, one process: the dropout tape under checkpointing, the dtype meter,
+"""verify's instruments, one process: the dropout tape under checkpointing, the precision meter,
 the collective watch, the row recorder, and the weights fit of a mean of means."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from wholebatch.verify.fit import lstsq as _lstsq
+from wholebatch.verify.precision import PrecisionMeter
 from wholebatch.verify.recording import (
-    DtypeMeter,
-    RowRecorder,
     collectives_seen,
     install_tape_dropout,
+    is_watched,
     unwatch_collectives,
     watch_collectives,
 )
-from wholebatch.verify.worker import _lstsq
+from wholebatch.verify.rows import RowRecorder
 
 
 class Block(nn.Module):
@@ -74,15 +75,19 @@ def test_off_dropout_reads_p_zero_for_code_that_applies_it_itself() -> None:
     assert torch.equal(model(x), torch.tanh(model.lin(x)))
 
 
-def test_dtype_meter_sees_only_differentiable_arithmetic() -> None:
+def test_precision_meter_sees_only_differentiable_arithmetic() -> None:
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    with DtypeMeter() as meter:
+    with PrecisionMeter() as meter:
         counts = torch.ones(3).sum()  # float32 bookkeeping: not counted
         y = (w * 2).sum()
+        y.backward()
     assert meter.dtypes == {torch.float64}
-    with DtypeMeter() as meter:
-        y = (w.float() * 2).sum() + counts  # a float32 norm inside the model: counted
+    with PrecisionMeter() as meter:
+        y = (w.float() * 2).sum() + counts  # a float32 sum inside the model: counted
     assert torch.float32 in meter.dtypes
+    with torch.no_grad(), PrecisionMeter() as meter:
+        (w.float() @ w.float()).sum()  # no gradient can come of it: not counted
+    assert meter.dtypes == set()
     del y
 
 
@@ -96,7 +101,7 @@ def test_collective_watch_counts_tensors_that_need_gradient_once() -> None:
         collectives_seen(reset=True)
         x = torch.ones(2, requires_grad=True) * 1
         dist.all_gather([torch.zeros(2)], x)
-        with DtypeMeter():  # a TorchFunctionMode hands the call back: still one
+        with PrecisionMeter():  # a dispatch mode below: still one
             dist.all_gather([torch.zeros(2)], x)
         dist.all_gather([torch.zeros(2)], x.detach())  # no gradient to lose: not counted
         with torch.no_grad():
@@ -106,7 +111,7 @@ def test_collective_watch_counts_tensors_that_need_gradient_once() -> None:
     finally:
         dist.destroy_process_group()
         unwatch_collectives()
-    assert not hasattr(dist.all_gather, "__wholebatch_watched__")
+    assert not is_watched(dist.all_gather)
 
 
 def test_row_recorder_finds_the_rows_a_forward_saw() -> None:

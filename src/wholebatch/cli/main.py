@@ -151,8 +151,9 @@ def _build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="check a training step: split over W ranks x K micro-batches vs one process",
         description="Run each TARGET's split step on W processes with K micro-batches each, "
         "the whole-batch reference in one process, compare every parameter's gradient, and name "
-        "the likely mistake. TARGET: 'module:function' or 'path/to/file.py:function' returning a "
-        "wholebatch.verify.VerifySpec (or a TrainerSpec for a trainer that owns the split).",
+        "the likely mistake. TARGET: 'module:function' or 'path/to/file.py:function' (its folder "
+        "first on sys.path) returning a wholebatch.verify.VerifySpec (or a TrainerSpec for a "
+        "trainer that owns the split, a ReplaySpec for one that builds its batch in train()).",
     )
     if wants("verify"):
         from wholebatch.verify.runner import VerifyConfig

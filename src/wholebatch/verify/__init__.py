@@ -1,6 +1,7 @@
 """Verification: run a user's step (or trainer) split and whole, compare every gradient, name the mistake.
 
-`spec` holds what a TARGET returns (`VerifySpec`, `TrainerSpec`), `runner` runs
+`spec` holds what a TARGET returns (`VerifySpec`, `TrainerSpec`; `replay`'s
+`ReplaySpec` for a trainer that builds its batch inside `train()`), `runner` runs
 it over W ranks x K micro-batches against one process on the whole batch, in
 clean processes (`procs`, `worker`), `report` compares, `diagnose` names the
 likely causes: each one an entry of `causes.REGISTRY` (its test on the `case`,
@@ -13,6 +14,7 @@ drive it.
 from __future__ import annotations
 
 from wholebatch.verify.mesh import current_mesh
+from wholebatch.verify.replay import ReplaySpec
 from wholebatch.verify.report import VerifyReport
 from wholebatch.verify.runner import run_verify
 from wholebatch.verify.spec import (
@@ -26,6 +28,7 @@ from wholebatch.verify.spec import (
 )
 
 __all__ = [
+    "ReplaySpec",
     "TargetError",
     "TrainerRun",
     "TrainerSpec",

@@ -65,9 +65,17 @@ def names(params: Sequence[ParamError], limit: int = 4) -> str:
 def named(name: str) -> ParamError:
     """A placeholder ParamError that carries only a name (for `names`)."""
     return ParamError(
-        name=name, shape=(), ref_max=0.0, abs_err=0.0, rel_err=0.0, ratio=math.nan,
-        fit_err=0.0, rank_spread=0.0, missing=False, ok=True,
-    )  # fmt: skip
+        name=name,
+        shape=(),
+        ref_max=0.0,
+        abs_err=0.0,
+        rel_err=0.0,
+        ratio=math.nan,
+        fit_err=0.0,
+        rank_spread=0.0,
+        missing=False,
+        ok=True,
+    )
 
 
 def fmt(xs: Sequence[float]) -> str:
@@ -89,7 +97,7 @@ def find(
 
 def common_ratio(c: Comparison) -> float | None:
     """The c with every differing parameter at c times the reference, if there is one."""
-    live = [p for p in c.params if not p.ok and p.ref_max > 0]
+    live = [p for p in c.params if not p.ok and p.live]
     if len(live) < sum(not p.ok for p in c.params):
         return None
     if not live or any(not math.isfinite(p.ratio) or p.fit_err > FIT for p in live):
@@ -110,45 +118,61 @@ def matching_rule(fit: Fit) -> str | None:
     return None
 
 
-def read_fit(fit: Fit | None, w: int) -> tuple[str, float] | None:
-    """("uniform", c) | ("per-micro-batch", 0) | ("per-rank", 0) | ("weights", 0) from a usable fit."""
+def read_fit(fit: Fit | None, b: int) -> tuple[str, float] | None:
+    """How the split gradient weights the micro-batches, from a usable fit (None: no fit):
+
+    - ("uniform", c): every micro-batch at c times its whole-batch weight (a wrong count);
+    - ("equal", c): every micro-batch weighted c where the whole batch weights them
+      unequally: each micro-batch's own mean, times c (c = 1/J: a plain mean of means);
+    - ("per-rank", c): each rank's micro-batches in the right proportions, every rank's
+      share c where the whole batch weights the ranks unequally: each of the B data-
+      parallel ranks divides by its own count (c = 1/B under DDP's mean);
+    - ("weights", 0): none of these.
+    """
     if fit is None or not fit.usable:
         return None
-    a, b = fit.split, fit.reference
+    a, w = fit.split, fit.reference
     n = len(a)
     if n == 0:
         return None
     tol = max(RATIO_TOL, fit.tolerance)
-    if all(x > 0 for x in b):
-        rho = [x / y for x, y in zip(a, b, strict=True)]
+    if all(x > 0 for x in w):
+        rho = [x / y for x, y in zip(a, w, strict=True)]
         mean = sum(rho) / n
         if mean != 0 and all(abs(r - mean) <= tol * abs(mean) for r in rho):
             return "uniform", mean
-    b_equal = max(b) - min(b) <= tol * max(abs(max(b)), 1e-12)
-    if not b_equal and all(abs(x - 1.0 / n) <= tol / n for x in a):
-        return "per-micro-batch", 0.0
-    if _per_rank_means(fit, w, tol):
-        return "per-rank", 0.0
+    w_equal = max(w) - min(w) <= tol * max(abs(max(w)), 1e-12)
+    c = sum(a) / n
+    if not w_equal and c != 0 and all(abs(x - c) <= tol * abs(c) for x in a):
+        return "equal", c
+    share = _per_rank_share(fit, b, tol)
+    if share is not None:
+        return "per-rank", share
     return "weights", 0.0
 
 
-def _per_rank_means(fit: Fit, w: int, tol: float) -> bool:
-    """Each rank's micro-batches in the right proportions, each rank weighted 1/W."""
-    a, b = fit.split, fit.reference
+def _per_rank_share(fit: Fit, b: int, tol: float) -> float | None:
+    """The one share c of every rank, when each rank's micro-batches are in the right proportions
+    (a_j / b_j one value per rank) and the ranks' shares of the whole batch are not all equal."""
+    a, w = fit.split, fit.reference
     per_rank: dict[int, list[int]] = {}
     for j, r in enumerate(fit.ranks):
         per_rank.setdefault(r, []).append(j)
-    if len(per_rank) != w or w <= 1:
-        return False
-    sums = {r: sum(a[j] for j in js) for r, js in per_rank.items()}
+    if len(per_rank) != b or b <= 1:
+        return None
     within = all(
-        b[js[0]] > 0
+        w[js[0]] > 0
         and all(
-            abs(a[j] / b[j] - a[js[0]] / b[js[0]]) <= tol * abs(a[js[0]] / b[js[0]]) for j in js
+            abs(a[j] / w[j] - a[js[0]] / w[js[0]]) <= tol * abs(a[js[0]] / w[js[0]]) for j in js
         )
         for js in per_rank.values()
     )
-    return within and all(abs(s - 1.0 / w) <= tol / w for s in sums.values())
+    sums = [sum(a[j] for j in js) for js in per_rank.values()]
+    whole = [sum(w[j] for j in js) for js in per_rank.values()]
+    c = sum(sums) / len(sums)
+    if not within or c == 0 or any(abs(x - c) > tol * abs(c) for x in sums):
+        return None
+    return c if max(whole) - min(whole) > tol * max(whole) else None
 
 
 def counts_text(fit: Fit | None) -> str:
@@ -224,7 +248,7 @@ class Group:
 def groups_of(c: Comparison) -> tuple[Group, ...]:
     """The differing parameters of `c` grouped by their multiple of the reference."""
     bad = [p for p in c.params if not p.ok]
-    live = [p for p in bad if p.ref_max > 0 and not p.missing and not abs(p.ratio) < RATIO_TOL]
+    live = [p for p in bad if p.live and not p.missing and not abs(p.ratio) < RATIO_TOL]
     clusters: list[tuple[float | None, list[ParamError]]] = []
     for p in live:
         ratio = p.ratio if math.isfinite(p.ratio) and p.fit_err <= FIT else None
@@ -282,6 +306,17 @@ class Case:
         return self.main.micro_batches
 
     @property
+    def b(self) -> int:
+        """B: the data-parallel ranks (the product of the row dims' sizes on a mesh; else W)."""
+        mesh = self.ev.mesh
+        return math.prod(mesh[d] for d in self.ev.row_dims) if mesh else self.w
+
+    @property
+    def j(self) -> int:
+        """J: the micro-batches of the step, every data-parallel rank's (B x K)."""
+        return self.b * self.k
+
+    @property
     def at(self) -> str:
         """'Where: ... . ' (or '') to start a message with."""
         return f"Where: {self.where}. " if self.where else ""
@@ -315,7 +350,7 @@ class Case:
     @functools.cached_property
     def reading(self) -> tuple[str, float] | None:
         """How the fit weights the micro-batches (`read_fit`)."""
-        return read_fit(self.fit, self.w)
+        return read_fit(self.fit, self.b)
 
     @property
     def norm(self) -> NormFit | None:
@@ -336,7 +371,7 @@ class Case:
     @functools.cached_property
     def uniform(self) -> bool:
         """`ratio` holds for every parameter with a gradient (none of them is right)."""
-        return self.ratio is not None and all(not p.ok for p in self.clean.params if p.ref_max > 0)
+        return self.ratio is not None and all(not p.ok for p in self.clean.params if p.live)
 
     @functools.cached_property
     def groups(self) -> tuple[Group, ...]:

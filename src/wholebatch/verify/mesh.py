@@ -66,6 +66,10 @@ _NOT_ROW_DIMS = ("tp", "cp", "pp")
 
 _CURRENT: list[DeviceMesh] = []
 
+# A gradient piece whose reference stays below this fraction of its parameter's scale
+# (`report.param_scales`) holds round-off only: no factor is read from it.
+_ROUND_OFF = 1e-8
+
 REPLICAS_ONE = "replicas 1"
 """The label of the re-run with every replica dim of size 1 (its variant starts with it)."""
 
@@ -174,18 +178,20 @@ def _full(g: Tensor | None, p: Tensor) -> Tensor | None:
 
 
 def split_rank_mesh(
-    spec: Spec, condition: Condition, micro_batches: int, rank: int, world_size: int
+    spec: Spec,
+    condition: Condition,
+    micro_batches: int,
+    measure: bool,
+    rank: int,
+    world_size: int,
 ) -> RankResult:
     """One rank of a split run on `condition.mesh` (called in a forked process in the W-rank group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from wholebatch.verify import worker
-    from wholebatch.verify.recording import (
-        DtypeMeter,
-        collectives_in_functions,
-        collectives_seen,
-    )
-    from wholebatch.verify.spec import TrainerSpec, fingerprint
+    from wholebatch.verify.precision import PrecisionMeter, dtype_names
+    from wholebatch.verify.recording import collectives_in_functions, collectives_seen
+    from wholebatch.verify.spec import TrainerSpec, VerifySpec, fingerprint
 
     shape = parse_mesh_shape(condition.mesh)
     if math.prod(shape.values()) != world_size:
@@ -210,13 +216,14 @@ def split_rank_mesh(
         optimizer = ModelGradRecorder(model)
         collectives_seen(reset=True)
         collectives_in_functions(reset=True)
-        meter = DtypeMeter()
+        meter = PrecisionMeter(active=measure)
         # Replicas draw the same random numbers (dropout masks): seeded by the row shard.
         torch.manual_seed(spec.seed + 1 + at.shard)
         with meter:
             if isinstance(spec, TrainerSpec):
                 pieces, rows_note = _run_trainer(spec, module, model, optimizer, batch, mesh, at)
             else:
+                assert isinstance(spec, VerifySpec), "a ReplaySpec is refused on a mesh (describe)"
                 spec.step(module, optimizer, at.micro_batches(batch))
                 pieces, rows_note = at.pieces(rows(batch)), ""
         collectives = collectives_seen(reset=True)
@@ -240,7 +247,7 @@ def split_rank_mesh(
         masks={name: t.first_rows(my_rows) for name, t in tapes.items()} if keep else {},
         collectives=collectives,
         pieces=pieces if at.primary else [],
-        dtypes=worker._dtype_names(meter.dtypes),
+        dtypes=dtype_names(meter.dtypes),
         params_fp=params_fp,
         batch_fp=fingerprint(batch),
         autocast=tuple(sorted(meter.autocast)),
@@ -325,7 +332,7 @@ def _run_trainer(
     import torch.distributed as dist
 
     from wholebatch.verify import worker
-    from wholebatch.verify.recording import RowRecorder
+    from wholebatch.verify.rows import RowRecorder
     from wholebatch.verify.spec import TrainerRun, dataset_rows, split_batch
 
     n = rows(batch)
@@ -333,12 +340,22 @@ def _run_trainer(
     try:
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             run = TrainerRun(
-                model=module, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
-                world_size=dist.get_world_size(), rank=at.rank, micro_batches=at.k,
-                per_device_rows=n // (at.shards * at.k), output_dir=out, seed=spec.seed,
-                mesh=mesh, batch_dims=at.dims, data_shards=at.shards, data_rank=at.shard,
+                model=module,
+                optimizer=optimizer,
+                batch=batch,
+                dataset=dataset_rows(batch),
+                world_size=dist.get_world_size(),
+                rank=at.rank,
+                micro_batches=at.k,
+                per_device_rows=n // (at.shards * at.k),
+                output_dir=out,
+                seed=spec.seed,
+                mesh=mesh,
+                batch_dims=at.dims,
+                data_shards=at.shards,
+                data_rank=at.shard,
                 shard=dataset_rows(split_batch(batch, at.shards)[at.shard]),
-            )  # fmt: skip
+            )
             spec.train(run)
     finally:
         recorder.remove()
@@ -422,6 +439,9 @@ def rank_factors(
     A rank's FSDP shard scaled by its own wrong count shows here, where the full
     gradient (shards of different ranks at different factors) has no single ratio.
     """
+    from wholebatch.verify.report import param_scales
+
+    scales = param_scales(reference)
     out: list[float | None] = []
     for pieces in local:
         factors: list[float] = []
@@ -432,7 +452,9 @@ def rank_factors(
                 continue
             ref = full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))]
             norm = float((ref * ref).sum())
-            if norm == 0.0:
+            # a piece whose reference is round-off of its module's scale (an attention key
+            # bias: zero in exact arithmetic) has no factor to read
+            if norm == 0.0 or float(ref.abs().max()) <= _ROUND_OFF * scales[name]:
                 continue
             f = float((piece * ref).sum()) / norm
             if float((piece - f * ref).norm()) > 1e-6 * float(piece.norm()):

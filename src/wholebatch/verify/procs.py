@@ -129,15 +129,24 @@ def _run_child(
             import torch.distributed as dist
 
             os.environ.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=os.environ.get("_WHOLEBATCH_VERIFY_PORT", "29500"),
-            )  # fmt: skip
-            store = dist.FileStore(store_path, nproc)  # type: ignore[attr-defined]
+            )
+            from torch._C._distributed_c10d import FileStore  # typed where dist's export is not
+
+            store = FileStore(store_path, nproc)
             dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=nproc,
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=nproc,
                 timeout=timedelta(seconds=timeout_s),
-            )  # fmt: skip
+            )
         fn = _runs()[fn_name]
         value = fn(*args, rank, nproc) if store_path is not None else fn(*args)
         payload: Any = ("ok", value)
@@ -327,9 +336,11 @@ class Session:
         # The root's stdout goes to our stderr: what a step prints never mixes with --json.
         self._proc = subprocess.Popen(
             [sys.executable, "-c", code, str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),), stdout=2,
-            env=env, start_new_session=True,
-        )  # fmt: skip
+            pass_fds=(child_sock.fileno(),),
+            stdout=2,
+            env=env,
+            start_new_session=True,
+        )
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
 

@@ -16,12 +16,9 @@
   collectives a step calls on tensors that need gradient (they carry none), and
   (`collectives_in_functions`) those called inside a custom autograd Function's
   forward or backward (a hand-written GatherLayer).
-- `DtypeMeter`: the floating dtypes a forward computes in (a float64 model may
-  compute its norms in float32) and the autocast it runs under (CPU or CUDA,
-  bfloat16 or float16), which set the round-off floor.
-- `RowRecorder`: which rows of the whole batch each forward of a model saw (a
-  trainer's sampler decides them), by content: a micro-batch padded to its own
-  longest row is matched through its attention mask, or by an id column.
+
+The precision a step computes in is `wholebatch.verify.precision`'s, the rows a
+trainer's forwards saw `wholebatch.verify.rows`'.
 """
 
 from __future__ import annotations
@@ -29,29 +26,28 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from wholebatch.errors import WholebatchError
 from wholebatch.meter import SavedTensorMeter as SavedTensorMeter
 
 __all__ = [
-    "AUTOCAST_DEVICES",
     "DropoutMode",
-    "DtypeMeter",
     "GradRecorder",
-    "RowRecorder",
     "SavedTensorMeter",
     "TapeDropout",
-    "autocast_now",
     "collectives_in_functions",
     "collectives_seen",
     "in_backward",
+    "in_function",
     "install_tape_dropout",
+    "is_watched",
+    "patch",
     "unwatch_collectives",
     "watch_collectives",
 ]
@@ -72,19 +68,28 @@ class GradRecorder(torch.optim.Optimizer):
         self.calls = 0
         self.grads: dict[int, Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Record the current gradients (a `closure` is called first, as optimizers do)."""
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Record the current gradients (a `closure` is called first, as optimizers do, and its
+        loss returned)."""
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         self.calls += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.detach().to(torch.float64).clone()
-                self.grads[id(p)] = g if id(p) not in self.grads else self.grads[id(p)] + g
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    g = p.grad.detach().to(torch.float64).clone()
+                    self.grads[id(p)] = g if id(p) not in self.grads else self.grads[id(p)] + g
+        return loss
 
     def gradient(self, p: Tensor) -> Tensor | None:
         """The gradient `p` was stepped with, or, if `step()` was never called, its `.grad`."""
@@ -253,8 +258,35 @@ def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _DEPTH[0] -= 1
 
-    call.__wholebatch_watched__ = True  # type: ignore[attr-defined]
+    _WRAPPED[call] = fn
     return call
+
+
+# The wrappers verify installed in torch, each to the function it wraps (keyed by the wrapper
+# itself, not marked by an attribute on it).
+_WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def is_watched(fn: object) -> bool:
+    """Whether `fn` is one of the wrappers `watch_collectives` installed."""
+    try:
+        return fn in _WRAPPED
+    except TypeError:  # not weak-referenceable: not ours
+        return False
+
+
+def patch(owner: Any, name: str, value: Any) -> None:
+    """Set `owner.name` (a torch function or method verify wraps, or restores): the one place
+    verify assigns into torch's namespaces and classes."""
+    setattr(owner, name, value)
+
+
+def in_function() -> bool:
+    """True while a custom autograd Function's forward or backward runs (once `watch_collectives`
+    wrapped `Function.apply`, as verify's processes do)."""
+    return bool(_FUNCTIONS)
 
 
 @contextlib.contextmanager
@@ -271,7 +303,7 @@ def _watch_functions() -> None:
     from torch.autograd.function import BackwardCFunction, Function
 
     apply = Function.__dict__["apply"]
-    if getattr(apply.__func__, "__wholebatch_watched__", False):
+    if is_watched(apply.__func__):
         return
     forward_apply: Callable[..., Any] = apply.__func__
     backward_apply: Callable[..., Any] = BackwardCFunction.apply
@@ -284,26 +316,21 @@ def _watch_functions() -> None:
         with _inside(f"{self._forward_cls.__qualname__}.backward"):
             return backward_apply(self, *args)
 
-    pairs: tuple[tuple[Any, Any], ...] = (
-        (watched_forward, apply),
-        (watched_backward, backward_apply),
-    )
-    for fn, original in pairs:
-        fn.__wholebatch_watched__ = True
-        fn.__wrapped__ = original
-    Function.apply = classmethod(watched_forward)  # type: ignore[assignment]
-    BackwardCFunction.apply = watched_backward  # type: ignore[method-assign]
+    _WRAPPED[watched_forward] = forward_apply
+    _WRAPPED[watched_backward] = backward_apply
+    patch(Function, "apply", classmethod(watched_forward))
+    patch(BackwardCFunction, "apply", watched_backward)
 
 
 def _unwatch_functions() -> None:
     from torch.autograd.function import BackwardCFunction, Function
 
     apply = Function.__dict__["apply"]
-    if getattr(apply.__func__, "__wholebatch_watched__", False):
-        Function.apply = apply.__func__.__wrapped__  # type: ignore[method-assign]
+    if is_watched(apply.__func__):
+        patch(Function, "apply", classmethod(_WRAPPED[apply.__func__]))
     backward: Any = BackwardCFunction.apply
-    if getattr(backward, "__wholebatch_watched__", False):
-        BackwardCFunction.apply = backward.__wrapped__  # type: ignore[method-assign]
+    if is_watched(backward):
+        patch(BackwardCFunction, "apply", _WRAPPED[backward])
 
 
 def watch_collectives() -> None:
@@ -323,12 +350,12 @@ def watch_collectives() -> None:
     _watch_functions()
     for name in _WATCHED:
         fn = getattr(c10d, name, None)
-        if fn is None or getattr(fn, "__wholebatch_watched__", False):
+        if fn is None or is_watched(fn):
             continue
         wrapped = _watched(name, fn)
-        setattr(c10d, name, wrapped)
+        patch(c10d, name, wrapped)
         if getattr(dist, name, None) is fn:
-            setattr(dist, name, wrapped)
+            patch(dist, name, wrapped)
 
 
 def unwatch_collectives() -> None:
@@ -339,12 +366,12 @@ def unwatch_collectives() -> None:
     _unwatch_functions()
     for name in _WATCHED:
         fn = getattr(c10d, name, None)
-        if fn is None or not getattr(fn, "__wholebatch_watched__", False):
+        if fn is None or not is_watched(fn):
             continue
-        original = fn.__wrapped__
-        setattr(c10d, name, original)
+        original = _WRAPPED[fn]
+        patch(c10d, name, original)
         if getattr(dist, name, None) is fn:
-            setattr(dist, name, original)
+            patch(dist, name, original)
 
 
 def collectives_seen(reset: bool = False) -> dict[str, int]:
@@ -361,194 +388,3 @@ def collectives_in_functions(reset: bool = False) -> dict[str, int]:
     if reset:
         _IN_FUNCTIONS.clear()
     return seen
-
-
-# ---------------------------------------------------------------------------
-# Dtypes and rows
-# ---------------------------------------------------------------------------
-
-
-# Where autocast can be on: it casts the ops of tensors on that device type.
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def autocast_now(tensors: Iterable[Any]) -> set[str]:
-    """'cpu:bfloat16', 'cuda:float16', ...: the autocasts on for the devices of `tensors`."""
-    found: set[str] = set()
-    for device in AUTOCAST_DEVICES:
-        if not torch.is_autocast_enabled(device):
-            continue
-        if any(
-            isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device
-            for t in tensors
-        ):
-            found.add(f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}")
-    return found
-
-
-def _any_autocast() -> bool:
-    """Whether any autocast is on (one call, cheap enough for every torch function)."""
-    check = getattr(torch._C, "_is_any_autocast_enabled", None)
-    if check is not None:
-        return bool(check())
-    return any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
-
-
-class DtypeMeter(TorchFunctionMode):
-    """While active, collects the floating dtypes of torch functions' outputs that need gradient,
-    and the autocasts (device type and dtype) that were on for any floating input.
-
-    Only the differentiable computation sets how precise a gradient can be: a float32
-    bookkeeping tensor (a count, a mask) does not, a float32 norm inside the model does.
-    Autocast is read from its state, not only from outputs: an autocast forward under a
-    reentrant checkpoint (no gradient in the forward) or whose outputs are cast back
-    to float32 still computed its matmuls in half precision.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtypes: set[torch.dtype] = set()
-        self.autocast: set[str] = set()
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if _any_autocast():
-            flat = [*args, *(kwargs or {}).values()]
-            flat += [t for a in args if isinstance(a, list | tuple) for t in a]
-            self.autocast |= autocast_now(flat)
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad:
-                self.dtypes.add(t.dtype)
-        return out
-
-
-class RowRecorder:
-    """Records which rows of the whole batch each forward of `model` receives (outside backward).
-
-    Rows are recognised by content: the batch's key tensor (`key` if given, e.g. an
-    item id column; else "input_ids" for a dict batch that has it, else its first
-    tensor) is indexed by row, and the first argument of the forward with the same
-    dtype and trailing shape is looked up. A row padded to another length (a
-    collator that pads each micro-batch to its own longest row) is matched by its
-    tokens with the padding removed: through the forward's `attention_mask` and the
-    batch's, or by stripping the batch's pad value. `calls` holds one list of
-    whole-batch row indices per recognised forward; a row is taken once (a second
-    pass over the same rows is not recorded), so `calls` is the first pass.
-    `forwards` counts the forward calls seen and `missed` those whose rows matched
-    none of the batch's, for saying what could not be matched.
-    """
-
-    def __init__(self, model: nn.Module, batch: Any, key: str | None = None) -> None:
-        self.calls: list[list[int]] = []
-        self.forwards = 0
-        self.missed = 0
-        self.key_name = key or self._key_name(batch)
-        self._key = self._key_tensor(batch, key)
-        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        self._mask = (
-            mask.detach().cpu()
-            if isinstance(mask, Tensor) and self._key is not None and mask.shape == self._key.shape
-            else None
-        )
-        self._pad = self._pad_value()
-        self._index: dict[bytes, list[int]] = {}
-        self._used: collections.Counter[bytes] = collections.Counter()
-        if self._key is not None:
-            for i, row in enumerate(self._key):
-                mask_row = None if self._mask is None else self._mask[i]
-                self._index.setdefault(self._content(row, mask_row), []).append(i)
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    @staticmethod
-    def _key_name(batch: Any) -> str:
-        if isinstance(batch, Tensor):
-            return "the batch tensor"
-        if isinstance(batch, Mapping):
-            if isinstance(batch.get("input_ids"), Tensor):
-                return "input_ids"
-            return next((str(k) for k, v in batch.items() if isinstance(v, Tensor)), "?")
-        return "the batch's first tensor"
-
-    @staticmethod
-    def _key_tensor(batch: Any, key: str | None) -> Tensor | None:
-        if isinstance(batch, Tensor):
-            return batch.detach().cpu()
-        if isinstance(batch, Mapping):
-            ids = batch.get(key or "input_ids")
-            if isinstance(ids, Tensor):
-                return ids.detach().cpu()
-            values = list(batch.values())
-        else:
-            values = list(batch)
-        first = next((v for v in values if isinstance(v, Tensor)), None)
-        return None if first is None else first.detach().cpu()
-
-    def _pad_value(self) -> Tensor | None:
-        """The value the batch pads with (at its first masked-out position), if it says."""
-        if self._key is None or self._mask is None or bool(self._mask.bool().all()):
-            return None
-        return self._key[~self._mask.bool()][0]
-
-    def _content(self, row: Tensor, mask_row: Tensor | None) -> bytes:
-        """A row's tokens with padding removed (the whole row when nothing says what pads)."""
-        if row.dim() >= 1 and mask_row is not None and mask_row.shape == row.shape[:1]:
-            row = row[mask_row.bool()]
-        elif row.dim() >= 1 and self._pad is not None and row.dtype == self._pad.dtype:
-            keep = len(row)
-            while keep and bool((row[keep - 1] == self._pad).all()):
-                keep -= 1
-            row = row[:keep]
-        return row.contiguous().numpy().tobytes()
-
-    def _fits(self, t: Any) -> bool:
-        key = self._key
-        return (
-            key is not None
-            and isinstance(t, Tensor)
-            and t.dtype == key.dtype
-            and t.dim() == key.dim()
-            and (t.shape[1:] == key.shape[1:] or (t.dim() >= 2 and t.shape[2:] == key.shape[2:]))
-        )
-
-    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._key is None or in_backward():
-            return
-        self.forwards += 1
-        candidates = [*args, *kwargs.values()]
-        for name in (self.key_name, "input_ids"):
-            if name in kwargs:
-                candidates.insert(0, kwargs[name])
-        mask = kwargs.get("attention_mask")
-        for t in (c for c in candidates if self._fits(c)):
-            rows = t.detach().cpu()
-            masks = (
-                mask.detach().cpu() if isinstance(mask, Tensor) and mask.shape == t.shape else None
-            )
-            found = self._match(rows, masks)
-            if found is not None:
-                self.calls.append(found)
-                return
-        self.missed += 1
-
-    def _match(self, rows: Tensor, masks: Tensor | None) -> list[int] | None:
-        used = collections.Counter(self._used)
-        found = []
-        for i, row in enumerate(rows):
-            key = self._content(row, None if masks is None else masks[i])
-            options = self._index.get(key, [])
-            if used[key] >= len(options):
-                return None
-            found.append(options[used[key]])
-            used[key] += 1
-        self._used = used
-        return found
-
-    def remove(self) -> None:
-        """Remove the hook."""
-        self._handle.remove()

@@ -2,16 +2,27 @@
 
 `compare` puts one run's gradients (every rank) next to the whole-batch
 reference. Per parameter: the largest absolute error over ranks, that error
-relative to the reference's largest entry, and the ratio <g, g_ref> / <g_ref, g_ref>
-(g: rank 0's gradient), which reads "the split gradient is this multiple of the
-right one". `VerifyReport` holds the runs, the evidence about the step, the
-round-off floor and the diagnoses (`wholebatch.verify.diagnose`), and prints them.
+relative to the parameter's scale (`param_scales`), and the ratio
+<g, g_ref> / <g_ref, g_ref> (g: rank 0's gradient), which reads "the split
+gradient is this multiple of the right one". `VerifyReport` holds the runs, the
+evidence about the step, the round-off floor and the diagnoses
+(`wholebatch.verify.diagnose`), and prints them.
+
+A parameter's scale is the largest reference entry of its module (the
+parameters whose names share its prefix: `attn.k_proj.weight` and
+`attn.k_proj.bias`), and at least `MODEL_FLOOR` of the largest over the model.
+Its own largest entry is not enough: an attention key bias has an exact gradient
+of zero (softmax is shift-invariant), so both sides hold round-off of the size
+of the key weight's gradient times eps, and their difference relative to that
+round-off is O(1) whatever the precision. Its module's gradient is what its
+computation produces; a parameter that should move and does not is still off by
+its whole gradient, which is that module's scale unless it is a thousand times
+smaller than the model's largest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +33,7 @@ from torch import Tensor
 from wholebatch.train.normalize import Mode, Scope
 
 __all__ = [
+    "MODEL_FLOOR",
     "Comparison",
     "Diagnosis",
     "Evidence",
@@ -32,7 +44,12 @@ __all__ = [
     "VerifyReport",
     "compare",
     "error_report",
+    "param_scales",
 ]
+
+MODEL_FLOOR = 1e-3
+"""A parameter's scale is at least this fraction of the model's largest reference entry
+(for a module whose whole gradient is round-off)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,22 +69,38 @@ class ParamError:
     """Largest |split - reference| over entries and ranks."""
 
     rel_err: float
-    """abs_err / ref_max (abs_err itself when the reference is zero)."""
+    """abs_err / scale (abs_err itself when the whole reference is zero)."""
 
     ratio: float
     """<g, g_ref> / <g_ref, g_ref> with g rank 0's gradient (NaN when the reference is zero)."""
 
     fit_err: float
-    """Largest |g - ratio·g_ref| / ref_max: small when g is just a multiple of the reference."""
+    """Largest |g - ratio·g_ref| / scale: small when g is just a multiple of the reference."""
 
     rank_spread: float
-    """Largest |g_r - g_0| / ref_max over ranks: nonzero when ranks hold different gradients."""
+    """Largest |g_r - g_0| / scale over ranks: nonzero when ranks hold different gradients."""
 
     missing: bool
-    """True when the reference has a gradient and some rank's step left none."""
+    """True when the reference has a gradient above round-off and some rank's step left none."""
 
     ok: bool
     """rel_err <= rtol and a gradient on every rank where the reference has one."""
+
+    scale: float = 1.0
+    """What the error is relative to (`param_scales`): its module's largest reference entry,
+    at least MODEL_FLOOR of the model's."""
+
+    rtol: float = 0.0
+    """The tolerance it was judged at."""
+
+    ref_norm: float = 0.0
+    """||g_ref||: with `ratio`, the whole model's ratio is sum(ratio ref_norm^2) / sum(ref_norm^2)."""
+
+    @property
+    def live(self) -> bool:
+        """The reference gradient stands above round-off at the tolerance (its largest entry
+        over rtol x scale): a gradient that should move the parameter."""
+        return self.ref_max > self.rtol * self.scale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -435,6 +468,7 @@ class VerifyReport:
                             "shape": list(p.shape),
                             "passed": p.ok,
                             "max_abs_ref": num(p.ref_max),
+                            "scale": num(p.scale),
                             "max_abs_err": num(p.abs_err),
                             "max_rel_err": num(p.rel_err),
                             "ratio": num(p.ratio),
@@ -452,13 +486,14 @@ class VerifyReport:
             "notes": list(self.notes),
         }
 
-    def to_json_text(self) -> str:
-        """`to_json()` as indented text."""
-        return json.dumps(self.to_json(), indent=2)
-
     def format(self) -> str:
         """The human report: per parameter errors, the runs, the floor, the verdict and causes."""
-        how = {"ddp": "DDP", "none": "no wrapper", "trainer": "the trainer's own split"}
+        how = {
+            "ddp": "DDP",
+            "none": "no wrapper",
+            "trainer": "the trainer's own split",
+            "replay": "the trainer's own split, its batch recorded",
+        }
         lines = [
             f"wholebatch verify {self.target}",
             f"  whole batch of {self.rows} rows = {self.world_size} ranks x {self.micro_batches} "
@@ -526,8 +561,25 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+def param_scales(reference: Mapping[str, Tensor | None]) -> dict[str, float]:
+    """Each parameter's scale: the largest reference entry of its module, at least MODEL_FLOOR
+    of the model's (1.0 where the model's whole reference gradient is zero)."""
+    largest = {
+        name: float(g.abs().max()) if g is not None and g.numel() else 0.0
+        for name, g in reference.items()
+    }
+    model = max(largest.values(), default=0.0)
+    module: dict[str, float] = {}
+    for name, m in largest.items():
+        key = name.rpartition(".")[0]
+        module[key] = max(module.get(key, 0.0), m)
+    if model == 0.0:
+        return dict.fromkeys(largest, 1.0)
+    return {name: max(module[name.rpartition(".")[0]], MODEL_FLOOR * model) for name in largest}
+
+
 def _param_error(
-    name: str, ref: Tensor | None, grads: Sequence[Tensor | None], rtol: float
+    name: str, ref: Tensor | None, grads: Sequence[Tensor | None], rtol: float, scale: float
 ) -> ParamError:
     has_ref = ref is not None
     base = grads[0] if grads and grads[0] is not None else None
@@ -536,9 +588,7 @@ def _param_error(
         ref = torch.zeros_like(like, dtype=torch.float64) if like is not None else torch.zeros(())
     ref = ref.double()
     present = [g.double() if g is not None else torch.zeros_like(ref) for g in grads]
-    missing = has_ref and any(g is None for g in grads)
     ref_max = float(ref.abs().max()) if ref.numel() else 0.0
-    scale = ref_max if ref_max > 0 else 1.0
     abs_err = max(float((g - ref).abs().max()) if ref.numel() else 0.0 for g in present)
     rel = abs_err / scale
     g0 = present[0]
@@ -546,6 +596,8 @@ def _param_error(
     ratio = float((g0 * ref).sum()) / denom if denom > 0 else math.nan
     fit = float((g0 - ratio * ref).abs().max()) / scale if denom > 0 and ref.numel() else math.inf
     spread = max(float((g - g0).abs().max()) / scale if ref.numel() else 0.0 for g in present)
+    # No gradient where the reference holds only round-off is no gradient to miss.
+    missing = has_ref and any(g is None for g in grads) and ref_max > rtol * scale
     return ParamError(
         name=name,
         shape=tuple(ref.shape),
@@ -557,6 +609,9 @@ def _param_error(
         rank_spread=spread,
         missing=missing,
         ok=rel <= rtol and not missing,
+        scale=scale,
+        rtol=rtol,
+        ref_norm=math.sqrt(denom),
     )
 
 
@@ -572,9 +627,11 @@ def compare(
     dropout: bool = True,
     equal: bool = False,
 ) -> Comparison:
-    """Every parameter of every rank against the reference gradient (None: no gradient)."""
+    """Every parameter of every rank against the reference gradient (None: no gradient),
+    each judged at `rtol` relative to its scale (`param_scales`)."""
+    scales = param_scales(reference)
     params = tuple(
-        _param_error(name, ref, [g.get(name) for g in per_rank], rtol)
+        _param_error(name, ref, [g.get(name) for g in per_rank], rtol, scales[name])
         for name, ref in reference.items()
     )
     return Comparison(

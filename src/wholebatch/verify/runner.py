@@ -44,10 +44,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from wholebatch.comm.mesh import parse_mesh_shape
 from wholebatch.errors import WholebatchError
+from wholebatch.verify.batches import collate
 from wholebatch.verify.diagnose import diagnose, error_report
 from wholebatch.verify.mesh import (
     REPLICAS_ONE,
@@ -56,7 +55,9 @@ from wholebatch.verify.mesh import (
     replica_shape,
     row_dims,
 )
+from wholebatch.verify.precision import auto_rtol, eps_of
 from wholebatch.verify.procs import ChildFailure, Session
+from wholebatch.verify.replay import batch_key, empty_run_error
 from wholebatch.verify.report import Comparison, Evidence, Fit, Floor, VerifyReport, compare
 from wholebatch.verify.spec import (
     Spec,
@@ -78,7 +79,6 @@ from wholebatch.verify.worker import (
     RefRequest,
     RefResult,
     describe,
-    eps_of,
     reference,
     split_rank,
 )
@@ -105,16 +105,6 @@ _AUTOCAST_SEEN = 10.0
 _AUTOCAST_MARGIN = 4.0
 
 
-def auto_rtol(dtypes: Sequence[str]) -> tuple[float, str]:
-    """The default tolerance from the dtypes the model computes in, and why."""
-    eps = eps_of(dtypes)
-    if eps <= torch.finfo(torch.float64).eps:
-        return 1e-10, "from the dtypes: all float64"
-    if eps <= torch.finfo(torch.float32).eps:
-        return 1e-5, "from the dtypes: float32 is the least precise"
-    return 1e-2, "from the dtypes: a half-precision dtype"
-
-
 class _Target:
     """One TARGET's runs and report."""
 
@@ -126,7 +116,10 @@ class _Target:
         self.where = split_target(target)[0]
         self.desc = desc
         self.config = config
-        self._refs: dict[Condition, RefResult] = {}
+        self._refs: dict[tuple[Condition, float], RefResult] = {}
+        self.replay = desc.kind == "replay"
+        """A ReplaySpec: each split run's batch is what its trainer recorded."""
+        self._padding: tuple[str, ...] = ()
         self.mesh = config.mesh or desc.mesh
         """The device mesh the split runs on ("dp=2,tp=2"); "" a flat world."""
         self.world = mesh_world(self.mesh) if self.mesh else config.nproc
@@ -134,9 +127,12 @@ class _Target:
         if self.mesh:
             _check_mesh_split(target, self.mesh, desc, config.micro_batches)
 
-    def _split(self, condition: Condition, w: int, k: int) -> list[RankResult] | ChildFailure:
+    def _split(
+        self, condition: Condition, w: int, k: int, measure: bool = False
+    ) -> list[RankResult] | ChildFailure:
+        """One split run; `measure`: record the precision it computes in (the first run's only)."""
         values = self.session.call(
-            self.where, split_rank, (self.target, condition, k), nproc=w, distributed=True
+            self.where, split_rank, (self.target, condition, k, measure), nproc=w, distributed=True
         )
         failures = [v for v in values if isinstance(v, ChildFailure)]
         if failures:
@@ -144,17 +140,53 @@ class _Target:
             ranks = [f.rank for f in failures]
             first.message = f"on ranks {ranks}: {first.message}"
             return first
-        return [v for v in values if isinstance(v, RankResult)]
+        outs = [v for v in values if isinstance(v, RankResult)]
+        if self.replay:
+            return self._recorded_rows(outs)
+        return outs
+
+    def _recorded_rows(self, outs: list[RankResult]) -> list[RankResult] | ChildFailure:
+        """A ReplaySpec's run: each rank's pieces are the rows of its recorded micro-batches in
+        the collated whole batch (rank order)."""
+        counts = [len(o.recorded) for o in outs]
+        if not all(counts):
+            return ChildFailure(0, "raised", str(empty_run_error(self.target, counts)))
+        try:
+            _, pieces = collate([mb for o in outs for mb in o.recorded])
+        except WholebatchError as exc:
+            return ChildFailure(0, "raised", str(exc))
+        start = 0
+        for o, n in zip(outs, counts, strict=True):
+            o.pieces = pieces[start : start + n]
+            start += n
+        return outs
+
+    def _recorded(self, outs: list[RankResult]) -> tuple[tuple[dict[str, Any], ...], ...] | None:
+        return tuple(tuple(o.recorded) for o in outs) if self.replay else None
+
+    def _rows_of(self, outs: list[RankResult], condition: Condition) -> int:
+        """N of the run: the spec's batch (or equal_batch), or what a ReplaySpec's trainer recorded."""
+        if self.replay:
+            return sum(len(p) for o in outs for p in o.pieces)
+        return self.desc.equal_rows if condition.equal else self.desc.rows
 
     def _reference(self, req: RefRequest) -> RefResult | ChildFailure:
         reuse = req.masks is None and req.pieces is None and not req.floor
-        key = dataclasses.replace(req.condition, mesh="")  # one whole batch for every mesh
+        # one whole batch for every mesh; a ReplaySpec's, per recorded batch
+        key = (
+            dataclasses.replace(req.condition, mesh=""),
+            0.0 if req.recorded is None else batch_key(req.recorded),
+        )
         if reuse and key in self._refs:
             return self._refs[key]
         (value,) = self.session.call(self.where, reference, (req,))
-        if isinstance(value, RefResult) and reuse:
+        if isinstance(value, ChildFailure):
+            return value
+        if not isinstance(value, RefResult):
+            raise RuntimeError(f"verify: the reference process sent {type(value).__name__}")
+        if reuse:
             self._refs[key] = value
-        return value  # type: ignore[no-any-return]
+        return value
 
     def _ref_for(
         self, condition: Condition, outs: list[RankResult], probe: bool = False
@@ -171,6 +203,7 @@ class _Target:
                 probe=probe,
                 count_pieces=tuple(tuple(p) for o in outs for p in o.pieces) if probe else None,
                 autocast=autocast,
+                recorded=self._recorded(outs),
             )
         )
 
@@ -182,10 +215,14 @@ class _Target:
         if what.startswith("the reference"):
             code = "reference-raised"
         return error_report(
-            target=self.target, world_size=self.world,
-            micro_batches=self.config.micro_batches, rows=self.desc.rows, wrap=self._wrap(),
-            error=text, code=code,
-        )  # fmt: skip
+            target=self.target,
+            world_size=self.world,
+            micro_batches=self.config.micro_batches,
+            rows=self.desc.rows,
+            wrap=self._wrap(),
+            error=text,
+            code=code,
+        )
 
     def _wrap(self) -> str:
         """The report's wrapper column: the spec's, or the mesh the split ran on."""
@@ -215,22 +252,28 @@ class _Target:
         if isinstance(ref, ChildFailure):
             return None
         cmp = compare(
-            label, ref.grads, [o.grads for o in outs], rtol=rtol,
-            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
-            dropout=condition.dropout and self.desc.has_dropout, equal=condition.equal,
-        )  # fmt: skip
+            label,
+            ref.grads,
+            [o.grads for o in outs],
+            rtol=rtol,
+            step_calls=[o.calls for o in outs],
+            world_size=w,
+            micro_batches=k,
+            dropout=condition.dropout and self.desc.has_dropout,
+            equal=condition.equal,
+        )
         return cmp, outs
 
     def _fit_and_floor(
         self, condition: Condition, outs: list[RankResult], rtol: float
     ) -> tuple[Fit | None, float | None]:
-        n = self.desc.equal_rows if condition.equal else self.desc.rows
+        n = self._rows_of(outs, condition)
         pieces: list[tuple[int, ...]] = []
         ranks: list[int] = []
         for r, o in enumerate(outs):
             for piece in o.pieces:
                 pieces.append(tuple(piece))
-                ranks.append(r)
+                ranks.append(o.shard if self.mesh else r)  # on a mesh: the data shard
         # The fit needs each row in exactly one micro-batch (a trainer's recorded rows may not be).
         covered = sorted(i for p in pieces for i in p) == list(range(n))
         want_fit = covered and len(pieces) > 1
@@ -243,6 +286,7 @@ class _Target:
             pieces=tuple(pieces) if want_fit else None,
             piece_ranks=tuple(ranks) if want_fit else (),
             fit_to=outs[0].grads if want_fit else None,
+            recorded=self._recorded(outs),
         )
         value = self._reference(req)
         if isinstance(value, ChildFailure):
@@ -280,9 +324,14 @@ class _Target:
                     f"autocast ({', '.join(autocast)}): {measured:.1e}"
                 )
         return Floor(
-            dtypes=names, unit_roundoff=eps_of(names), measured=None, rtol=rtol,
-            rtol_from=rtol_from, autocast=autocast, autocast_measured=measured,
-        )  # fmt: skip
+            dtypes=names,
+            unit_roundoff=eps_of(names),
+            measured=None,
+            rtol=rtol,
+            rtol_from=rtol_from,
+            autocast=autocast,
+            autocast_measured=measured,
+        )
 
     def _variants(
         self, main: Comparison, outs: list[RankResult], rtol: float
@@ -326,15 +375,18 @@ class _Target:
         if not shape:
             return []
         again = self._rerun(
-            Condition(mesh=shape), mesh_world(shape), self.config.micro_batches, rtol,
+            Condition(mesh=shape),
+            mesh_world(shape),
+            self.config.micro_batches,
+            rtol,
             f"{REPLICAS_ONE} ({shape})",
-        )  # fmt: skip
+        )
         return [] if again is None else [again[0]]
 
     def verify(self) -> VerifyReport:
         w, k = self.world, self.config.micro_batches
         main_cond = Condition(mesh=self.mesh)
-        outs = self._split(main_cond, w, k)
+        outs = self._split(main_cond, w, k, measure=True)
         if isinstance(outs, ChildFailure):
             return self._error(outs, "the split step failed")
         ref = self._ref_for(main_cond, outs, probe=True)
@@ -344,10 +396,16 @@ class _Target:
         floor = self._tolerance(outs, ref)
         rtol = floor.rtol
         main = compare(
-            "as given", ref.grads, [o.grads for o in outs], rtol=rtol,
-            step_calls=[o.calls for o in outs], world_size=w, micro_batches=k,
-            dropout=self.desc.has_dropout, equal=False,
-        )  # fmt: skip
+            "as given",
+            ref.grads,
+            [o.grads for o in outs],
+            rtol=rtol,
+            step_calls=[o.calls for o in outs],
+            world_size=w,
+            micro_batches=k,
+            dropout=self.desc.has_dropout,
+            equal=False,
+        )
         evidence = Evidence(
             kind=self.desc.kind,
             step_calls=tuple(o.calls for o in outs),
@@ -358,7 +416,7 @@ class _Target:
             item_counts=ref.item_counts,
             in_functions=tuple(o.in_functions for o in outs),
             redrawn=tuple(o.redrawn for o in outs),
-            rows_note=_rows_missing(outs, self.desc.rows),
+            rows_note=_rows_missing(outs, self._rows_of(outs, main_cond)),
             **self._mesh_evidence(outs, ref),
         )
         comparisons: list[Comparison] = [main]
@@ -367,9 +425,16 @@ class _Target:
             comparisons, fit, measured = self._variants(main, outs, rtol)
             floor = dataclasses.replace(floor, measured=measured)
         report = diagnose(
-            target=self.target, world_size=w, micro_batches=k, rows=self.desc.rows,
-            wrap=self._wrap(), comparisons=comparisons, evidence=evidence, floor=floor, fit=fit,
-        )  # fmt: skip
+            target=self.target,
+            world_size=w,
+            micro_batches=k,
+            rows=self._rows_of(outs, main_cond),
+            wrap=self._wrap(),
+            comparisons=comparisons,
+            evidence=evidence,
+            floor=floor,
+            fit=fit,
+        )
         notes = _blind_spots(ref.piece_counts)
         if not main.ok and evidence.rows_note:
             notes += (evidence.rows_note,)
@@ -434,9 +499,14 @@ def _rows_missing(outs: list[RankResult], n: int) -> str:
 def _no_fit(note: str) -> Fit:
     """A fit that could not be made, saying why."""
     return Fit(
-        ranks=(), split=(), reference=(), split_residual=math.inf,
-        reference_residual=math.inf, counts={}, note=note,
-    )  # fmt: skip
+        ranks=(),
+        split=(),
+        reference=(),
+        split_residual=math.inf,
+        reference_residual=math.inf,
+        counts={},
+        note=note,
+    )
 
 
 def _blind_spots(piece_counts: dict[str, list[int]]) -> tuple[str, ...]:

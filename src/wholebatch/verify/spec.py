@@ -1,6 +1,6 @@
-"""What `wholebatch verify` checks: the specs a TARGET returns, the batch helpers, the config.
+"""What `wholebatch verify` checks: the specs a TARGET returns, how a TARGET is loaded, the config.
 
-Two kinds of TARGET:
+Three kinds of TARGET:
 
 - `VerifySpec`: a step written as `step(model, optimizer, micro_batches)`; verify
   cuts the whole batch into W·K contiguous chunks, wraps the model in DDP and
@@ -11,8 +11,12 @@ Two kinds of TARGET:
   rows per device and `run.micro_batches` accumulation steps, and trains one
   optimizer step. On a mesh (`mesh="dp=2,tp=2"`) `run.mesh`, `run.batch_dims`,
   `run.data_shards`, `run.data_rank` and `run.shard` say how to shard the rows.
+- `wholebatch.verify.replay.ReplaySpec`: a trainer that builds its batch inside
+  `train(run)` (trl's GRPOTrainer samples and scores completions): it calls
+  `run.record(micro_batch)` for every micro-batch its loss reads, and the
+  reference runs on what every rank recorded.
 
-Both give the same whole-batch reference: `reference_loss(model, whole_batch)` in
+All give the same whole-batch reference: `reference_loss(model, whole_batch)` in
 one process. Legend: W ranks, K micro-batches per rank, N rows of the whole batch.
 """
 
@@ -25,27 +29,39 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
 from wholebatch.train.normalize import Normalize
+from wholebatch.verify.batches import (
+    Batch,
+    dataset_rows,
+    fingerprint,
+    rows,
+    select_rows,
+    split_batch,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from wholebatch.verify.replay import ReplaySpec
+
 __all__ = [
     "Batch",
+    "Spec",
     "TargetError",
     "TrainerRun",
     "TrainerSpec",
     "VerifyConfig",
     "VerifySpec",
     "dataset_rows",
+    "fingerprint",
     "load_spec",
     "rows",
     "select_rows",
@@ -53,7 +69,6 @@ __all__ = [
     "target_of",
 ]
 
-Batch = Any
 Wrap = Literal["ddp", "none"]
 
 
@@ -61,7 +76,8 @@ class TargetError(WholebatchError):
     """TARGET cannot be found, imported, or does not return a spec (a usage error: exit 2)."""
 
 
-def _check_common(spec: Any, kind: str) -> None:
+def _check_common(spec: Any, kind: str, *, has_batch: bool = True) -> None:
+    """The fields every spec kind shares; `has_batch`: it holds a `batch` (and `equal_batch`)."""
     for name in ("build_model", "reference_loss"):
         if not callable(getattr(spec, name)):
             raise WholebatchTypeError(
@@ -73,9 +89,10 @@ def _check_common(spec: Any, kind: str) -> None:
         isinstance(spec.rtol, float | int) and not isinstance(spec.rtol, bool) and spec.rtol > 0
     ):
         raise WholebatchError(f"{kind}: rtol={spec.rtol!r} must be a positive number or None")
-    rows(spec.batch, "batch")
-    if spec.equal_batch is not None:
-        rows(spec.equal_batch, "equal_batch")
+    if has_batch:
+        rows(spec.batch, "batch")
+        if spec.equal_batch is not None:
+            rows(spec.equal_batch, "equal_batch")
     if spec.normalize is not None and not isinstance(spec.normalize, Normalize):
         raise WholebatchTypeError(
             f"{kind}: normalize must be a wholebatch.Normalize or None, got "
@@ -261,6 +278,21 @@ class TrainerRun:
     as `dataset` rows), for a trainer fed without a sampler. Replicas get the same rows.
     Flat: this rank's N/W contiguous rows."""
 
+    record: Callable[[Mapping[str, Tensor]], None] = dataclasses.field(
+        default=lambda micro_batch: _not_recording()
+    )
+    """A `ReplaySpec`'s trainer calls `run.record(micro_batch)` for every micro-batch its
+    loss reads, in order: a dict of the tensors the loss reads (rows first), e.g.
+    completions, their mask, advantages. Verify computes the reference on every rank's
+    recorded micro-batches, concatenated. Not for a `TrainerSpec` (its batch is known)."""
+
+
+def _not_recording() -> None:
+    raise WholebatchError(
+        "run.record: only a ReplaySpec's trainer records its micro-batches; a TrainerSpec's "
+        "batch is the spec's own"
+    )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerSpec:
@@ -345,7 +377,8 @@ class TrainerSpec:
         _check_common(self, "TrainerSpec")
 
 
-Spec = VerifySpec | TrainerSpec
+Spec: TypeAlias = "VerifySpec | TrainerSpec | ReplaySpec"
+"""Any spec a TARGET may return."""
 
 
 def _check_mesh(spec: VerifySpec | TrainerSpec, kind: str) -> None:
@@ -410,71 +443,6 @@ class VerifyConfig:
 
 
 # ---------------------------------------------------------------------------
-# Batches
-# ---------------------------------------------------------------------------
-
-
-def rows(batch: Batch, what: str = "batch") -> int:
-    """Rows (dim 0) of a batch: a Tensor, or a tuple/list/dict of Tensors with equal rows."""
-    if isinstance(batch, Tensor):
-        if batch.dim() == 0:
-            raise WholebatchError(f"VerifySpec: {what} is a 0-d tensor; it needs rows (dim 0)")
-        return int(batch.shape[0])
-    parts = list(batch.values()) if isinstance(batch, Mapping) else batch
-    if not isinstance(parts, (tuple, list)) or not parts:
-        raise WholebatchTypeError(
-            f"VerifySpec: {what} must be a Tensor or a non-empty tuple/list/dict of Tensors, "
-            f"got {type(batch).__name__}"
-        )
-    counts = {rows(p, what) for p in parts}
-    if len(counts) != 1:
-        raise WholebatchError(
-            f"VerifySpec: the tensors of {what} have different row counts {sorted(counts)}; "
-            "row i of each must be the same sample"
-        )
-    return counts.pop()
-
-
-def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Cut a batch's rows into `parts` contiguous chunks (sizes differ by at most one)."""
-    if isinstance(batch, Tensor):
-        return list(torch.tensor_split(batch, parts))
-    if isinstance(batch, Mapping):
-        cols = {k: split_batch(v, parts) for k, v in batch.items()}
-        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
-    pieces = [split_batch(b, parts) for b in batch]
-    return [type(batch)(p[i] for p in pieces) for i in range(parts)]
-
-
-def select_rows(batch: Batch, index: Sequence[int]) -> Batch:
-    """The rows `index` of a batch, in that order, with the batch's structure."""
-    idx = torch.as_tensor(list(index), dtype=torch.long)
-    if isinstance(batch, Tensor):
-        return batch[idx]
-    if isinstance(batch, Mapping):
-        return {k: select_rows(v, index) for k, v in batch.items()}
-    return type(batch)(select_rows(b, index) for b in batch)
-
-
-def dataset_rows(batch: Batch) -> list[Any]:
-    """The batch as a list of rows: tensors, tuples of tensors, or dicts of tensors."""
-    n = rows(batch)
-    if isinstance(batch, Tensor):
-        return list(batch.unbind(0))
-    if isinstance(batch, Mapping):
-        return [{k: v[i] for k, v in batch.items()} for i in range(n)]
-    return [type(batch)(b[i] for b in batch) for i in range(n)]
-
-
-def fingerprint(batch: Batch) -> float:
-    """A number that changes when the batch does (checks every process built the same one)."""
-    if isinstance(batch, Tensor):
-        return float(batch.detach().double().sum()) + float((batch != 0).sum())
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    return sum(fingerprint(b) for b in values)
-
-
-# ---------------------------------------------------------------------------
 # Targets
 # ---------------------------------------------------------------------------
 
@@ -485,11 +453,18 @@ def _module_name_for(path: Path) -> str:
 
 
 def load_module(where: str) -> Any:
-    """Import TARGET's module: a file path, or a module name importable from the current directory."""
+    """Import TARGET's module: a file path, or a module name importable from the current directory.
+
+    A file's folder goes first on `sys.path`, as `python path/to/file.py` puts it, so a
+    spec imports its sibling modules from wherever verify is run.
+    """
     if where.endswith(".py") or os.sep in where or "/" in where:
         path = Path(where).resolve()
         if not path.is_file():
             raise TargetError(f"verify: TARGET file {where!r} does not exist")
+        folder = str(path.parent)
+        if not sys.path or sys.path[0] != folder:
+            sys.path.insert(0, folder)
         name = _module_name_for(path)
         if name in sys.modules:
             return sys.modules[name]
@@ -548,11 +523,13 @@ def load_spec(target: str) -> Spec:
             )
     if not callable(fn):
         raise TargetError(f"verify: {target!r} is a {type(fn).__name__}, not a function")
+    from wholebatch.verify.replay import ReplaySpec
+
     spec = fn()
-    if not isinstance(spec, VerifySpec | TrainerSpec):
+    if not isinstance(spec, VerifySpec | TrainerSpec | ReplaySpec):
         raise TargetError(
             f"verify: {target}() returned {type(spec).__name__}; it must return a "
-            "wholebatch.verify.VerifySpec or TrainerSpec"
+            "wholebatch.verify.VerifySpec, TrainerSpec or ReplaySpec"
         )
     return spec
 

@@ -8,11 +8,13 @@ per rank, or one for the reference) and return plain picklable values.
   the step (or the trainer) with a `GradRecorder` as optimizer; the gradients it
   stepped with, how often it stepped, what it changed, the dropout masks of its
   first pass, the collectives without gradient it called, the rows of each
-  micro-batch.
-- `reference`: the whole batch in one process (dropout masks replayed), run
-  twice with different seeds (randomness verify cannot replay shows as a
-  difference), the dtypes it computes in; on request the same batch with its rows
-  reversed (the round-off floor) and each micro-batch alone (the weights `Fit`).
+  micro-batch, the precision its arithmetic ran in (`PrecisionMeter`, forward and
+  backward), and for a `ReplaySpec` the micro-batches its trainer recorded.
+- `reference`: the whole batch in one process (dropout masks replayed; a
+  `ReplaySpec`'s: every rank's recorded micro-batches, collated), run twice with
+  different seeds (randomness verify cannot replay shows as a difference), the
+  precision it computes in; on request the same batch with its rows reversed (the
+  round-off floor) and each micro-batch alone (the weights, `wholebatch.verify.fit`).
 
 Legend: W ranks, K micro-batches per rank, N rows, P parameter entries, J micro-batches in all.
 """
@@ -29,19 +31,20 @@ import torch
 from torch import Tensor, nn
 
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-from wholebatch.train.normalize import Mode, Scope
-from wholebatch.verify.normfit import cells_of, item_weights, read_weights
+from wholebatch.verify.batches import collate
+from wholebatch.verify.fit import fit_weights, item_counts, piece_counts
+from wholebatch.verify.precision import PrecisionMeter, dtype_names
 from wholebatch.verify.recording import (
     DropoutMode,
-    DtypeMeter,
     GradRecorder,
-    RowRecorder,
     TapeDropout,
     collectives_in_functions,
     collectives_seen,
     install_tape_dropout,
 )
-from wholebatch.verify.report import Fit, NormFit
+from wholebatch.verify.replay import Recorder, ReplaySpec
+from wholebatch.verify.report import Fit, param_scales
+from wholebatch.verify.rows import RowRecorder
 from wholebatch.verify.spec import (
     Batch,
     Spec,
@@ -132,6 +135,8 @@ class RankResult:
     """On a mesh: the parameters this rank's step gave a gradient (its pipeline stage's)."""
     local: dict[str, tuple[Tensor, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     """On a mesh: this rank's piece of each sharded gradient and its offset in the full one."""
+    recorded: list[dict[str, Tensor]] = dataclasses.field(default_factory=list)
+    """A ReplaySpec: the micro-batches this rank's trainer recorded, in order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +153,8 @@ class RefRequest:
     fit_to: Mapping[str, Tensor | None] | None = None
     count_pieces: tuple[tuple[int, ...], ...] | None = None
     autocast: tuple[str, ...] = ()
+    recorded: tuple[tuple[dict[str, Tensor], ...], ...] | None = None
+    """A ReplaySpec: every rank's recorded micro-batches; the whole batch is their collation."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -168,6 +175,8 @@ class RefResult:
 
 
 def _batch(spec: Spec, condition: Condition) -> Batch:
+    if isinstance(spec, ReplaySpec):
+        raise WholebatchError("verify: a ReplaySpec's batch is what its trainer records")
     if condition.equal:
         if spec.equal_batch is None:
             raise WholebatchError("verify: no equal_batch in the spec")
@@ -197,6 +206,22 @@ def describe(target: str, world_size: int, micro_batches: int, mesh: str = "") -
     shards by the parent instead (`runner._check_mesh_split`)."""
     try:
         spec = load_spec(target)
+        if isinstance(spec, ReplaySpec):
+            if mesh:
+                raise TargetError(
+                    f"verify: {target}: a ReplaySpec runs on a flat world of --nproc ranks; "
+                    "--mesh is not supported for it"
+                )
+            _build(spec, "off")
+            return Description(
+                kind="replay",
+                wrap="replay",
+                rows=0,
+                equal_rows=0,
+                has_dropout=False,
+                has_equal=False,
+                rtol=None if spec.rtol is None else float(spec.rtol),
+            )
         w, k = world_size, micro_batches
         for what, batch in (("batch", spec.batch), ("equal_batch", spec.equal_batch)):
             if batch is None or mesh or spec.mesh:
@@ -232,25 +257,34 @@ def describe(target: str, world_size: int, micro_batches: int, mesh: str = "") -
 
 
 def split_rank(
-    target: str, condition: Condition, micro_batches: int, rank: int, world_size: int
+    target: str,
+    condition: Condition,
+    micro_batches: int,
+    measure: bool,
+    rank: int,
+    world_size: int,
 ) -> RankResult:
-    """One rank of the split run (called in a forked process that joined the W-rank group)."""
+    """One rank of the split run (called in a forked process that joined the W-rank group).
+
+    `measure`: record the precision the step runs in (the first run; its re-runs' is not read).
+    """
     spec = load_spec(target)
     if condition.mesh:
         from wholebatch.verify.mesh import split_rank_mesh
 
-        return split_rank_mesh(spec, condition, micro_batches, rank, world_size)
-    batch = _batch(spec, condition)
-    trainer = isinstance(spec, TrainerSpec)
+        return split_rank_mesh(spec, condition, micro_batches, measure, rank, world_size)
+    replay = isinstance(spec, ReplaySpec)
+    batch = None if replay else _batch(spec, condition)
+    trainer = isinstance(spec, TrainerSpec | ReplaySpec)
     model, tapes = _build(spec, "record" if condition.dropout and not trainer else "off")
     params_fp = _params_fp(model)
     named = list(model.named_parameters())
     before = [p.detach().clone() for _, p in named]
     optimizer = GradRecorder([p for _, p in named])
-    k, _n = micro_batches, rows(batch)
+    k = micro_batches
     collectives_seen(reset=True)
     collectives_in_functions(reset=True)
-    meter = DtypeMeter()
+    meter = PrecisionMeter(active=measure)
     with meter:
         ran = _run_step(spec, model, tapes, optimizer, batch, k, rank, world_size)
     collectives = collectives_seen(reset=True)
@@ -266,18 +300,15 @@ def split_rank(
         masks=ran.masks,
         collectives=collectives,
         pieces=ran.pieces,
-        dtypes=_dtype_names(meter.dtypes),
+        dtypes=dtype_names(meter.dtypes),
         params_fp=params_fp,
-        batch_fp=fingerprint(batch),
+        batch_fp=0.0 if batch is None else fingerprint(batch),
         autocast=tuple(sorted(meter.autocast)),
         in_functions=in_functions,
         redrawn=ran.redrawn,
         rows_note=ran.rows_note,
+        recorded=ran.recorded,
     )
-
-
-def _dtype_names(dtypes: set[torch.dtype]) -> tuple[str, ...]:
-    return tuple(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -288,6 +319,7 @@ class _Ran:
     masks: dict[str, Tensor | None]
     redrawn: tuple[str, ...] = ()
     rows_note: str = ""
+    recorded: list[dict[str, Tensor]] = dataclasses.field(default_factory=list)
 
 
 def _run_step(
@@ -301,17 +333,49 @@ def _run_step(
     world_size: int,
 ) -> _Ran:
     """Run the step (or the trainer): the rows of each micro-batch, the first pass's masks."""
+    if isinstance(spec, ReplaySpec):
+        data = list(spec.data)
+        record = Recorder()
+        with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
+            share = len(data) // world_size
+            run = TrainerRun(
+                model=model,
+                optimizer=optimizer,
+                batch=None,
+                dataset=data,
+                world_size=world_size,
+                rank=rank,
+                micro_batches=k,
+                per_device_rows=len(data) // (world_size * k),
+                output_dir=out,
+                seed=spec.seed,
+                data_shards=world_size,
+                data_rank=rank,
+                shard=data[rank * share : (rank + 1) * share],
+                record=record,
+            )
+            torch.manual_seed(spec.seed + 1 + rank)
+            spec.train(run)
+        return _Ran(pieces=[], masks={}, recorded=record.micro_batches)
     n = rows(batch)
     if isinstance(spec, TrainerSpec):
         recorder = RowRecorder(model, batch, spec.row_key)
         with tempfile.TemporaryDirectory(prefix="wholebatch-trainer-") as out:
             run = TrainerRun(
-                model=model, optimizer=optimizer, batch=batch, dataset=dataset_rows(batch),
-                world_size=world_size, rank=rank, micro_batches=k,
-                per_device_rows=n // (world_size * k), output_dir=out, seed=spec.seed,
-                data_shards=world_size, data_rank=rank,
+                model=model,
+                optimizer=optimizer,
+                batch=batch,
+                dataset=dataset_rows(batch),
+                world_size=world_size,
+                rank=rank,
+                micro_batches=k,
+                per_device_rows=n // (world_size * k),
+                output_dir=out,
+                seed=spec.seed,
+                data_shards=world_size,
+                data_rank=rank,
                 shard=dataset_rows(split_batch(batch, world_size)[rank]),
-            )  # fmt: skip
+            )
             torch.manual_seed(spec.seed + 1 + rank)
             spec.train(run)
         recorder.remove()
@@ -352,13 +416,13 @@ def _rows_note(recorder: RowRecorder, expected: int) -> str:
         )
     return (
         f"verify recognised {matched} of this rank's {expected} rows in the model's "
-        f"{recorder.forwards} forward call(s): it looks for the batch's {recorder.key_name} "
-        "among the forward's arguments (same dtype and trailing shape; padding removed "
-        "through attention_mask, or the batch's pad value), and the trainer fed the model "
-        "something else (remapped or embedded ids, packed rows, a different column). So the "
-        "rows each micro-batch held, and the weight each gets, are unknown. Give the "
-        "TrainerSpec a row_key: a batch column with an id per row that the model's forward "
-        "receives"
+        f"{recorder.forwards} forward call(s) in grad mode: it looks for the contents of the "
+        f"batch's {recorder.key_name} (padding removed through their masks) in the integer "
+        "tensors the forward receives, by argument name and inside dicts (equal, or holding "
+        "them between other tokens), and the trainer fed the model something else (remapped "
+        "or embedded ids, packed rows, text tokenized to other ids). So the rows each "
+        "micro-batch held, and the weight each gets, are unknown. Give the TrainerSpec a "
+        "row_key: a batch column with an id per row that the model's forward receives"
     )
 
 
@@ -382,7 +446,10 @@ def _ref_grads(
     masks: Sequence[Mapping[str, Tensor | None]] | None,
     seed: int,
     autocast: Sequence[str] = (),
-) -> tuple[dict[str, Tensor | None], DtypeMeter]:
+    measure: bool = False,
+) -> tuple[dict[str, Tensor | None], PrecisionMeter]:
+    """The reference gradient of `batch` and (`measure`) the precision its forward and backward
+    ran in."""
     model, tapes = _build(spec, "record" if masks is not None else "off")
     for name, tape in tapes.items():
         if masks is None:
@@ -397,16 +464,16 @@ def _ref_grads(
         tape.tape = [m for m in per_rank if m is not None]
         tape.mode = "replay"
     torch.manual_seed(seed)
-    meter = DtypeMeter()
-    with meter, _autocasts(autocast):
-        loss = spec.reference_loss(model, batch)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise WholebatchError(
-            f"{type(spec).__name__}: reference_loss returned {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
-            + "; it must return a scalar Tensor"
-        )
-    torch.autograd.backward(loss.reshape(()))
+    with PrecisionMeter(active=measure) as meter:
+        with _autocasts(autocast):
+            loss = spec.reference_loss(model, batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise WholebatchError(
+                f"{type(spec).__name__}: reference_loss returned {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
+                + "; it must return a scalar Tensor"
+            )
+        torch.autograd.backward(loss.reshape(()))
     grads = {
         name: None if p.grad is None else p.grad.detach().double().clone()
         for name, p in model.named_parameters()
@@ -415,6 +482,8 @@ def _ref_grads(
 
 
 def _rel_diff(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> float:
+    """The largest |a - b| entry of any parameter relative to its scale (`param_scales` of a)."""
+    scales = param_scales(a)
     worst = 0.0
     for name, x in a.items():
         y = b.get(name)
@@ -422,241 +491,67 @@ def _rel_diff(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) ->
             continue
         if x is None or y is None:
             return math.inf
-        scale = float(x.abs().max()) if x.numel() else 0.0
         err = float((x - y).abs().max()) if x.numel() else 0.0
-        worst = max(worst, err / (scale if scale > 0 else 1.0))
+        worst = max(worst, err / scales[name])
     return worst
-
-
-def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) -> Tensor:
-    parts = []
-    for name, shape in shapes.items():
-        g = grads.get(name)
-        parts.append(
-            g.double().flatten()
-            if g is not None
-            else torch.zeros(math.prod(shape), dtype=torch.float64)
-        )
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-
-
-def _lstsq(
-    m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches"
-) -> tuple[list[float], float, str]:
-    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
-    p, j = m_PJ.shape
-    if p < j:
-        return (
-            [math.nan] * j,
-            math.inf,
-            (f"the model has {p} parameter entries, too few to tell {j} {what} apart"),
-        )
-    if float(y_P.norm()) == 0:
-        return [math.nan] * j, math.inf, "the gradient is zero"
-    s = torch.linalg.svdvals(m_PJ)
-    if float(s.min()) <= 1e-9 * float(s.max()):
-        return (
-            [math.nan] * j,
-            math.inf,
-            (f"the {what}' gradients are linearly dependent, so their weights are not unique"),
-        )
-    w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
-    residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
-    return [float(x) for x in w], residual, ""
-
-
-def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
-    """Items in `batch` by each counting rule verify knows for it."""
-    out: dict[str, int] = {}
-    if spec.count_items is not None:
-        out["count_items"] = int(spec.count_items(batch))
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(labels, Tensor):
-        out["labels != -100"] = int((labels != -100).sum())
-        if labels.dim() >= 2:
-            out["labels[..., 1:] != -100"] = int((labels[..., 1:] != -100).sum())
-    return out
-
-
-def _piece_counts(
-    spec: Spec, batch: Batch, pieces: Sequence[Sequence[int]]
-) -> dict[str, list[int]]:
-    counts: dict[str, list[int]] = {"rows": [len(p) for p in pieces]}
-    for idx in pieces:
-        for rule, n in item_counts(spec, select_rows(batch, idx)).items():
-            counts.setdefault(rule, []).append(n)
-    return counts
-
-
-def _fit(spec: Spec, batch: Batch, req: RefRequest, seed: int) -> Fit:
-    assert req.pieces is not None and req.fit_to is not None
-    model, _ = _build(spec, "off")
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    columns = []
-    for idx in req.pieces:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        torch.autograd.backward(spec.reference_loss(model, select_rows(batch, idx)).reshape(()))
-        columns.append(_flat({n: p.grad for n, p in model.named_parameters()}, shapes))
-    m_PJ = torch.stack(columns, dim=1)
-    whole, _ = _ref_grads(spec, batch, None, seed)
-    a, ra, why_a = _lstsq(m_PJ, _flat(req.fit_to, shapes))
-    b, rb, why_b = _lstsq(m_PJ, _flat(whole, shapes))
-    note = why_b or why_a
-    if not note and rb >= 1e-5:
-        note = (
-            "reference_loss is not a weighted sum of its values on each micro-batch "
-            f"(residual {rb:.1e}), as a mean over items would be"
-        )
-    counts = _piece_counts(spec, batch, req.pieces)
-    del counts["rows"]
-    norm = _norm_fit(spec, batch, req, whole) if spec.normalize is not None else None
-    return Fit(
-        ranks=tuple(req.piece_ranks),
-        split=tuple(a),
-        reference=tuple(b),
-        split_residual=ra,
-        reference_residual=rb,
-        counts={k: tuple(v) for k, v in counts.items()},
-        note=note,
-        norm=norm,
-    )
-
-
-# A side is read as a weighted sum of the cells' gradients below this relative residual
-# (round-off: ~1e-12 in float64, ~1e-6 in float32).
-_NORM_RESIDUAL = 1e-4
-
-
-def _norm_fit(
-    spec: Spec, batch: Batch, req: RefRequest, whole: Mapping[str, Tensor | None]
-) -> NormFit:
-    """The item weights of the split gradient and the reference, named (`wholebatch.verify.normfit`)."""
-    norm, item_losses = spec.normalize, spec.item_losses
-    assert norm is not None and item_losses is not None
-    assert req.pieces is not None and req.fit_to is not None
-    model, _ = _build(spec, "off")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    per_rank: dict[int, list[int]] = {}  # rank -> its micro-batches (indices into pieces)
-    all_items: list[dict[str, Tensor]] = []
-    cells: list[Tensor] = []
-    offsets: list[int] = []
-    columns: list[Tensor] = []
-    try:
-        for j, idx in enumerate(req.pieces):
-            sub = select_rows(batch, idx)
-            items, cell_I, n_cells = cells_of(norm, sub, j)
-            try:
-                losses = item_losses(model, sub)
-            except Exception as exc:  # the micro-batch fit and the floor still stand
-                raise WholebatchError(
-                    f"item_losses(model, micro-batch {j}) raised {type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(losses, Tensor) or tuple(losses.shape) != tuple(items["mask"].shape):
-                got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-                raise WholebatchError(
-                    f"item_losses returned {got} where normalize.items gives a mask of shape "
-                    f"{tuple(items['mask'].shape)}; it must return one loss per item"
-                )
-            per_rank.setdefault(req.piece_ranks[j], []).append(j)
-            all_items.append(items)
-            offsets.append(len(columns))
-            cells.append(cell_I)
-            flat_I = losses.reshape(-1)
-            for c in range(n_cells):
-                grads = torch.autograd.grad(
-                    flat_I[cell_I == c].sum(), [p for _, p in named],
-                    retain_graph=True, allow_unused=True,
-                )  # fmt: skip
-                columns.append(
-                    _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
-                )
-    except WholebatchError as exc:
-        return NormFit(
-            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
-            reference_residual=math.inf, note=str(exc),
-        )  # fmt: skip
-    if not columns:
-        return NormFit(
-            declared=norm.mode, found=None, expected=None, cells=0, split_residual=math.inf,
-            reference_residual=math.inf, note="no item is in the mask",
-        )  # fmt: skip
-    m_PC = torch.stack(columns, dim=1)
-    cells_named = "(micro-batch, sequence, group) cells"
-    a, ra, why_a = _lstsq(m_PC, _flat(req.fit_to, shapes), cells_named)
-    b, rb, why_b = _lstsq(m_PC, _flat(whole, shapes), cells_named)
-    ranks = [per_rank[r] for r in sorted(per_rank)]
-    items_rk = [[all_items[j] for j in js] for js in ranks]
-
-    def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
-        if why or residual >= _NORM_RESIDUAL:
-            return None
-        flat = item_weights(cells, offsets, weights)  # [piece] -> [I]
-        shaped = [[flat[j] for j in js] for js in ranks]
-        return read_weights(items_rk, shaped, first=norm.mode, constant=norm.constant)
-
-    expected = named_as(b, rb, why_b)
-    found = named_as(a, ra, why_a)
-    note = why_b or why_a
-    if not note and rb >= _NORM_RESIDUAL:
-        note = f"reference_loss is not a weighted sum of item_losses (residual {rb:.1e})"
-    elif not note and ra >= _NORM_RESIDUAL:
-        note = f"the split gradient is not a weighted sum of item_losses' cells (residual {ra:.1e})"
-    elif not note and (expected is None or found is None):
-        side = "reference_loss" if expected is None else "the split step"
-        note = f"the item weights of {side} match no normalisation mode"
-    return NormFit(
-        declared=norm.mode, found=found, expected=expected, cells=len(columns),
-        split_residual=ra, reference_residual=rb, note=note,
-    )  # fmt: skip
 
 
 def reference(req: RefRequest) -> RefResult:
     """The whole-batch reference (one process), with what `req` asks for besides."""
     spec = load_spec(req.target)
-    batch = _batch(spec, req.condition)
-    replay = req.condition.dropout and not isinstance(spec, TrainerSpec)
-    masks = req.masks if replay else None
-    if replay and masks is None:
-        masks = ()
+    if req.recorded is not None:
+        batch, _ = collate([mb for per_rank in req.recorded for mb in per_rank], spec_padding(spec))
+    else:
+        batch = _batch(spec, req.condition)
+    replaying = req.condition.dropout and isinstance(spec, VerifySpec)
+    masks = (req.masks if req.masks is not None else ()) if replaying else None
     seed = spec.seed + 10_007
-    grads, meter = _ref_grads(spec, batch, masks if replay else None, seed)
+    grads, meter = _ref_grads(spec, batch, masks, seed, measure=req.probe)
     autocast_floor = None
     if req.autocast:
         # The same reference computed under the step's autocast: the round-off of that dtype.
-        under, _ = _ref_grads(spec, batch, masks if replay else None, seed, req.autocast)
+        under, _ = _ref_grads(spec, batch, masks, seed, req.autocast)
         autocast_floor = _rel_diff(grads, under)
     spread = 0.0
     if req.probe:
-        again, _ = _ref_grads(spec, batch, masks if replay else None, seed + 7_919)
+        again, _ = _ref_grads(spec, batch, masks, seed + 7_919)
         spread = _rel_diff(grads, again)
     floor = None
+    plain = None
     if req.floor:
         plain, _ = _ref_grads(spec, batch, None, seed)
         backwards = select_rows(batch, list(range(rows(batch) - 1, -1, -1)))
         reordered, _ = _ref_grads(spec, backwards, None, seed)
         floor = _rel_diff(plain, reordered)
-    fit = (
-        _fit(spec, batch, req, seed) if req.pieces is not None and req.fit_to is not None else None
-    )
+    fit: Fit | None = None
+    if req.pieces is not None and req.fit_to is not None:
+        whole = plain if plain is not None else _ref_grads(spec, batch, None, seed)[0]
+        fit = fit_weights(
+            spec,
+            batch,
+            req.pieces,
+            req.piece_ranks,
+            req.fit_to,
+            whole,
+            lambda: _build(spec, "off")[0],
+            seed,
+        )
     model, _ = _build(spec, "off")
     return RefResult(
         grads=grads,
-        dtypes=_dtype_names(meter.dtypes),
+        dtypes=dtype_names(meter.dtypes),
         autocast=tuple(sorted(meter.autocast)),
         autocast_floor=autocast_floor,
         spread=spread,
         floor=floor,
         fit=fit,
         item_counts=item_counts(spec, batch),
-        piece_counts=_piece_counts(spec, batch, req.count_pieces or ()),
+        piece_counts=piece_counts(spec, batch, req.count_pieces or ()),
         params_fp=_params_fp(model),
-        batch_fp=fingerprint(batch),
+        batch_fp=0.0 if req.recorded is not None else fingerprint(batch),
     )
 
 
-def eps_of(dtypes: Sequence[str]) -> float:
-    """Machine epsilon of the least precise floating dtype named (float64's if none)."""
-    eps = [torch.finfo(getattr(torch, d)).eps for d in dtypes if hasattr(torch, d)]
-    return max(eps, default=torch.finfo(torch.float64).eps)
+def spec_padding(spec: Spec) -> tuple[str, ...]:
+    """The recorded columns a ReplaySpec pads on the left (none for other specs)."""
+    return spec.left_padded if isinstance(spec, ReplaySpec) else ()

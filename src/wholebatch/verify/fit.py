@@ -1,0 +1,249 @@
+"""The weights a failing step gives its micro-batches and items, read from its gradient (`Fit`, `NormFit`).
+
+In the reference process: every micro-batch's own reference gradient is one
+column, and the split gradient g and the whole-batch reference gradient are each
+written as a weighted sum of the columns (least squares over every parameter
+entry, `lstsq`): g = sum_j a_j grad L(micro-batch j). A mean over items gives
+b_j = (micro-batch j's share of the items); a mean of per-micro-batch means
+gives every a_j the same value; a wrong count scales every a_j alike. With the
+spec's `normalize` and `item_losses` the same is done per (micro-batch,
+sequence, group) cell of items, and `wholebatch.verify.normfit` names the mode.
+
+Legend: P parameter entries, J micro-batches in all, C cells.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from wholebatch.errors import WholebatchError
+from wholebatch.train.normalize import Mode, Scope
+from wholebatch.verify.batches import Batch, select_rows
+from wholebatch.verify.normfit import cells_of, item_weights, read_weights
+from wholebatch.verify.report import Fit, NormFit
+
+if TYPE_CHECKING:
+    from wholebatch.verify.spec import Spec
+
+__all__ = ["fit_weights", "item_counts", "lstsq", "piece_counts"]
+
+
+def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) -> Tensor:
+    parts = []
+    for name, shape in shapes.items():
+        g = grads.get(name)
+        parts.append(
+            g.double().flatten()
+            if g is not None
+            else torch.zeros(math.prod(shape), dtype=torch.float64)
+        )
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def lstsq(m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches") -> tuple[list[float], float, str]:
+    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
+    p, j = m_PJ.shape
+    if p < j:
+        return (
+            [math.nan] * j,
+            math.inf,
+            (f"the model has {p} parameter entries, too few to tell {j} {what} apart"),
+        )
+    if float(y_P.norm()) == 0:
+        return [math.nan] * j, math.inf, "the gradient is zero"
+    s = torch.linalg.svdvals(m_PJ)
+    if float(s.min()) <= 1e-9 * float(s.max()):
+        return (
+            [math.nan] * j,
+            math.inf,
+            (f"the {what}' gradients are linearly dependent, so their weights are not unique"),
+        )
+    w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
+    residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
+    return [float(x) for x in w], residual, ""
+
+
+def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
+    """Items in `batch` by each counting rule verify knows for it."""
+    out: dict[str, int] = {}
+    if spec.count_items is not None:
+        out["count_items"] = int(spec.count_items(batch))
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, Tensor):
+        out["labels != -100"] = int((labels != -100).sum())
+        if labels.dim() >= 2:
+            out["labels[..., 1:] != -100"] = int((labels[..., 1:] != -100).sum())
+    return out
+
+
+def piece_counts(spec: Spec, batch: Batch, pieces: Sequence[Sequence[int]]) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {"rows": [len(p) for p in pieces]}
+    for idx in pieces:
+        for rule, n in item_counts(spec, select_rows(batch, idx)).items():
+            counts.setdefault(rule, []).append(n)
+    return counts
+
+
+def fit_weights(
+    spec: Spec,
+    batch: Batch,
+    pieces: Sequence[Sequence[int]],
+    piece_ranks: Sequence[int],
+    fit_to: Mapping[str, Tensor | None],
+    whole: Mapping[str, Tensor | None],
+    build: Callable[[], nn.Module],
+    seed: int,
+) -> Fit:
+    """The weight of each micro-batch (`pieces`: its rows) in the split gradient `fit_to` and in
+    the reference gradient `whole` (`Fit`), and, with the spec's `normalize`, of each item.
+
+    `build` gives a fresh model (dropout off); every micro-batch's reference gradient is
+    one column of a least-squares fit over every parameter entry.
+    """
+    model = build()
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    columns = []
+    for idx in pieces:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        torch.autograd.backward(spec.reference_loss(model, select_rows(batch, idx)).reshape(()))
+        columns.append(_flat({n: p.grad for n, p in model.named_parameters()}, shapes))
+    m_PJ = torch.stack(columns, dim=1)
+    a, ra, why_a = lstsq(m_PJ, _flat(fit_to, shapes))
+    b, rb, why_b = lstsq(m_PJ, _flat(whole, shapes))
+    note = why_b or why_a
+    if not note and rb >= 1e-5:
+        note = (
+            "reference_loss is not a weighted sum of its values on each micro-batch "
+            f"(residual {rb:.1e}), as a mean over items would be"
+        )
+    counts = piece_counts(spec, batch, pieces)
+    del counts["rows"]
+    norm = (
+        _norm_fit(spec, batch, pieces, piece_ranks, fit_to, whole, build)
+        if spec.normalize is not None
+        else None
+    )
+    return Fit(
+        ranks=tuple(piece_ranks),
+        split=tuple(a),
+        reference=tuple(b),
+        split_residual=ra,
+        reference_residual=rb,
+        counts={k: tuple(v) for k, v in counts.items()},
+        note=note,
+        norm=norm,
+    )
+
+
+# A side is read as a weighted sum of the cells' gradients below this relative residual
+# (round-off: ~1e-12 in float64, ~1e-6 in float32).
+_NORM_RESIDUAL = 1e-4
+
+
+def _unread(mode: str, note: str) -> NormFit:
+    """A normalisation that could not be read, and why."""
+    return NormFit(
+        declared=mode,
+        found=None,
+        expected=None,
+        cells=0,
+        split_residual=math.inf,
+        reference_residual=math.inf,
+        note=note,
+    )
+
+
+def _norm_fit(
+    spec: Spec,
+    batch: Batch,
+    pieces: Sequence[Sequence[int]],
+    piece_ranks: Sequence[int],
+    fit_to: Mapping[str, Tensor | None],
+    whole: Mapping[str, Tensor | None],
+    build: Callable[[], nn.Module],
+) -> NormFit:
+    """The item weights of the split gradient and the reference, named (`wholebatch.verify.normfit`)."""
+    norm, item_losses = spec.normalize, spec.item_losses
+    assert norm is not None and item_losses is not None
+    model = build()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    per_rank: dict[int, list[int]] = {}  # rank -> its micro-batches (indices into pieces)
+    all_items: list[dict[str, Tensor]] = []
+    cells: list[Tensor] = []
+    offsets: list[int] = []
+    columns: list[Tensor] = []
+    try:
+        for j, idx in enumerate(pieces):
+            sub = select_rows(batch, idx)
+            items, cell_I, n_cells = cells_of(norm, sub, j)
+            try:
+                losses = item_losses(model, sub)
+            except Exception as exc:  # the micro-batch fit and the floor still stand
+                raise WholebatchError(
+                    f"item_losses(model, micro-batch {j}) raised {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(losses, Tensor) or tuple(losses.shape) != tuple(items["mask"].shape):
+                got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+                raise WholebatchError(
+                    f"item_losses returned {got} where normalize.items gives a mask of shape "
+                    f"{tuple(items['mask'].shape)}; it must return one loss per item"
+                )
+            per_rank.setdefault(piece_ranks[j], []).append(j)
+            all_items.append(items)
+            offsets.append(len(columns))
+            cells.append(cell_I)
+            flat_I = losses.reshape(-1)
+            for c in range(n_cells):
+                grads = torch.autograd.grad(
+                    flat_I[cell_I == c].sum(),
+                    [p for _, p in named],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                columns.append(
+                    _flat({n: g for (n, _), g in zip(named, grads, strict=True)}, shapes)
+                )
+    except WholebatchError as exc:
+        return _unread(norm.mode, str(exc))
+    if not columns:
+        return _unread(norm.mode, "no item is in the mask")
+    m_PC = torch.stack(columns, dim=1)
+    cells_named = "(micro-batch, sequence, group) cells"
+    a, ra, why_a = lstsq(m_PC, _flat(fit_to, shapes), cells_named)
+    b, rb, why_b = lstsq(m_PC, _flat(whole, shapes), cells_named)
+    ranks = [per_rank[r] for r in sorted(per_rank)]
+    items_rk = [[all_items[j] for j in js] for js in ranks]
+
+    def named_as(weights: Sequence[float], residual: float, why: str) -> tuple[Mode, Scope] | None:
+        if why or residual >= _NORM_RESIDUAL:
+            return None
+        flat = item_weights(cells, offsets, weights)  # [piece] -> [I]
+        shaped = [[flat[j] for j in js] for js in ranks]
+        return read_weights(items_rk, shaped, first=norm.mode, constant=norm.constant)
+
+    expected = named_as(b, rb, why_b)
+    found = named_as(a, ra, why_a)
+    note = why_b or why_a
+    if not note and rb >= _NORM_RESIDUAL:
+        note = f"reference_loss is not a weighted sum of item_losses (residual {rb:.1e})"
+    elif not note and ra >= _NORM_RESIDUAL:
+        note = f"the split gradient is not a weighted sum of item_losses' cells (residual {ra:.1e})"
+    elif not note and (expected is None or found is None):
+        side = "reference_loss" if expected is None else "the split step"
+        note = f"the item weights of {side} match no normalisation mode"
+    return NormFit(
+        declared=norm.mode,
+        found=found,
+        expected=expected,
+        cells=len(columns),
+        split_residual=ra,
+        reference_residual=rb,
+        note=note,
+    )
