@@ -45,8 +45,11 @@ def test_demo_small_run_trains_and_checks_its_gradient(tmp_path: Path) -> None:
     check = summary["gradient_check"]
     assert set(check["per_param_rel_err"]) >= {"logit_scale", "left.0.weight", "right.4.bias"}
     assert 0 <= check["max_rel_err"] < 1e-5  # float32 split step vs float64 whole batch
-    # one process on the whole batch holds the N x N logits; a rank of the cached step one micro-batch
-    assert check["whole_batch_saved_bytes"] > 2 * check["cached_step_saved_bytes"] > 0
+    # one process on the whole batch holds every row's activations and the N x N logits; a rank of
+    # the cached step one micro-batch's activations and, at 128 rows (the small path: every rank
+    # the loss's formula on the whole batch), the formula's N x N intermediates: 0.74 vs 0.38 MiB
+    # (the 1024-row default runs the tiles, which hold no N x N: 0.18 MiB at 128 rows)
+    assert check["whole_batch_saved_bytes"] > 1.5 * check["cached_step_saved_bytes"] > 0
     assert "max relative error" in result.stdout and "retrieval after 3 epochs" in result.stdout
 
 

@@ -1,7 +1,7 @@
 """The corpus `wholebatch verify` is judged on (issue 32): 59 targets over 13 trainers and loop kinds.
 
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_corpus --half tuning
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_corpus --half evaluation   # once, at the end
+    PYTHONPATH=src:. python -m benchmarks.verify_corpus --half tuning
+    PYTHONPATH=src:. python -m benchmarks.verify_corpus --half evaluation   # once, at the end
 
 THE SPLIT (fixed before any verdict was looked at): a target belongs to the
 tuning half when the sha256 of its name (the `Entry.name` below, UTF-8) is an

@@ -50,6 +50,7 @@ BENCHMARKS = (
     "bench_trainers",
     "bench_open_clip_cli",
     "bench_verify_norm",
+    "bench_split",
 )
 
 

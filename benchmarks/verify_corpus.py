@@ -1,8 +1,8 @@
 """Judge `wholebatch verify` on the corpus of tests/support/verify_corpus.py, one half at a time.
 
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_corpus --half tuning
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_corpus --half evaluation --truth /tmp/truth.json
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_corpus --only attn_f64_global bnpo --tree /tmp/verify-old/src
+    PYTHONPATH=src:. python -m benchmarks.verify_corpus --half tuning
+    PYTHONPATH=src:. python -m benchmarks.verify_corpus --half evaluation --truth /tmp/truth.json
+    PYTHONPATH=src:. python -m benchmarks.verify_corpus --only attn_f64_global bnpo --tree /tmp/verify-old/src
 
 For every entry of the half: the independent check's measurement
 (tests/support/verify_corpus_check.py; cached in `--truth`, it does not depend on

@@ -1,6 +1,6 @@
 """What one `wholebatch verify` run costs, this tree against another, taking turns on the same targets.
 
-    PYTHONPATH=src:. python -m benchmarks.bench_verify_cost --other /tmp/verify-old/src --rounds 5
+    PYTHONPATH=src:. python -m benchmarks.verify_cost --other /tmp/verify-old/src --rounds 5
 
 Each round runs `python -m wholebatch verify TARGETS --json` (W = 2 x K = 3) once
 with this tree's `src` and once with `--other`'s, in alternating order (odd
