@@ -14,7 +14,7 @@ NODEPS_PEERS ?= open-clip-torch==3.3.0 lightly==1.6.0
 # -qq: pip's errors only; the lines below say what the bootstrap is doing.
 PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
-.PHONY: demo test test-fast test-compat bench lint gpu clean venv-oct
+.PHONY: demo test test-heavy test-all test-fast test-compat bench lint gpu clean venv-oct
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@echo "==> .venv: creating it with $(PYTHON)"
@@ -52,7 +52,16 @@ venv-oct: $(OCT_VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/wholebatch demo
 
+# The suite without its heavy tier (tests/conftest.py HEAVY): under 15 minutes on 2 cores.
 test: $(VENV)/.peers $(OCT_VENV)/.installed
+	$(PY) -m pytest -q -m "not heavy"
+
+# The heavy tier alone (whole trainers and CLIs for more cases, fault drills, a memory
+# measurement; about 8 minutes), and everything (`pytest` with no marker).
+test-heavy: $(VENV)/.peers $(OCT_VENV)/.installed
+	$(PY) -m pytest -q -m heavy
+
+test-all: $(VENV)/.peers $(OCT_VENV)/.installed
 	$(PY) -m pytest -q
 
 # The unit tier alone (one process each, under a minute): the loop to run while editing.
