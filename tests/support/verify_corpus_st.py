@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -49,8 +50,10 @@ def model_dir() -> str:
 
     tag = hashlib.sha256(b"verify-corpus-st-1").hexdigest()[:8]
     path = os.path.join(tempfile.gettempdir(), f"wholebatch-st-{tag}")
-    if os.path.exists(os.path.join(path, "done")):
-        return path
+    if all(
+        os.path.exists(os.path.join(path, f)) for f in ("done", "config.json", "tokenizer.json")
+    ):
+        return path  # whole: "done" is written last, inside the folder, before it is renamed in
     transformers.logging.set_verbosity_error()
     tmp = tempfile.mkdtemp(prefix="wholebatch-st-", dir=tempfile.gettempdir())
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
@@ -67,8 +70,14 @@ def model_dir() -> str:
     )  # fmt: skip
     BertModel(config, add_pooling_layer=False).save_pretrained(tmp)
     open(os.path.join(tmp, "done"), "w").close()
-    with contextlib.suppress(OSError):  # another process may have won the race: the same folder
+    try:
         os.rename(tmp, path)
+    except OSError:  # another process won the race (the same folder), or a stale one is there
+        if not os.path.exists(os.path.join(path, "config.json")):
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rename(tmp, path)
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
