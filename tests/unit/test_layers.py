@@ -263,3 +263,49 @@ def test_every_test_file_sits_in_a_tier() -> None:
         assert list((tests / tier).glob("test_*.py")), tier
     support = sorted(p.name for p in (tests / "support").glob("test_*.py"))
     assert not support, f"tests/support holds no tests: {support}"
+
+
+# FSDP and DTensor cost ~1.2 s to import (`torch.distributed.tensor` pulls in sympy): the
+# engines and verify test isinstance against them only once someone else loaded them
+# (`train.wrappers.loaded_class`: an FSDP module or a DTensor exists only after that).
+_HEAVY_TORCH = ("torch.distributed.fsdp", "torch.distributed.tensor", "sympy")
+_LOADS = "import wholebatch.train, wholebatch.verify.runner, wholebatch.verify.worker, wholebatch.losses\n"
+
+
+def _heavy_loaded(code: str) -> list[str]:
+    code += f"import sys\nprint([m for m in {_HEAVY_TORCH!r} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_engines_and_verify_leave_fsdp_and_dtensor_unloaded() -> None:
+    assert _heavy_loaded(_LOADS) == []
+    # mutation: a top-level import of FSDP in the engines' modules is seen
+    assert "torch.distributed.fsdp" in _heavy_loaded("import torch.distributed.fsdp\n" + _LOADS)
+
+
+def test_wrapper_detection_sees_fsdp_and_dtensor_once_loaded() -> None:
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from wholebatch.train import wrappers\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "assert wrappers.fsdp2_class() is None and wrappers.fsdp_modules(m) == []\n"
+        "assert not wrappers.is_dtensor(torch.ones(1))\n"
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "assert wrappers.fsdp2_class() is FSDPModule and wrappers.dtensor_class() is DTensor\n"
+        "import tempfile\n"
+        "store = dist.FileStore(tempfile.mktemp(), 1)\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "s = fully_shard(torch.nn.Linear(2, 2))\n"
+        "assert wrappers.fsdp_modules(s) == [s] and wrappers.grad_sync_mode(s) == 'fsdp2'\n"
+        "assert wrappers.is_dtensor(s.weight) and wrappers.is_sharded(s.weight)\n"
+        "dist.destroy_process_group()\n"
+        "assert wrappers.loaded_class('torch.nn', 'no_such_class') is None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]

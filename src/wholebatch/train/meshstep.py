@@ -52,16 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wholebatch.comm.mesh import MeshSplit
 from wholebatch.conventions import GradReduction, check_grad_reduction
 from wholebatch.errors import WholebatchError, WholebatchTypeError
-
-try:  # FSDP2 (torch >= 2.6 exports it here)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    DTensor = None  # type: ignore[assignment,misc]
+from wholebatch.train.wrappers import fsdp2_class, is_dtensor, local_tensor
 
 __all__ = [
     "GradGroup",
@@ -121,9 +112,10 @@ def reduced_ranks(
         ranks = frozenset(int(r) for r in dist.get_process_group_ranks(inner.process_group))
         return ranks, None
     found: dict[tuple[frozenset[int], float | None], str] = {}
-    if FSDPModule is not None:
+    fsdp2 = fsdp2_class()
+    if fsdp2 is not None:
         for name, m in _modules_outside(inner, frozenset(id(e) for e in exclude)):
-            if isinstance(m, FSDPModule):
+            if isinstance(m, fsdp2):
                 how = _fsdp_reduction(m)
                 if how is not None:
                     found.setdefault(how, name or "<root>")
@@ -226,9 +218,9 @@ class MeshReduction:
 def _holders(split: MeshSplit, p: Tensor) -> int:
     """How many ranks hold the same data as this rank's piece of `p` (see the module docstring)."""
     spanned = tuple(d for d in split.dims if d != split.pipeline_dim)
-    if DTensor is None or not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return split.size_of(spanned)
-    mesh = p.device_mesh
+    mesh = p.device_mesh  # type: ignore[attr-defined]
     covered = split.dims_of(int(r) for r in mesh.mesh.flatten().tolist())
     if covered is None:
         raise WholebatchError(
@@ -237,7 +229,7 @@ def _holders(split: MeshSplit, p: Tensor) -> int:
             f"of the step's mesh [{split.describe()}]; shard it on a mesh sliced from that mesh"
         )
     replicated = 1
-    for i, placement in enumerate(p.placements):
+    for i, placement in enumerate(p.placements):  # type: ignore[attr-defined]
         if placement.is_replicate():
             replicated *= int(mesh.size(i))
     outside = split.size_of(d for d in spanned if d not in covered)
@@ -255,7 +247,7 @@ def sq_norm_share(split: MeshSplit, params: Sequence[Tensor]) -> Tensor:
         g = p.grad
         if g is None:
             continue
-        local = g.to_local() if DTensor is not None and isinstance(g, DTensor) else g
+        local = local_tensor(g)
         by_holders.setdefault(_holders(split, p), []).append(local)
     total = torch.zeros((), dtype=torch.float64)
     for holders, ts in sorted(by_holders.items()):

@@ -18,26 +18,36 @@ Legend: W world size, K micro-batches per step.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any, Literal
 
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-try:  # FSDP2 (torch >= 2.6 exports it here)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch: no FSDP2 support
-    FSDPModule = None  # type: ignore[assignment,misc]
 
-try:  # FSDP1 reduces gradients too (a plain module is refused on W > 1 ranks, FSDP1 not)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-except ImportError:  # pragma: no cover - torch without distributed
-    FSDP1 = None  # type: ignore[assignment,misc]
+def loaded_class(module: str, name: str) -> type | None:
+    """`module.name` if `module` was imported already (by anyone), else None, importing nothing.
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    DTensor = None  # type: ignore[assignment,misc]
+    An object of a class exists only once the class's module was imported, so an
+    `isinstance` test against a class whose module nobody imported is False: FSDP and
+    DTensor cost ~1.2 s to import (`torch.distributed.tensor` pulls in sympy), which
+    `import wholebatch.train` and every verify process paid without a mesh in sight.
+    """
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def fsdp2_class() -> type | None:
+    """FSDP2's `FSDPModule` (torch >= 2.6 exports it from `torch.distributed.fsdp`), if loaded."""
+    return loaded_class("torch.distributed.fsdp", "FSDPModule")
+
+
+def dtensor_class() -> type | None:
+    """`DTensor`, if `torch.distributed.tensor` is loaded."""
+    return loaded_class("torch.distributed.tensor", "DTensor")
+
 
 __all__ = [
     "SyncMode",
@@ -73,9 +83,10 @@ def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     """Every FSDP2 (`fully_shard`) module in `model`, itself included, in `modules()` order."""
-    if FSDPModule is None:
+    fsdp2 = fsdp2_class()
+    if fsdp2 is None:
         return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if isinstance(m, fsdp2)]
 
 
 def grad_sync_mode(model: nn.Module) -> SyncMode:
@@ -92,7 +103,8 @@ def is_data_parallel(model: nn.Module) -> bool:
     inner = compiled_inner(model)
     if grad_sync_mode(inner) != "none":
         return True
-    return FSDP1 is not None and any(isinstance(m, FSDP1) for m in inner.modules())
+    fsdp1 = loaded_class("torch.distributed.fsdp", "FullyShardedDataParallel")
+    return fsdp1 is not None and any(isinstance(m, fsdp1) for m in inner.modules())
 
 
 def unwrapped_error(model: nn.Module, world_size: int, op: str) -> str | None:
@@ -161,7 +173,8 @@ def sync_context(
 
 def is_dtensor(x: Tensor) -> bool:
     """Whether `x` is a DTensor (an FSDP2 parameter or its gradient)."""
-    return DTensor is not None and isinstance(x, DTensor)
+    dtensor = dtensor_class()
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def is_sharded(x: Tensor) -> bool:
