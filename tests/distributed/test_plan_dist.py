@@ -228,13 +228,17 @@ def _measure_fresh(world: int, specs: list[str]) -> list[list[int]]:
 def test_planned_loss_memory_within_15_percent_of_peak_rss() -> None:
     """W = 3 fresh gloo ranks, one forward + backward per loss; every rank within 15%."""
     world = 3
-    # Two fresh worlds, each rank's smaller peak: now and then one rank's peak came out
-    # ~2.4 MB (~17%) above the others' in one world and not the next (clip, about one
-    # world in six, on main before the direct sends and after), a transient that did
-    # not recur in the next world; the smaller of two is the call's own peak.
-    first, second = _measure_fresh(world, MEMORY), _measure_fresh(world, MEMORY)
+    # Three fresh worlds, each rank's median: a peak moves from world to world both ways.
+    # High: now and then one rank's peak came out ~2.4 MB (~17%) above the others' in one
+    # world and not the next (clip, about one world in six). Low: the rings' peak depends on
+    # how far the arriving chunks lag behind the computed ones (docs/plan.md; the planner
+    # models the middle), and clip/ring:4608 read 15-17% below its usual peak in about one
+    # run in four (torch 2.8 and 2.10, RESULTS.md "Compatibility"; 2.13 and 2.8 both read
+    # 6.3-6.6 MB otherwise). The smaller of two worlds, as this test took before, keeps
+    # every low outlier; the median of three drops one outlier either way.
+    worlds = [_measure_fresh(world, MEMORY) for _ in range(3)]
     measured = [
-        [min(a, b) for a, b in zip(x, y, strict=True)] for x, y in zip(first, second, strict=True)
+        [sorted(w[r][i] for w in worlds)[1] for i in range(len(MEMORY))] for r in range(world)
     ]
     for i, spec in enumerate(MEMORY):
         planned_bytes = _planned_memory(spec, world)
