@@ -190,3 +190,33 @@ def test_shard_offset_public_branch_reads_only_fsdp2s_strided_shard(
     else:  # not the split FSDP2 over tp makes: refused, never a guessed offset
         with pytest.raises(WholebatchError, match="not FSDP2 over tensor parallel"):
             _c10d.shard_offset(dt, use_private=False)
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    # 1 where traced by TorchDynamo, 0 where run eagerly
+    return x + float(torch.compiler.is_compiling())
+
+
+def test_eager_runs_its_function_outside_the_compiled_graph() -> None:
+    # Mutation: the plain function is traced (is_compiling() is True inside the graph).
+    # The collectives and every loss Function go through `eager` (test_comm.py's
+    # test_inside_torch_compile gave zero gradients on torch 2.11 before it).
+    wrapped = _c10d.eager(_probe)
+    assert wrapped.__name__ == "_probe"
+    for fn, want in ((wrapped, 0.0), (_probe, 1.0)):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, fn=fn: fn(x) * 2, backend="eager")
+        assert float(compiled(torch.zeros(()))) == 2 * want
+    assert float(wrapped(torch.zeros(()))) == 0.0  # outside compile: the function itself
+
+
+def test_eager_does_not_import_dynamo_outside_compile() -> None:
+    code = (
+        "import sys, torch; from wholebatch.comm._c10d import eager; "
+        "f = eager(lambda x: x + 1); f(torch.zeros(1)); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False"

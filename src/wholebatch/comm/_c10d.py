@@ -16,6 +16,7 @@ torch, a middle release and the newest tested:
 | `flat_group` | `DeviceMesh._flatten` (private in every release) | same | one `new_subgroups_by_enumeration` group per mesh (public) |
 | `flatten_mesh` | `DeviceMesh._flatten` | same | none: a `WholebatchError` naming the torch it needs |
 | `shard_offset` | `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` (private) | same | the offset computed from the DTensor's placements (FSDP2's strided shard included) |
+| `eager` | TorchDynamo traces a collective (its checks and its autograd Function) into the graph; on 2.11 the traced backward lost the gradient (`test_inside_torch_compile`: zeros) | the same | - |
 | `full_tensor` | `DTensor.full_tensor()`, refused for FSDP2 x TP uneven shards below 2.10 | `DTensor.full_tensor()` | - |
 
 Importing this module on a torch below `MIN_TORCH` raises `ImportError` naming
@@ -25,10 +26,11 @@ layer imports) starts here, so nothing runs half-supported.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,7 @@ __all__ = [
     "Store",
     "TCPStore",
     "all_gather_single",
+    "eager",
     "flat_group",
     "flatten_mesh",
     "full_tensor",
@@ -88,6 +91,31 @@ all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_ga
 reduce_scatter_single: Any = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """`fn`, run eagerly when called inside `torch.compile`: TorchDynamo breaks the graph
+    around it, and the autograd Functions it applies run their forward and backward in
+    eager mode (c10d calls, host syncs, cross-rank checks), as outside compile.
+
+    Outside compile it is `fn` plus one `is_compiling()` test: torch._dynamo is imported
+    only by a compile, which has imported it already (importing it costs ~2 s).
+    """
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disable: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable
+            disabled.append(disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return cast(_F, inner)
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from wholebatch.comm import checks
-from wholebatch.comm._c10d import global_rank
+from wholebatch.comm._c10d import eager, global_rank
 from wholebatch.comm.debug import arrive
 from wholebatch.comm.groups import get_rank, get_world_size
 from wholebatch.comm.moves import (
@@ -58,6 +58,7 @@ __all__ = [
 ReduceOp = Literal["sum", "mean", "max", "min"]
 
 
+@eager
 def apply(fn: Any, *args: Any) -> Any:
     """`fn.apply(*args)` for an autograd Function `fn`: torch leaves `Function.apply` untyped,
     so every call site would need a suppression; here none does."""
@@ -219,6 +220,7 @@ class _RingShift(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
+@eager
 def all_gather(
     x: Tensor,
     dim: int = 0,
@@ -287,6 +289,7 @@ def all_gather(
     return out
 
 
+@eager
 def reduce_scatter(
     x: Tensor,
     dim: int = 0,
@@ -350,6 +353,7 @@ def reduce_scatter(
     return out
 
 
+@eager
 def all_to_all(
     x: Tensor,
     send_sizes: Sequence[int],
@@ -420,6 +424,7 @@ def all_to_all(
     return out
 
 
+@eager
 def all_reduce(
     x: Tensor,
     op: ReduceOp = "sum",
@@ -457,6 +462,7 @@ def all_reduce(
     return out
 
 
+@eager
 def broadcast(
     x: Tensor,
     src: int = 0,
@@ -497,6 +503,7 @@ def broadcast(
     return out
 
 
+@eager
 def ring_shift(
     x: Tensor,
     shift: int = 1,
