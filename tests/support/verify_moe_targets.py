@@ -18,6 +18,12 @@ per block, α·E·Σₑ fₑ·Pₑ and β·mean lse² over the batch's real toke
 - `moe_one_over_dp`: the whole batch's fₑ and T (counted, all-reduced) but the aux
   gradient not compensated for DDP's mean: 1/W of it (Megatron-LM's global aux loss
   before PR #3769).
+- `moe_per_micro_batch_summed`: `moe_per_micro_batch` without the 1/K (K x the mean).
+- `moe_per_micro_batch_unnamed`: `moe_per_micro_batch`, the spec without `aux_loss`.
+- `moe_main_mean_of_means`: the aux terms exact, the main term each micro-batch's mean.
+
+Every spec but `moe_per_micro_batch_unnamed` names the aux terms (`aux_loss`), so
+verify reads their weights in a failing step (`aux-per-micro-batch`, `aux-scaled`).
 
 Legend: N sequences, T padded width, W ranks, K micro-batches per rank.
 """
@@ -51,6 +57,13 @@ def reference_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     tokens, targets = batch
     main, n = ce_sum(model, (tokens, targets))
     return main / n + aux_value(router_sums(model, (tokens != PAD).reshape(-1)), TOP_K)  # type: ignore[arg-type]
+
+
+def aux_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """The aux terms of `reference_loss` alone: the batch's own router statistics."""
+    tokens, _ = batch
+    model(tokens)
+    return aux_value(router_sums(_inner(model), (tokens != PAD).reshape(-1)), TOP_K)
 
 
 def _inner(model: nn.Module) -> TinyMoE:
@@ -108,7 +121,30 @@ def _global_step(*, one_over_dp: bool) -> object:
     return step
 
 
-def _per_micro_batch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mbs: list) -> None:
+def _per_micro_batch(*, divide_by_k: bool) -> object:
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, mbs: list) -> None:
+        _per_micro_batch_step(model, optimizer, mbs, divide_by_k=divide_by_k)
+
+    return step
+
+
+def _main_mean_of_means_step(model: nn.Module, optimizer: torch.optim.Optimizer, mbs: list) -> None:
+    """The aux terms exact (the whole batch's statistics, x W), each micro-batch's token mean."""
+    w, k = _world(), len(mbs)
+    counts, _ = _counted(model, mbs)
+    inner = _inner(model)
+    for i, mb in enumerate(mbs):
+        sync = model.no_sync() if hasattr(model, "no_sync") and i < k - 1 else _null()
+        with sync:
+            main, n = ce_sum(model, mb)
+            aux = aux_value(router_sums(inner, (mb[0] != PAD).reshape(-1)), TOP_K, counts)
+            (main / n.clamp(min=1) / k + w * aux).backward()
+    optimizer.step()
+
+
+def _per_micro_batch_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mbs: list, *, divide_by_k: bool = True
+) -> None:
     w, k = _world(), len(mbs)
     items = torch.tensor(float(sum(int((y != IGNORE).sum()) for _, y in mbs)), dtype=torch.float64)
     n = float(_all_reduce(items))
@@ -118,7 +154,8 @@ def _per_micro_batch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mb
         with sync:
             main, _ = ce_sum(model, mb)
             aux = aux_value(router_sums(inner, (mb[0] != PAD).reshape(-1)), TOP_K)  # its own f, T
-            (w * main / n + aux / k).backward()  # DDP's mean then averages the ranks' aux
+            share = aux / k if divide_by_k else aux
+            (w * main / n + share).backward()  # DDP's mean then averages the ranks' aux
     optimizer.step()
 
 
@@ -128,12 +165,13 @@ def _null() -> object:
     return contextlib.nullcontext()
 
 
-def _spec(step: object) -> VerifySpec:
+def _spec(step: object, *, aux: bool = True) -> VerifySpec:
     return VerifySpec(
         build_model=_model,
         batch=_batch(),
         step=step,  # type: ignore[arg-type]
         reference_loss=reference_loss,  # type: ignore[arg-type]
+        aux_loss=aux_loss if aux else None,  # type: ignore[arg-type]
     )
 
 
@@ -149,7 +187,22 @@ def moe_hand_exact() -> VerifySpec:
 
 def moe_per_micro_batch() -> VerifySpec:
     """MISTAKE: every micro-batch's aux loss from its own tokens, averaged."""
-    return _spec(_per_micro_batch_step)
+    return _spec(_per_micro_batch(divide_by_k=True))
+
+
+def moe_per_micro_batch_summed() -> VerifySpec:
+    """MISTAKE: every micro-batch's own aux loss, summed over the K (no 1/K): K x the mean."""
+    return _spec(_per_micro_batch(divide_by_k=False))
+
+
+def moe_per_micro_batch_unnamed() -> VerifySpec:
+    """`moe_per_micro_batch` with the spec not naming its aux_loss: verify cannot read it."""
+    return _spec(_per_micro_batch(divide_by_k=True), aux=False)
+
+
+def moe_main_mean_of_means() -> VerifySpec:
+    """MISTAKE in the main term only: each micro-batch's token mean; the aux terms exact."""
+    return _spec(_main_mean_of_means_step)
 
 
 def moe_one_over_dp() -> VerifySpec:

@@ -25,6 +25,7 @@ __all__ = [
     "NEAR_FLOOR",
     "RATIO_TOL",
     "ROUND_OFF_CEILING",
+    "AuxReading",
     "Case",
     "Group",
     "find",
@@ -131,6 +132,16 @@ def read_fit(fit: Fit | None, b: int) -> tuple[str, float] | None:
     """
     if fit is None or not fit.usable:
         return None
+    # A micro-batch without items has a zero gradient: weight 0 exactly on both sides (lstsq).
+    kept = [j for j, (x, y) in enumerate(zip(fit.split, fit.reference, strict=True)) if x or y]
+    if len(kept) < len(fit.split):
+        fit = dataclasses.replace(
+            fit,
+            split=tuple(fit.split[j] for j in kept),
+            reference=tuple(fit.reference[j] for j in kept),
+            ranks=tuple(fit.ranks[j] for j in kept),
+            counts={k: tuple(v[j] for j in kept) for k, v in fit.counts.items()},
+        )
     a, w = fit.split, fit.reference
     n = len(a)
     if n == 0:
@@ -140,6 +151,8 @@ def read_fit(fit: Fit | None, b: int) -> tuple[str, float] | None:
         rho = [x / y for x, y in zip(a, w, strict=True)]
         mean = sum(rho) / n
         if mean != 0 and all(abs(r - mean) <= tol * abs(mean) for r in rho):
+            if fit.aux is not None and near(mean, 1.0):
+                return None  # the main term is right: only aux_loss can be wrong (read_aux)
             return "uniform", mean
     w_equal = max(w) - min(w) <= tol * max(abs(max(w)), 1e-12)
     c = sum(a) / n
@@ -149,6 +162,50 @@ def read_fit(fit: Fit | None, b: int) -> tuple[str, float] | None:
     if share is not None:
         return "per-rank", share
     return "weights", 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxReading:
+    """How the split gradient weights the spec's `aux_loss` (`read_aux`)."""
+
+    kind: str
+    """"per-micro-batch": aux_loss of every micro-batch's own rows at one weight `part`
+    (and of the whole batch at `whole`, 0 for the usual mistake); "scaled": aux_loss of
+    the whole batch only, at `whole` (not 1); "weights": neither."""
+
+    whole: float
+    """x: the weight of aux_loss on the whole batch (the reference's: 1)."""
+
+    part: float
+    """The one weight of every micro-batch's own aux_loss ("per-micro-batch"), else 0."""
+
+    parts: tuple[float, ...] = ()
+    """Every micro-batch's weight y_j."""
+
+
+# The aux weights are read to this relative error; beyond it (a fit too ill-conditioned for
+# the gradients' round-off) they are not read at all.
+_AUX_READABLE = 0.05
+
+
+def read_aux(fit: Fit | None) -> AuxReading | None:
+    """How the split gradient weights `aux_loss`, from a usable fit whose reference adds it
+    once over the whole batch (x = 1, every y_j = 0); None when right or not readable."""
+    if fit is None or fit.aux is None or not fit.usable:
+        return None
+    aux = fit.aux
+    tol = max(RATIO_TOL, fit.tolerance * aux.condition)
+    if tol > _AUX_READABLE:
+        return None
+    if abs(aux.reference_whole - 1.0) > tol or any(abs(y) > tol for y in aux.reference_parts):
+        return None  # the reference does not add aux_loss once over the batch
+    x, y = aux.split_whole, aux.split_parts
+    if all(abs(v) <= tol for v in y):
+        return None if abs(x - 1.0) <= tol else AuxReading("scaled", x, 0.0, y)
+    c = sum(y) / len(y)
+    if all(abs(v - c) <= tol * abs(c) for v in y):
+        return AuxReading("per-micro-batch", 0.0 if abs(x) <= tol else x, c, y)
+    return AuxReading("weights", x, 0.0, y)
 
 
 def _per_rank_share(fit: Fit, b: int, tol: float) -> float | None:
@@ -351,6 +408,11 @@ class Case:
     def reading(self) -> tuple[str, float] | None:
         """How the fit weights the micro-batches (`read_fit`)."""
         return read_fit(self.fit, self.b)
+
+    @functools.cached_property
+    def aux(self) -> AuxReading | None:
+        """How the split gradient weights the spec's aux_loss (`read_aux`)."""
+        return read_aux(self.fit)
 
     @property
     def norm(self) -> NormFit | None:

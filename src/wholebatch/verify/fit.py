@@ -25,7 +25,7 @@ from wholebatch.errors import WholebatchError
 from wholebatch.train.normalize import Mode, Scope
 from wholebatch.verify.batches import Batch, select_rows
 from wholebatch.verify.normfit import cells_of, item_weights, read_weights
-from wholebatch.verify.report import Fit, NormFit
+from wholebatch.verify.report import AuxFit, Fit, NormFit
 
 if TYPE_CHECKING:
     from wholebatch.verify.spec import Spec
@@ -46,7 +46,17 @@ def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) 
 
 
 def lstsq(m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches") -> tuple[list[float], float, str]:
-    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
+    """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell.
+
+    A zero column (a micro-batch without items: its gradient is zero) takes weight 0
+    exactly: any weight fits it, and it adds nothing."""
+    live = [c for c in range(m_PJ.shape[1]) if bool(m_PJ[:, c].any())]
+    if 0 < len(live) < m_PJ.shape[1]:
+        w_live, residual, why = lstsq(m_PJ[:, live], y_P, what)
+        w = [0.0] * m_PJ.shape[1]
+        for c, x in zip(live, w_live, strict=True):
+            w[c] = x
+        return ([math.nan] * len(w) if why else w), residual, why
     p, j = m_PJ.shape
     if p < j:
         return (
@@ -107,20 +117,39 @@ def fit_weights(
     """
     model = build()
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    columns = []
-    for idx in pieces:
+
+    def column(fn: Callable[[nn.Module, Batch], Tensor], rows: Batch) -> Tensor:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        torch.autograd.backward(spec.reference_loss(model, select_rows(batch, idx)).reshape(()))
-        columns.append(_flat({n: p.grad for n, p in model.named_parameters()}, shapes))
-    m_PJ = torch.stack(columns, dim=1)
-    a, ra, why_a = lstsq(m_PJ, _flat(fit_to, shapes))
-    b, rb, why_b = lstsq(m_PJ, _flat(whole, shapes))
+        torch.autograd.backward(fn(model, rows).reshape(()))
+        return _flat({n: p.grad for n, p in model.named_parameters()}, shapes)
+
+    columns = [column(spec.reference_loss, select_rows(batch, idx)) for idx in pieces]
+    aux: AuxFit | None = None
+    if spec.aux_loss is None:
+        m_PJ = torch.stack(columns, dim=1)
+        a, ra, why_a = lstsq(m_PJ, _flat(fit_to, shapes))
+        b, rb, why_b = lstsq(m_PJ, _flat(whole, shapes))
+    else:
+        parts = [column(spec.aux_loss, select_rows(batch, idx)) for idx in pieces]
+        a, b, ra, rb, why_a, why_b, aux = _aux_fit(
+            columns,
+            parts,
+            column(spec.aux_loss, batch),
+            _flat(fit_to, shapes),
+            _flat(whole, shapes),
+        )
     note = why_b or why_a
     if not note and rb >= 1e-5:
         note = (
             "reference_loss is not a weighted sum of its values on each micro-batch "
             f"(residual {rb:.1e}), as a mean over items would be"
+            + (
+                "; a term of the whole batch's statistics, such as an MoE load-balancing "
+                "loss, is not: give the spec that term as aux_loss"
+                if spec.aux_loss is None
+                else ", plus aux_loss over the whole batch"
+            )
         )
     counts = piece_counts(spec, batch, pieces)
     del counts["rows"]
@@ -138,7 +167,75 @@ def fit_weights(
         counts={k: tuple(v) for k, v in counts.items()},
         note=note,
         norm=norm,
+        aux=aux,
     )
+
+
+# A side is read by the first of `_aux_fit`'s models that leaves less than this relative
+# residual (round-off: ~1e-12 in float64, ~1e-6 in float32); a wrong model leaves ~1e-2.
+_AUX_RESIDUAL = 1e-5
+
+
+def _aux_fit(
+    whole_j: Sequence[Tensor],
+    aux_j: Sequence[Tensor],
+    aux_all: Tensor,
+    split: Tensor,
+    reference: Tensor,
+) -> tuple[list[float], list[float], float, float, str, str, AuxFit | None]:
+    """Both gradients as sum_j a_j main_j + x aux(batch) + sum_j y_j aux_j, main_j = the
+    gradient of reference_loss - aux_loss on micro-batch j: (a, b, the residuals, why not
+    for each side, and the aux weights), `Fit`'s main weights first.
+
+    Three models, tried in order, the first that fits taken: every y_j = 0 (aux_loss over
+    the whole batch only, at x), every y_j = c (each micro-batch's own aux_loss at one
+    weight), every y_j free. The first two have J + 1 and J + 2 unknowns, so micro-batches
+    whose aux_loss gradients coincide (the same rows) leave them unique.
+    """
+    j = len(whole_j)
+    main = [w - x for w, x in zip(whole_j, aux_j, strict=True)]
+    models = (
+        ("whole", torch.stack([*main, aux_all], dim=1)),
+        ("per-micro-batch", torch.stack([*main, aux_all, torch.stack(list(aux_j)).sum(0)], dim=1)),
+        ("free", torch.stack([*main, aux_all, *aux_j], dim=1)),
+    )
+    what = "terms (the main term and aux_loss on each micro-batch, aux_loss on the batch)"
+
+    def side(y_P: Tensor) -> tuple[list[float], float, str, float]:
+        tried = []
+        for kind, m_PC in models:
+            w, r, why = lstsq(m_PC, y_P, what)
+            if not why:
+                parts = (
+                    [0.0] * j
+                    if kind == "whole"
+                    else [w[j + 1]] * j
+                    if kind == "per-micro-batch"
+                    else w[j + 1 :]
+                )
+                s = torch.linalg.svdvals(m_PC[:, m_PC.any(0)])  # zero columns weigh 0 (lstsq)
+                tried.append((r, [*w[: j + 1], *parts], float(s.max() / s.min())))
+                if r < _AUX_RESIDUAL:
+                    break
+        if not tried:
+            return [math.nan] * (2 * j + 1), math.inf, why, math.inf
+        r, w, condition = (
+            min(tried, key=lambda t: t[0]) if tried[-1][0] >= _AUX_RESIDUAL else tried[-1]
+        )
+        return w, r, "", condition
+
+    a, ra, why_a, condition = side(split)
+    b, rb, why_b, _ = side(reference)
+    if why_a or why_b:
+        return a[:j], b[:j], ra, rb, why_a, why_b, None
+    aux = AuxFit(
+        split_whole=a[j],
+        split_parts=tuple(a[j + 1 :]),
+        reference_whole=b[j],
+        reference_parts=tuple(b[j + 1 :]),
+        condition=condition,
+    )
+    return a[:j], b[:j], ra, rb, "", "", aux
 
 
 # A side is read as a weighted sum of the cells' gradients below this relative residual

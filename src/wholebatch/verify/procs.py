@@ -68,7 +68,7 @@ class ChildFailure:
 
 def _allowed() -> list[Any]:
     """The only classes a message may build (besides tensors, containers and primitives)."""
-    from wholebatch.verify.report import Fit, NormFit
+    from wholebatch.verify.report import AuxFit, Fit, NormFit
     from wholebatch.verify.worker import (
         Condition,
         Description,
@@ -77,7 +77,17 @@ def _allowed() -> list[Any]:
         RefResult,
     )
 
-    return [ChildFailure, Condition, Description, Fit, NormFit, RankResult, RefRequest, RefResult]
+    return [
+        AuxFit,
+        ChildFailure,
+        Condition,
+        Description,
+        Fit,
+        NormFit,
+        RankResult,
+        RefRequest,
+        RefResult,
+    ]
 
 
 def _send(conn: Connection, obj: Any) -> None:

@@ -92,6 +92,9 @@ class ReplaySpec:
     item_losses: Callable[[nn.Module, Batch], Tensor] | None = None
     """As `VerifySpec.item_losses`, on the recorded batch."""
 
+    aux_loss: Callable[[nn.Module, Batch], Tensor] | None = None
+    """As `VerifySpec.aux_loss`, on the recorded batch."""
+
     # What the shared checks and the runner read of every spec kind.
     equal_batch: None = None
     mesh: None = None

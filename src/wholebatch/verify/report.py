@@ -34,6 +34,7 @@ from wholebatch.train.normalize import Mode, Scope
 
 __all__ = [
     "MODEL_FLOOR",
+    "AuxFit",
     "Comparison",
     "Diagnosis",
     "Evidence",
@@ -277,10 +278,58 @@ class Fit:
     """The normalisation each side applies to the items, when the spec gives
     `normalize` and `item_losses`."""
 
+    aux: AuxFit | None = None
+    """With the spec's `aux_loss`: the weights of its whole-batch and per-micro-batch
+    values. `split` and `reference` are then the weights of the main term
+    (`reference_loss` - `aux_loss`) on each micro-batch, and the residuals those of the
+    joint fit."""
+
     @property
     def usable(self) -> bool:
         """Both gradients are (to round-off) weighted sums of the micro-batch gradients."""
         return self.split_residual < self.tolerance and self.reference_residual < 1e-5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuxFit:
+    """How the split gradient and the reference weight the spec's `aux_loss`.
+
+    Both gradients are written as sum_j a_j grad main(micro-batch j) + x grad aux(whole
+    batch) + sum_j y_j grad aux(micro-batch j), main = reference_loss - aux_loss (least
+    squares over every parameter entry, with `Fit`'s micro-batch columns). A right step
+    has x = 1 and every y_j = 0; an aux loss taken per micro-batch from its own
+    statistics has x = 0 and every y_j alike (1/J for a mean over the J micro-batches).
+    """
+
+    split_whole: float
+    """x of the split gradient."""
+
+    split_parts: tuple[float, ...]
+    """y_j of the split gradient, one per micro-batch (in `Fit.ranks` order)."""
+
+    reference_whole: float
+    """x of the reference (1 for a reference that adds aux_loss once over the batch)."""
+
+    reference_parts: tuple[float, ...]
+    """y_j of the reference (0 for such a reference)."""
+
+    condition: float
+    """The fit's condition number: its weights are known to about condition x the
+    gradients' round-off."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "split_whole": num(self.split_whole),
+            "split_parts": [num(y) for y in self.split_parts],
+            "reference_whole": num(self.reference_whole),
+            "reference_parts": [num(y) for y in self.reference_parts],
+            "condition": num(self.condition),
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -450,6 +499,7 @@ class VerifyReport:
                 "counts": {k: list(v) for k, v in self.fit.counts.items()},
                 "note": self.fit.note,
                 "normalization": None if self.fit.norm is None else self.fit.norm.to_json(),
+                "aux": None if self.fit.aux is None else self.fit.aux.to_json(),
             },
             "variants": [
                 {

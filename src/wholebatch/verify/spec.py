@@ -113,6 +113,10 @@ def _check_common(spec: Any, kind: str, *, has_batch: bool = True) -> None:
         raise WholebatchTypeError(
             f"{kind}: item_losses must be callable, got {type(spec.item_losses).__name__}"
         )
+    if spec.aux_loss is not None and not callable(spec.aux_loss):
+        raise WholebatchTypeError(
+            f"{kind}: aux_loss must be callable or None, got {type(spec.aux_loss).__name__}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +187,16 @@ class VerifySpec:
     """Optional, with `normalize`: `item_losses(model, batch)` -> the per-item losses,
     shaped like `normalize.items(batch)["mask"]` (what `Accumulator.step(...,
     normalize=)` takes as `loss_fn`). Each item's loss must depend on its own row only."""
+
+    aux_loss: Callable[[nn.Module, Batch], Tensor] | None = None
+    """Optional: the part of `reference_loss` that is not a sum over items but a function
+    of the whole batch's statistics (an MoE load-balancing or router z-loss:
+    `aux_loss(model, batch)` runs the model on `batch` and returns that term alone).
+    When the step fails, verify writes its gradient as weights of the main term
+    (`reference_loss` - `aux_loss`) on each micro-batch, of `aux_loss` on the whole
+    batch and of `aux_loss` on each micro-batch alone, and names an aux loss taken
+    per micro-batch (`aux-per-micro-batch`) or scaled (`aux-scaled`: 1/W when DDP's
+    mean is not compensated) with its factor."""
 
     mesh: str | None = None
     """Optional: the device mesh to split the step over, as dims and sizes ("dp=2,tp=2";
@@ -342,6 +356,9 @@ class TrainerSpec:
 
     item_losses: Callable[[nn.Module, Batch], Tensor] | None = None
     """As `VerifySpec.item_losses`."""
+
+    aux_loss: Callable[[nn.Module, Batch], Tensor] | None = None
+    """As `VerifySpec.aux_loss`."""
 
     mesh: str | None = None
     """Optional: the device mesh the trainer splits the step over, as dims and sizes

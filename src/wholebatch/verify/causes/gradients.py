@@ -346,6 +346,73 @@ def _wrong_count_message(case: Case) -> str:
     )
 
 
+def _aux_factor(case: Case, factor: float, what: str) -> str:
+    """Why `what` carries `factor`, when a count of the split explains it ('' if none)."""
+    b, k, j = case.b, case.k, case.j
+    if near(factor, 1.0):
+        return ""
+    if b > 1 and near(factor, 1.0 / b):
+        return (
+            f" {factor:.4g} = 1/W = 1/{b}: DDP's mean divides {what} by the data-parallel "
+            "ranks and nothing multiplies it back (Megatron-LM's global aux loss before its "
+            "PR #3769)."
+        )
+    if k > 1 and near(factor, float(k)):
+        return f" {factor:.4g} = K = {k}: {what} is added in each micro-batch without the 1/K."
+    if j > 1 and near(factor, float(j)):
+        return (
+            f" {factor:.4g} = J = {b} x {k}: {what} is added in each micro-batch without the "
+            "1/K of accumulation or DDP's 1/W."
+        )
+    if k > 1 and near(factor, 1.0 / k):
+        return f" {factor:.4g} = 1/K = 1/{k}: {what} is divided by the accumulation's K once too often."
+    return ""
+
+
+def _aux_per_micro_batch(case: Case) -> bool:
+    return case.aux is not None and case.aux.kind == "per-micro-batch"
+
+
+def _aux_per_micro_batch_message(case: Case) -> str:
+    aux = case.aux
+    assert aux is not None
+    j = len(aux.parts)
+    factor = aux.part * j
+    mean = _times_mean(factor, "the micro-batches' aux losses")
+    whole = (
+        f", and aux_loss over the whole batch at {aux.whole:.4g}"
+        if aux.whole
+        else ", and aux_loss over the whole batch not at all"
+    )
+    return (
+        f"the split gradient weighs aux_loss on every one of the {j} micro-batches' own rows "
+        f"{aux.part:.4g}{whole}, where the whole batch adds aux_loss once, over its own "
+        f"statistics: the step is {mean}."
+        + _aux_factor(case, factor, "that mean")
+        + " A load-balancing loss's f_e x P_e (or a z-loss's mean) over one micro-batch's "
+        "tokens is not a share of the batch's, so the gradient depends on how the batch is "
+        "cut (the loss most frameworks compute)."
+    )
+
+
+def _aux_scaled(case: Case) -> bool:
+    return case.aux is not None and case.aux.kind in ("scaled", "weights")
+
+
+def _aux_scaled_message(case: Case) -> str:
+    aux = case.aux
+    assert aux is not None
+    if aux.kind == "scaled":
+        return (
+            f"the step takes aux_loss over the whole batch's statistics, as the reference does, but "
+            f"at {aux.whole:.4g} x its weight there." + _aux_factor(case, aux.whole, "aux_loss")
+        )
+    return (
+        f"the split gradient weighs aux_loss over the whole batch {aux.whole:.4g} (the "
+        f"reference: 1) and on each micro-batch's own rows {fmt(aux.parts)} (the reference: 0)."
+    )
+
+
 def _no_gradient(case: Case) -> bool:
     bad = case.bad
     return bool(bad) and all(
@@ -387,6 +454,25 @@ GRADIENT_CAUSES: tuple[Cause, ...] = (
         test=_mean_of_means, message=_mean_of_means_message,
         fix="Fix: sum item losses and divide once by the global item count, agreed across "
         "ranks before backward (wholebatch.Accumulator).",
+    ),
+    Cause(
+        code="aux-per-micro-batch",
+        summary="the spec's aux_loss (an MoE load-balancing or z-loss) from each "
+        "micro-batch's own statistics, not the whole batch's, with its factor",
+        precedence=122, stage="gradient",
+        test=_aux_per_micro_batch, message=_aux_per_micro_batch_message,
+        fix="Fix: count the routers' statistics (f_e, T) over the whole step before any "
+        "backward (a pass without graph, all-reduced) and give each micro-batch its share: "
+        "wholebatch.train.LoadBalancingLoss and RouterZLoss under Accumulator.step do.",
+    ),
+    Cause(
+        code="aux-scaled",
+        summary="the spec's aux_loss over the whole batch at the wrong weight (1/W: DDP's "
+        "mean not compensated), with its factor",
+        precedence=124, stage="gradient",
+        test=_aux_scaled, message=_aux_scaled_message,
+        fix="Fix: scale each rank's aux share by W before DDP's mean, as its main term's "
+        "W/N (wholebatch.train.LoadBalancingLoss and RouterZLoss under Accumulator.step do).",
     ),
     Cause(
         code="replicated-K",
