@@ -10,6 +10,7 @@ z-loss) on a ragged batch, against the whole batch's objective. Before the spec'
   micro-batches' aux losses"; without the 1/K: "3 x" that mean, K named;
 - the whole batch's statistics, the gradient 1/W (Megatron-LM before #3769):
   `aux-scaled`, 1/W named, at W = 2 (and W = 4 in the heavy tier);
+- both again on a dp2 x tp2 mesh (FSDP2 on dp, the head tensor parallel), 1/dp named;
 - the main term's mean of means beside exact aux terms: `mean-of-means` alone, its
   weights read through the aux columns;
 - mutation: the same per-micro-batch mistake with the spec not naming `aux_loss`
@@ -36,6 +37,9 @@ EXPECTED: dict[str, list[str] | None] = {
     f"{MOE}:moe_one_over_dp": ["aux-scaled"],
     f"{MOE}:moe_main_mean_of_means": ["mean-of-means"],
     f"{MOE}:moe_per_micro_batch_unnamed": ["breaks-each-way"],
+    f"{MOE}:moe_mesh_exact": None,
+    f"{MOE}:moe_mesh_per_micro_batch": ["aux-per-micro-batch"],
+    f"{MOE}:moe_mesh_one_over_dp": ["aux-scaled"],
 }
 
 
@@ -90,7 +94,16 @@ def test_per_micro_batch_aux_is_read_with_its_factor(reports: dict[str, dict[str
 def test_uncompensated_dp_mean_is_named_one_over_w(reports: dict[str, dict[str, Any]]) -> None:
     report = reports[f"{MOE}:moe_one_over_dp"]
     assert report["fit"]["aux"]["split_whole"] == pytest.approx(0.5, rel=1e-9)
-    assert "0.5 = 1/W = 1/2" in _message(report)
+    assert "0.5 = 1/2, one over the 2 data-parallel ranks" in _message(report)
+
+
+def test_on_a_mesh_the_data_parallel_ranks_are_counted(reports: dict[str, dict[str, Any]]) -> None:
+    # dp2 x tp2 (FSDP2 on dp, the head tensor parallel): J = dp x K = 6, 1/dp = 1/2.
+    per = reports[f"{MOE}:moe_mesh_per_micro_batch"]["fit"]["aux"]
+    assert per["split_parts"] == pytest.approx([1 / 6] * 6, rel=1e-9)
+    report = reports[f"{MOE}:moe_mesh_one_over_dp"]
+    assert report["fit"]["aux"]["split_whole"] == pytest.approx(0.5, rel=1e-9)
+    assert "0.5 = 1/2, one over the 2 data-parallel ranks" in _message(report)
 
 
 def test_main_term_mistake_is_read_beside_the_aux_terms(reports: dict[str, dict[str, Any]]) -> None:
@@ -112,4 +125,4 @@ def test_four_ranks_name_one_over_four() -> None:
     report = _verify([f"{MOE}:moe_one_over_dp"], 4)[f"{MOE}:moe_one_over_dp"]
     assert _codes(report) == ["aux-scaled"]
     assert report["fit"]["aux"]["split_whole"] == pytest.approx(0.25, rel=1e-9)
-    assert "0.25 = 1/W = 1/4" in _message(report)
+    assert "0.25 = 1/4, one over the 4 data-parallel ranks" in _message(report)

@@ -30,6 +30,8 @@ Legend: N sequences, T padded width, W ranks, K micro-batches per rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -72,12 +74,31 @@ def _inner(model: nn.Module) -> TinyMoE:
     return inner
 
 
+def _mesh() -> object | None:
+    """verify's mesh in a `--mesh` run (its "dp" dim holds the data shards), else None."""
+    from wholebatch.errors import WholebatchError
+    from wholebatch.verify import current_mesh
+
+    try:
+        return current_mesh()
+    except WholebatchError:
+        return None
+
+
 def _world() -> int:
+    """The data-parallel ranks: the mesh's dp, else the world."""
+    mesh = _mesh()
+    if mesh is not None:
+        return int(mesh["dp"].size())  # type: ignore[index]
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _all_reduce(t: Tensor) -> Tensor:
-    if dist.is_initialized():
+    """Summed over the data-parallel ranks (the tp ranks of a shard hold the same rows)."""
+    mesh = _mesh()
+    if mesh is not None:
+        dist.all_reduce(t, group=mesh["dp"].get_group())  # type: ignore[index]
+    elif dist.is_initialized():
         dist.all_reduce(t)
     return t
 
@@ -85,7 +106,9 @@ def _all_reduce(t: Tensor) -> Tensor:
 def _exact_step(model: nn.Module, optimizer: torch.optim.Optimizer, mbs: list) -> None:
     from wholebatch.train.accumulate import Accumulator
 
-    Accumulator(model, optimizer).step(mbs, ce_sum)
+    mesh = _mesh()
+    where = {} if mesh is None else {"mesh": mesh, "batch_dims": ("dp",)}
+    Accumulator(model, optimizer, **where).step(mbs, ce_sum)  # type: ignore[arg-type]
 
 
 def _counted(model: nn.Module, mbs: list) -> tuple[Tensor, float]:
@@ -208,3 +231,39 @@ def moe_main_mean_of_means() -> VerifySpec:
 def moe_one_over_dp() -> VerifySpec:
     """MISTAKE: the whole batch's statistics, the aux gradient 1/W (Megatron before #3769)."""
     return _spec(_global_step(one_over_dp=True))
+
+
+def _tp_fsdp(model: nn.Module, mesh: object) -> nn.Module:
+    """dp2 x tp2: the MoE blocks replicated over tp (FSDP2 on dp), the head tensor parallel."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"hidden": ColwiseParallel(), "out": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)  # type: ignore[index]
+    fully_shard(model, mesh=mesh["dp"])  # type: ignore[index]
+    return model
+
+
+def _on_mesh(step: object) -> VerifySpec:
+    return dataclasses.replace(
+        _spec(step), mesh="dp=2,tp=2", batch_dims=("dp",), parallelize=_tp_fsdp
+    )
+
+
+def moe_mesh_exact() -> VerifySpec:
+    """`moe_exact` on dp2 x tp2 (FSDP2 on dp, the head tensor parallel; passes)."""
+    return _on_mesh(_exact_step)
+
+
+def moe_mesh_per_micro_batch() -> VerifySpec:
+    """MISTAKE: `moe_per_micro_batch` on dp2 x tp2."""
+    return _on_mesh(_per_micro_batch(divide_by_k=True))
+
+
+def moe_mesh_one_over_dp() -> VerifySpec:
+    """MISTAKE: `moe_one_over_dp` on dp2 x tp2: the aux gradient 1/dp."""
+    return _on_mesh(_global_step(one_over_dp=True))

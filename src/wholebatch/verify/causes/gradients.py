@@ -353,9 +353,9 @@ def _aux_factor(case: Case, factor: float, what: str) -> str:
         return ""
     if b > 1 and near(factor, 1.0 / b):
         return (
-            f" {factor:.4g} = 1/W = 1/{b}: DDP's mean divides {what} by the data-parallel "
-            "ranks and nothing multiplies it back (Megatron-LM's global aux loss before its "
-            "PR #3769)."
+            f" {factor:.4g} = 1/{b}, one over the {b} data-parallel ranks: their gradient mean "
+            f"(DDP's, FSDP's) divides {what} by them and nothing multiplies it back "
+            "(Megatron-LM's global aux loss before its PR #3769)."
         )
     if k > 1 and near(factor, float(k)):
         return f" {factor:.4g} = K = {k}: {what} is added in each micro-batch without the 1/K."
@@ -471,8 +471,9 @@ GRADIENT_CAUSES: tuple[Cause, ...] = (
         "mean not compensated), with its factor",
         precedence=124, stage="gradient",
         test=_aux_scaled, message=_aux_scaled_message,
-        fix="Fix: scale each rank's aux share by W before DDP's mean, as its main term's "
-        "W/N (wholebatch.train.LoadBalancingLoss and RouterZLoss under Accumulator.step do).",
+        fix="Fix: scale each rank's aux share by the data-parallel size before the gradient "
+        "mean, as its main term's W/N (wholebatch.train.LoadBalancingLoss and RouterZLoss "
+        "under Accumulator.step do).",
     ),
     Cause(
         code="replicated-K",
