@@ -480,6 +480,39 @@ def test_inside_torch_compile() -> None:
     assert got[0][2] == [0.0] and got[1][2] == [6.0, 12.0]
 
 
+def _rank_compiled_losses(backend: str) -> list[tuple[list[float], list[float]]]:
+    """Each loss, compiled and eager, on this rank's rows [r + 1 rows]: its inputs' gradients."""
+    r = dist.get_rank()
+    gen = torch.Generator().manual_seed(10 + r)
+    img = torch.randn(r + 1, 4, dtype=torch.float64, generator=gen)
+    txt = torch.randn(r + 1, 4, dtype=torch.float64, generator=gen)
+    out = []
+    calls = (
+        lambda a, b: wb.clip_loss(a, b, 2.0),
+        lambda a, b: wb.siglip_loss(a, b, 2.0, -1.0),
+    )
+    for loss in calls:
+        grads = []
+        for fn in (torch.compile(loss, backend=backend), loss):
+            a, b = img.clone().requires_grad_(), txt.clone().requires_grad_()
+            fn(a, b).backward()
+            assert a.grad is not None and b.grad is not None
+            grads.append(torch.cat([a.grad, b.grad]).flatten().tolist())
+        out.append((grads[0], grads[1]))
+    return out
+
+
+def test_losses_inside_torch_compile() -> None:
+    # Every loss's autograd Function runs through collectives.apply, which runs eagerly
+    # while compiling (comm._c10d.eager): the compiled loss's gradients are eager mode's.
+    # A guard, not a mutation test: on torch 2.11 these two were right without `eager` too
+    # (only the bare all_gather above was traced wrong there).
+    for per_rank in run_ranks(2, _rank_compiled_losses, "aot_eager", timeout=240):
+        for compiled, eager_ in per_rank:
+            assert compiled == pytest.approx(eager_, rel=1e-12, abs=1e-15)
+            assert any(compiled)
+
+
 # ---------------------------------------------------------------------------
 # A world of one, torch.distributed not initialised (this process)
 # ---------------------------------------------------------------------------
