@@ -45,37 +45,54 @@ def _flat(grads: Mapping[str, Tensor | None], shapes: Mapping[str, torch.Size]) 
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def lstsq(m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches") -> tuple[list[float], float, str]:
+Solved = tuple[list[float], float, str]
+"""Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell."""
+
+
+def lstsq(m_PJ: Tensor, y_P: Tensor, what: str = "micro-batches") -> Solved:
     """Weights w minimising ||M w - y||, the relative residual, and why not if M cannot tell.
 
     A zero column (a micro-batch without items: its gradient is zero) takes weight 0
     exactly: any weight fits it, and it adds nothing."""
+    return lstsq_sides(m_PJ, [y_P], what)[0][0]
+
+
+def lstsq_sides(
+    m_PJ: Tensor, ys: Sequence[Tensor], what: str = "micro-batches"
+) -> tuple[list[Solved], float]:
+    """`lstsq` of every y in `ys` on one M (one SVD, one solve), and M's condition number
+    over its nonzero columns (inf where M cannot tell its columns apart)."""
     live = [c for c in range(m_PJ.shape[1]) if bool(m_PJ[:, c].any())]
     if 0 < len(live) < m_PJ.shape[1]:
-        w_live, residual, why = lstsq(m_PJ[:, live], y_P, what)
-        w = [0.0] * m_PJ.shape[1]
-        for c, x in zip(live, w_live, strict=True):
-            w[c] = x
-        return ([math.nan] * len(w) if why else w), residual, why
+        solved, condition = lstsq_sides(m_PJ[:, live], ys, what)
+        out: list[Solved] = []
+        for w_live, residual, why in solved:
+            w = [0.0] * m_PJ.shape[1]
+            for c, x in zip(live, w_live, strict=True):
+                w[c] = x
+            out.append(([math.nan] * len(w) if why else w, residual, why))
+        return out, condition
     p, j = m_PJ.shape
+    nan = [math.nan] * j
     if p < j:
-        return (
-            [math.nan] * j,
-            math.inf,
-            (f"the model has {p} parameter entries, too few to tell {j} {what} apart"),
-        )
-    if float(y_P.norm()) == 0:
-        return [math.nan] * j, math.inf, "the gradient is zero"
+        why = f"the model has {p} parameter entries, too few to tell {j} {what} apart"
+        return [(nan, math.inf, why) for _ in ys], math.inf
     s = torch.linalg.svdvals(m_PJ)
-    if float(s.min()) <= 1e-9 * float(s.max()):
-        return (
-            [math.nan] * j,
-            math.inf,
-            (f"the {what}' gradients are linearly dependent, so their weights are not unique"),
-        )
-    w = torch.linalg.lstsq(m_PJ, y_P[:, None]).solution[:, 0]
-    residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
-    return [float(x) for x in w], residual, ""
+    dependent = float(s.min()) <= 1e-9 * float(s.max())
+    condition = math.inf if dependent else float(s.max() / s.min())
+    solution = None if dependent else torch.linalg.lstsq(m_PJ, torch.stack(list(ys), 1)).solution
+    out = []
+    for i, y_P in enumerate(ys):
+        if float(y_P.norm()) == 0:
+            out.append((nan, math.inf, "the gradient is zero"))
+        elif solution is None:
+            why = f"the {what}' gradients are linearly dependent, so their weights are not unique"
+            out.append((nan, math.inf, why))
+        else:
+            w = solution[:, i]
+            residual = float((m_PJ @ w - y_P).norm() / y_P.norm())
+            out.append(([float(x) for x in w], residual, ""))
+    return out, condition
 
 
 def item_counts(spec: Spec, batch: Batch) -> dict[str, int]:
@@ -128,8 +145,9 @@ def fit_weights(
     aux: AuxFit | None = None
     if spec.aux_loss is None:
         m_PJ = torch.stack(columns, dim=1)
-        a, ra, why_a = lstsq(m_PJ, _flat(fit_to, shapes))
-        b, rb, why_b = lstsq(m_PJ, _flat(whole, shapes))
+        ((a, ra, why_a), (b, rb, why_b)), _ = lstsq_sides(
+            m_PJ, [_flat(fit_to, shapes), _flat(whole, shapes)]
+        )
     else:
         parts = [column(spec.aux_loss, select_rows(batch, idx)) for idx in pieces]
         a, b, ra, rb, why_a, why_b, aux = _aux_fit(
@@ -201,11 +219,17 @@ def _aux_fit(
     )
     what = "terms (the main term and aux_loss on each micro-batch, aux_loss on the batch)"
 
-    def side(y_P: Tensor) -> tuple[list[float], float, str, float]:
-        tried = []
-        for kind, m_PC in models:
-            w, r, why = lstsq(m_PC, y_P, what)
-            if not why:
+    # Each side takes the first model that fits it; each model is solved once, for both.
+    sides = (split, reference)
+    tried: list[list[tuple[float, list[float], float]]] = [[], []]
+    why = ["", ""]
+    for kind, m_PC in models:
+        solved, condition = lstsq_sides(m_PC, sides, what)
+        for i, (w, r, why_i) in enumerate(solved):
+            if tried[i] and tried[i][-1][0] < _AUX_RESIDUAL:
+                continue  # this side has its model
+            why[i] = why_i
+            if not why_i:
                 parts = (
                     [0.0] * j
                     if kind == "whole"
@@ -213,19 +237,18 @@ def _aux_fit(
                     if kind == "per-micro-batch"
                     else w[j + 1 :]
                 )
-                s = torch.linalg.svdvals(m_PC[:, m_PC.any(0)])  # zero columns weigh 0 (lstsq)
-                tried.append((r, [*w[: j + 1], *parts], float(s.max() / s.min())))
-                if r < _AUX_RESIDUAL:
-                    break
-        if not tried:
-            return [math.nan] * (2 * j + 1), math.inf, why, math.inf
-        r, w, condition = (
-            min(tried, key=lambda t: t[0]) if tried[-1][0] >= _AUX_RESIDUAL else tried[-1]
-        )
+                tried[i].append((r, [*w[: j + 1], *parts], condition))
+        if all(t and t[-1][0] < _AUX_RESIDUAL for t in tried):
+            break
+
+    def side(i: int) -> tuple[list[float], float, str, float]:
+        if not tried[i]:
+            return [math.nan] * (2 * j + 1), math.inf, why[i], math.inf
+        r, w, condition = min(tried[i], key=lambda t: t[0])  # the fitting one, else the closest
         return w, r, "", condition
 
-    a, ra, why_a, condition = side(split)
-    b, rb, why_b, _ = side(reference)
+    a, ra, why_a, condition = side(0)
+    b, rb, why_b, _ = side(1)
     if why_a or why_b:
         return a[:j], b[:j], ra, rb, why_a, why_b, None
     aux = AuxFit(
@@ -313,8 +336,9 @@ def _norm_fit(
         return _unread(norm.mode, "no item is in the mask")
     m_PC = torch.stack(columns, dim=1)
     cells_named = "(micro-batch, sequence, group) cells"
-    a, ra, why_a = lstsq(m_PC, _flat(fit_to, shapes), cells_named)
-    b, rb, why_b = lstsq(m_PC, _flat(whole, shapes), cells_named)
+    ((a, ra, why_a), (b, rb, why_b)), _ = lstsq_sides(
+        m_PC, [_flat(fit_to, shapes), _flat(whole, shapes)], cells_named
+    )
     ranks = [per_rank[r] for r in sorted(per_rank)]
     items_rk = [[all_items[j] for j in js] for js in ranks]
 
