@@ -304,16 +304,7 @@ def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             continue
         if not any(e.kind == STEP and e.scaler and not exclusive(e, clip) for e in seq[i + 1 :]):
             continue
-        unscaled = False
-        for e in reversed(seq[:i]):
-            if exclusive(e, clip):
-                continue
-            if e.kind == UNSCALE:
-                unscaled = True
-                break
-            if e.kind == BACKWARD:
-                break
-        if not unscaled:
+        if _scaled_at(seq, i):
             yield _finding(
                 ctx,
                 clip.node,
@@ -322,6 +313,44 @@ def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 "(no scaler.unscale_ before this clip): the threshold means nothing and "
                 "clipping is almost always on",
             )
+
+
+def _scaled_at(seq: list[Event], i: int) -> bool:
+    """Are the gradients still multiplied by the loss scale at the clip `seq[i]` on some
+    path that reaches it? Judged per path: each backward that may be the last before the
+    clip on its own path (no later backward that can run with it) must be followed by an
+    `unscale_` on that path, unless that path never scaled (`_unscaled_path`). With no
+    backward in the scope, one `unscale_` before the clip is enough."""
+    clip = seq[i]
+    before = [e for e in seq[:i] if not exclusive(e, clip)]
+    backs = [j for j, e in enumerate(before) if e.kind == BACKWARD]
+    if not backs:
+        return not any(e.kind == UNSCALE for e in before)
+    for j in backs:
+        back, later = before[j], before[j + 1 :]
+        if any(e.kind in (BACKWARD, UNSCALE) and not exclusive(e, back) for e in later):
+            continue  # a later backward on this path is judged instead, or it is unscaled
+        if not _unscaled_path(back, seq):
+            return True
+    return False
+
+
+def _scales(ev: Event) -> bool:
+    """Does this backward run on a loss multiplied by the scaler (`scaler.scale(loss)`)?"""
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "scale"
+        for loss in ev.losses
+        for n in ast.walk(loss)
+    )
+
+
+def _unscaled_path(back: Event, seq: list[Event]) -> bool:
+    """Is `back` a plain backward in one branch of the `if` whose other branch scales
+    (`if amp: scaler.scale(loss).backward() ... else: loss.backward()`)? Then its path
+    never multiplied the gradients by the scale: nothing to unscale before a clip."""
+    return not _scales(back) and any(
+        e.kind == BACKWARD and _scales(e) and exclusive(e, back) for e in seq
+    )
 
 
 # -- WB304 ------------------------------------------------------------------------------
