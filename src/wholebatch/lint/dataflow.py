@@ -38,6 +38,11 @@ Tags:
                loss of local rows against all; used otherwise (token ids gathered to pick
                negatives) it needs no gradient;
     ``D``      computed with gradient recording off (under `torch.no_grad()`) or detached;
+    ``F``      a fixed table: built by a tensor factory from numbers (`torch.arange(steps)`),
+               so its sum is the same on every micro-batch; a division by it (a weight
+               table normalised by its sum) is no mean over items;
+    ``X``      compared with something not fixed (`torch.arange(T) < lengths[:, None]`):
+               a mask of the data, no fixed table any more;
     ``T``      the output of a forward pass: a call of a module held in a variable or an
                attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
                (a batch's raw inputs, token ids and labels do not).
@@ -113,6 +118,44 @@ def _token_inputs(call: ast.Call) -> bool:
 _TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
 
 
+# Tensor factories: given sizes and values that are plain numbers, they build the same
+# table on every call (a weight per timestep, `torch.arange(steps)`), not one read from a
+# micro-batch.
+_FACTORIES = frozenset({"arange", "linspace", "logspace", "ones", "zeros", "full", "eye"})
+_FACTORY_ROOTS = frozenset({"torch", "np", "numpy"})
+# What a factory's arguments may hold: names, numbers and arithmetic on them.
+_NUMBER_NODES: tuple[type[ast.AST], ...] = (
+    ast.Name,
+    ast.Constant,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.operator,
+    ast.unaryop,
+    ast.expr_context,
+)
+
+
+def _fixed_table(call: ast.Call) -> bool:
+    """`torch.arange(steps)`, `torch.linspace(0, 1, n)`: a tensor factory whose arguments
+    are names, numbers and arithmetic on them (no shape of a batch, `x.size(0)`, and no
+    call), so its value (`F`) does not depend on a micro-batch's data."""
+    d = dotted(call.func)
+    if d is None:
+        return False
+    root, _, name = d.rpartition(".")
+    if name not in _FACTORIES or root.split(".", 1)[0] not in _FACTORY_ROOTS:
+        return False
+    return all(isinstance(x, _NUMBER_NODES) for a in call.args for x in ast.walk(a))
+
+
+def _only_fixed(tags: set[str]) -> bool:
+    """Tags of a value built from a fixed table (`F`) and numbers: under no_grad (`D`) or
+    from the function's parameters (`p`, `a:`; a table's length, `num_steps`), but not
+    compared with anything else (`X`: `torch.arange(T) < lengths[:, None]` is a mask of
+    the batch's lengths)."""
+    return "F" in tags and all(t in ("F", "D", "p") or t.startswith("a:") for t in tags)
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
     return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
@@ -156,6 +199,9 @@ class Flow:
         while stack:
             n = stack.pop()
             if isinstance(n, ast.Call):
+                if _fixed_table(n):
+                    out.add("F")
+                    continue
                 r = self.resolver.resolve(n, self.scope)
                 if r is not None and r[0].returns is not None:
                     reducer = reducer or last_name(n.func) in _REDUCERS
@@ -200,12 +246,18 @@ class Flow:
                 if isinstance(s, ast.Constant) and s.value == "loss":
                     out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
+            elif isinstance(n, ast.Compare) and not all(
+                _only_fixed(self.tags(x)) for x in (n.left, *n.comparators)
+            ):
+                out.add("X")  # a mask of the data, even where one side is a fixed table
             elif isinstance(n, ast.BinOp):
                 product = product or isinstance(n.op, ast.MatMult)
                 if isinstance(n.op, ast.Add):
                     reducer = True
-                elif isinstance(n.op, ast.Div) and (
-                    counts_items(n.right) or "K" in self.tags(n.right)
+                elif (
+                    isinstance(n.op, ast.Div)
+                    and (counts_items(n.right) or "K" in self.tags(n.right))
+                    and not self.fixed(n.right)
                 ):
                     out.add("V")
         out.discard("C")
@@ -220,6 +272,11 @@ class Flow:
         if reducer:
             out = {t for t in out if not t.startswith(("q:", "qa:"))}
         return out
+
+    def fixed(self, expr: ast.expr) -> bool:
+        """Is `expr` computed from a fixed table only (`F`): its sum is the same on every
+        micro-batch, so dividing by it is a normalisation, not a mean over items?"""
+        return _only_fixed(self.tags(expr))
 
     def _hop(self, node: ast.AST, note: str) -> Hop:
         return Hop(
@@ -482,7 +539,7 @@ class Flow:
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
-        if is_count_expr(value):
+        if is_count_expr(value) and not _only_fixed(tags):
             tags.add("K")  # a count of items: a division by this value is a mean over them
         if self._st is not None and self._st.nograd:
             tags.add("D")  # computed with gradient recording off
