@@ -15,8 +15,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
+from wholebatch.lint.accum import accumulation_trips, count_over_steps, factors
 from wholebatch.lint.dataflow import Flow, returned_tags
-from wholebatch.lint.frameworks import FACTS, divides_by_steps, lightning_class, masks_labels
+from wholebatch.lint.frameworks import (
+    FACTS,
+    deepspeed_divides,
+    deepspeed_engines,
+    divides_by_steps,
+    lightning_class,
+    masks_labels,
+)
 from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
@@ -163,13 +171,45 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
             _is_accum_count(d.right if isinstance(d, ast.BinOp) else d.value, periods, steps)
             for d in scope.divs
         )
+        if not accum and any(_is_product(d) for d in scope.divs):
+            periods |= accumulation_trips(scope)
+            accum = any(
+                _is_accum_count(f, periods, steps)
+                for d in scope.divs
+                if _is_product(d)
+                for f in factors(d.right)  # type: ignore[union-attr]  # _is_product: a BinOp
+            )
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
+    if not accum and _deepspeed_backward(resolver.ctx, scope):
+        accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
         accum = lightning_class(scope.cls)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
+
+
+def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
+    """Does the scope call `backward(loss)` of an engine `deepspeed.initialize` returned?"""
+    calls = [
+        e.node
+        for e in scope.events
+        if e.kind == BACKWARD and not e.synthetic and isinstance(e.node, ast.Call) and e.node.args
+    ]
+    if not calls or "deepspeed" not in ctx.source:
+        return False
+    engines = deepspeed_engines(ctx.tree, ctx.imports.qualname)
+    return any(deepspeed_divides(c, engines) is not None for c in calls if isinstance(c, ast.Call))
+
+
+def _is_product(d: ast.BinOp | ast.AugAssign) -> bool:
+    """`a / (b * c)`: a division by a product (of a count and the steps, perhaps)."""
+    return (
+        isinstance(d, ast.BinOp)
+        and isinstance(d.right, ast.BinOp)
+        and isinstance(d.right.op, ast.Mult)
+    )
 
 
 def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]:
@@ -212,6 +252,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     )
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
+    trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
     steps = _steps_calls(ctx.resolver, scope) if ctx.resolver is not None else None
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
@@ -254,6 +295,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 else:
                     found.append(f)
         found.extend(_mean_over_steps(ctx, flow, st, periods, steps))
+        if trips is not periods:
+            found.extend(_count_and_steps(ctx, flow, scope, st, trips, steps))
     origins = flow.origins
     for tag, hop in to_loss.items():
         o = origins.get(tag)
@@ -300,11 +343,15 @@ def _framework_divides(
 ) -> list[Finding]:
     """WB301 where the framework divides by the accumulation steps itself (no `/ k` in
     the source): a per-micro-batch mean backpropagated by `accelerator.backward` inside
-    `accelerator.accumulate()` (`frameworks.divides_by_steps`)."""
+    `accelerator.accumulate()` (`frameworks.divides_by_steps`), or by the `backward` of
+    the engine `deepspeed.initialize` returns (`frameworks.deepspeed_divides`)."""
     fact = divides_by_steps(call, scope.withs)
-    if fact is None or not ev.losses:
+    loss = ev.losses[0] if ev.losses else None
+    if fact is None and call.args and "deepspeed" in ctx.source:
+        fact = deepspeed_divides(call, deepspeed_engines(ctx.tree, ctx.imports.qualname))
+        loss = call.args[0]
+    if fact is None or loss is None:
         return []
-    loss = ev.losses[0]
     msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
     return [_finding(ctx, call, "WB301", msg)] if msg else []
 
@@ -471,6 +518,39 @@ def _mean_over_steps(
             msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
+
+
+def _count_and_steps(
+    ctx: FileContext,
+    flow: Flow,
+    scope: Scope,
+    st: Stmt,
+    periods: set[str],
+    steps: Callable[[ast.Call], bool] | None,
+) -> Iterator[Finding]:
+    """WB301 for a summed loss divided by this micro-batch's item count and the number of
+    micro-batches in one product (`accum.count_over_steps`)."""
+    for sub in st.walk():
+        if not (isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Div)):
+            continue
+        hit = count_over_steps(
+            scope,
+            st,
+            sub,
+            lambda f: _is_accum_count(f, periods, steps),
+            lambda f: "K" in flow.tags(f),
+        )
+        if hit is not None:
+            count, k = hit
+            yield _finding(
+                ctx,
+                sub,
+                "WB301",
+                f"`{_text(sub.left)}` is divided by `{_text(count)}`, the item count of this "
+                f"micro-batch, and by `{_text(k)}` micro-batches: a mean of micro-batch "
+                "means, so micro-batches with fewer items weigh more; divide by the item "
+                "count of the whole step instead",
+            )
 
 
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from wholebatch.lint.names import dotted, last_name
@@ -23,6 +23,8 @@ __all__ = [
     "FACTS",
     "Evidence",
     "Fact",
+    "deepspeed_divides",
+    "deepspeed_engines",
     "divides_by_steps",
     "lightning_class",
     "masks_labels",
@@ -36,10 +38,11 @@ class Fact:
 
     Attributes:
         name: stable key, e.g. ``"accelerate-backward"``.
-        framework: the library (``"accelerate"``, ``"lightning"``, ``"torch"``).
+        framework: the library (``"accelerate"``, ``"deepspeed"``, ``"lightning"``,
+            ``"torch"``).
         says: what it does, as a message clause ("`accelerator.backward` divides ...").
-        where: the framework's code that does it (checked against accelerate 1.15 and
-            lightning 2.6; torch 2.13).
+        where: the framework's code that does it (checked against accelerate 1.15,
+            deepspeed 0.16, lightning 2.6; torch 2.13).
         rules: the rule codes it feeds.
     """
 
@@ -58,6 +61,15 @@ _ALL = (
         "(inside `accelerator.accumulate()`)",
         where="accelerate/accelerator.py: Accelerator.backward (`loss / "
         "self.gradient_accumulation_steps`)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="deepspeed-backward",
+        framework="deepspeed",
+        says="DeepSpeed's `engine.backward` divides the loss by gradient_accumulation_steps "
+        "(the engine of `deepspeed.initialize`)",
+        where="deepspeed/runtime/engine.py: DeepSpeedEngine.backward (`scale_wrt_gas` -> "
+        "_scale_loss_by_gas: `loss / self.gradient_accumulation_steps()`)",
         rules=("WB301",),
     ),
     Fact(
@@ -193,6 +205,40 @@ def divides_by_steps(
         and _accumulate_block(withs, call)
     ):
         return FACTS["accelerate-backward"]
+    return None
+
+
+def deepspeed_engines(tree: ast.Module, qualname: Callable[[ast.expr], str | None]) -> set[str]:
+    """The names a file binds to the engine `deepspeed.initialize` returns (its first
+    value: `engine, opt, _, _ = deepspeed.initialize(...)`, `self.model, *_ = ...`), as
+    dotted text; `qualname` resolves a callee through the file's imports."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and qualname(node.value.func) == "deepspeed.initialize"
+        ):
+            continue
+        for target in node.targets:
+            first = target.elts[0] if isinstance(target, ast.Tuple | ast.List) else None
+            d = dotted(first) if first is not None else None
+            if d is not None:
+                out.add(d)
+    return out
+
+
+def deepspeed_divides(call: ast.Call, engines: set[str]) -> Fact | None:
+    """The fact by which `engine.backward(loss)` of a DeepSpeed engine divides the loss
+    by the accumulation steps (`engines`: `deepspeed_engines` of the file)."""
+    func = call.func
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr == "backward"
+        and call.args
+        and dotted(func.value) in engines
+    ):
+        return FACTS["deepspeed-backward"]
     return None
 
 
