@@ -1,0 +1,189 @@
+"""Bad and good twins of what the tuning half of benchmarks/lint_corpus2.toml showed
+(issue 33, judged at 3a8ab04), written for these tests: each twin is a small tree of
+files, linted as a folder; a line ending in `# expect: WBnnn` must be flagged with that
+code, and nothing else may be. The twins of a kind differ in the one thing that decides
+the verdict; the lint of 7b8dc92 misjudges one twin of every kind (the bad twin of a
+miss, the good twin of a false alarm):
+
+- `amp-branch-clip` (WB303, a false alarm): `if amp: scaler.scale(loss).backward();
+  scaler.unscale_(opt) else: loss.backward()`, then a clip: the `else` path never scaled.
+- `deepspeed-backward` (WB301, a miss): DeepSpeed's engine divides by the steps itself.
+- `count-and-steps` (WB301, a miss): this micro-batch's token count and the number of
+  micro-batches in one denominator.
+- `fixed-weight-table` (WB301, a false alarm): a weight table built by `torch.arange`
+  and normalised by its own sum is no mean over a data-dependent count.
+
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus2_twins.py -q
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from benchmarks.lint_twins import expected, write
+from wholebatch.lint import lint_paths
+from wholebatch.lint.frameworks import FACTS, deepspeed_divides, deepspeed_engines
+from wholebatch.lint.names import Imports
+
+Twin = dict[str, str]
+
+_AMP = """
+import torch
+
+
+def train(model, loader, optimizer, scaler, amp, clip):
+    for x in loader:
+        loss = model(x).mean()
+        if amp:
+            scaler.scale(loss).backward()
+            {unscale}
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip){mark}
+        if amp:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+"""
+
+_DEEPSPEED = """
+import deepspeed
+import torch.nn.functional as F
+
+
+def train(model, loader, args):
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=args.ds_config)
+    for batch in loader:
+        logits = engine(batch["input_ids"])
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100{reduction}
+        )
+        engine.backward(loss){mark}
+        engine.step()
+"""
+
+_PASSES = """
+def train(model, batches, optimizer, examples_per_rank, num_steps):
+    for step in range(num_steps):
+        {total}
+        for example_step in range(examples_per_rank):
+            inputs_all, targets_all, advantages_all = next(batches)
+            num_passes = inputs_all.size(0) // 8
+            for pass_idx in range(num_passes):
+                inputs = inputs_all[pass_idx * 8 : (pass_idx + 1) * 8]
+                targets = targets_all[pass_idx * 8 : (pass_idx + 1) * 8]
+                logp = -model(inputs, targets, loss_reduction="none")
+                pg_obj = (logp * advantages_all[pass_idx].unsqueeze(-1)).sum()
+                {count}
+                loss = -pg_obj
+                loss.backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+"""
+_PER_PASS = (
+    "num_valid = (targets >= 0).sum().clamp(min=1)\n"
+    "                pg_obj = pg_obj / (num_valid * num_passes * examples_per_rank)"
+    "  # expect: WB301"
+)
+# The good twin: the valid tokens of the whole step, counted before its micro-batches.
+_PER_STEP = "pg_obj = pg_obj / total_valid"
+_TOTAL = "total_valid = batches.count_valid_tokens(step)"
+
+_WEIGHTS = """
+import torch
+import torch.nn.functional as F
+
+
+def loss_weights(num_steps, mask):
+    {table}
+    return w * (num_steps / w.sum())
+
+
+def train(model, loader, optimizer, accum_steps, num_steps):
+    for i, (x, t, target, mask) in enumerate(loader):
+        w = loss_weights(num_steps, mask)
+        per = F.mse_loss(model(x, t), target, reduction="none")
+        loss = (per * w[t].view(-1, 1)).mean()
+        (loss / accum_steps).backward(){mark}
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+# A bell over the timesteps: the same table every call (unsloth's diffusion trainer).
+_BELL = (
+    "t = torch.arange(num_steps, dtype=torch.float32)\n"
+    "    w = torch.exp(-2.0 * ((t - num_steps / 2) / num_steps) ** 2)\n"
+    "    w = w - w.min()"
+)
+# The tokens of this micro-batch that a length mask keeps: a count that varies.
+_LENGTHS = "w = (torch.arange(num_steps)[None, :] < mask.sum(-1)[:, None]).float()"
+
+TWINS: dict[str, tuple[Twin, Twin]] = {
+    "amp-branch-clip": (
+        {"train.py": _AMP.format(unscale="pass", mark="  # expect: WB303")},
+        {"train.py": _AMP.format(unscale="scaler.unscale_(optimizer)", mark="")},
+    ),
+    "deepspeed-backward": (
+        {"train.py": _DEEPSPEED.format(reduction="", mark="  # expect: WB301")},
+        # A sum over tokens: DeepSpeed's 1/k scales every token alike.
+        {"train.py": _DEEPSPEED.format(reduction=', reduction="sum"', mark="")},
+    ),
+    "count-and-steps": (
+        {"train.py": _PASSES.format(total="", count=_PER_PASS)},
+        {"train.py": _PASSES.format(total=_TOTAL, count=_PER_STEP)},
+    ),
+    "fixed-weight-table": (
+        {"train.py": _WEIGHTS.format(table=_LENGTHS, mark="  # expect: WB301")},
+        {"train.py": _WEIGHTS.format(table=_BELL, mark="")},
+    ),
+}
+_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
+
+
+@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
+def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
+    bad, good = TWINS[kind]
+    write(tmp_path, bad if side == "bad" else good)
+    findings, _ = lint_paths([tmp_path])
+    got = sorted(
+        ([Path(f.path).relative_to(tmp_path).as_posix(), f.line, f.code] for f in findings),
+        key=str,
+    )
+    assert got == expected(tmp_path), [f.message for f in findings]
+    if side == "bad":
+        assert got, "a bad twin must be flagged somewhere"
+
+
+def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
+    for kind, (bad, good) in TWINS.items():
+        assert sum(t.count("# expect:") for t in bad.values()), kind
+        assert not sum(t.count("# expect:") for t in good.values()), kind
+
+
+def test_deepspeed_engine_is_the_one_initialize_returned() -> None:
+    # `deepspeed-backward`: only the engine `deepspeed.initialize` returned divides by the
+    # steps; a `backward(loss)` of anything else (a custom wrapper) is not that fact.
+    src = (
+        "import deepspeed as ds\n"
+        "self.engine, opt, _, _ = ds.initialize(model=m)\n"
+        "wrapper.backward(loss)\n"
+        "self.engine.backward(loss)\n"
+    )
+    tree = ast.parse(src)
+    imports = Imports()
+    first = tree.body[0]
+    assert isinstance(first, ast.Import)
+    imports.add(first)
+    engines = deepspeed_engines(tree, imports.qualname)
+    assert engines == {"self.engine"}
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("backward")
+    ]
+    assert [deepspeed_divides(c, engines) for c in calls] == [None, FACTS["deepspeed-backward"]]
