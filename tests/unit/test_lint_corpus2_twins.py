@@ -8,6 +8,8 @@ miss, the good twin of a false alarm):
 - `amp-branch-clip` (WB303, a false alarm): `if amp: scaler.scale(loss).backward();
   scaler.unscale_(opt) else: loss.backward()`, then a clip: the `else` path never scaled.
 - `deepspeed-backward` (WB301, a miss): DeepSpeed's engine divides by the steps itself.
+- `deepspeed-pipeline-loss` (WB301, a miss): so does its PipelineEngine, with what the
+  `loss_fn=` of a PipelineModule returns (Megatron-DeepSpeed's GPTModelPipe).
 - `count-and-steps` (WB301, a miss): this micro-batch's token count and the number of
   micro-batches in one denominator.
 - `fixed-weight-table` (WB301, a false alarm): a weight table built by `torch.arange`
@@ -65,6 +67,29 @@ def train(model, loader, args):
         )
         engine.backward(loss){mark}
         engine.step()
+"""
+
+_PIPE = """
+import torch
+from deepspeed.pipe import PipelineModule
+
+
+def get_cross_entropy(seq_len):
+    def CrossEntropy(output, labels):
+        labels, loss_mask = labels[0], labels[1]
+        losses = torch.nn.functional.cross_entropy(
+            output.flatten(0, 1), labels.flatten(), reduction="none"
+        )
+        {count}
+        loss = torch.sum(losses * loss_mask.view(-1)) / count{mark}
+        return loss
+
+    return CrossEntropy
+
+
+class GPTPipe(PipelineModule):
+    def __init__(self, specs, seq_len):
+        super().__init__(layers=specs, loss_fn=get_cross_entropy(seq_len))
 """
 
 _PASSES = """
@@ -132,6 +157,11 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         {"train.py": _DEEPSPEED.format(reduction="", mark="  # expect: WB301")},
         # A sum over tokens: DeepSpeed's 1/k scales every token alike.
         {"train.py": _DEEPSPEED.format(reduction=', reduction="sum"', mark="")},
+    ),
+    "deepspeed-pipeline-loss": (
+        {"train.py": _PIPE.format(count="count = loss_mask.sum()", mark="  # expect: WB301")},
+        # The tokens a micro-batch holds, padding included: the same count every time.
+        {"train.py": _PIPE.format(count="count = loss_mask.size(0) * seq_len", mark="")},
     ),
     "count-and-steps": (
         {"train.py": _PASSES.format(total="", count=_PER_PASS)},

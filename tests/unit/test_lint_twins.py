@@ -50,6 +50,7 @@ def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -
 _DECIDED_BY = {
     "accelerate-backward": "accelerate-accumulate",
     "deepspeed-backward": "deepspeed-backward",  # tests/unit/test_lint_corpus2_twins.py
+    "deepspeed-pipeline-loss": "deepspeed-pipeline-loss",  # the same
     "lightning-accumulation": "lightning-accumulation",
     "lightning-after-backward": "lightning-16-mixed-hook",
     "distributed-autograd": "distributed-autograd-context",

@@ -24,6 +24,7 @@ from wholebatch.lint.frameworks import (
     divides_by_steps,
     lightning_class,
     masks_labels,
+    pipeline_losses,
 )
 from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
@@ -181,6 +182,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
             )
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
+    if not accum and _pipeline_loss(resolver.ctx, scope):
+        accum = True  # DeepSpeed's PipelineEngine divides its return by the steps
     if not accum and _deepspeed_backward(resolver.ctx, scope):
         accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
@@ -188,6 +191,15 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
+
+
+def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
+    """Is the scope a function the file gives a DeepSpeed PipelineModule as `loss_fn`?"""
+    return (
+        not isinstance(scope.node, ast.Module)
+        and "PipelineModule" in ctx.source
+        and scope.name in pipeline_losses(ctx.tree, ctx.imports.qualname)
+    )
 
 
 def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
@@ -250,6 +262,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         and ctx.evidence.lightning_accumulates
         and lightning_class(scope.cls)
     )
+    pipe_loss = _pipeline_loss(ctx, scope)
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
     trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
@@ -278,6 +291,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         if isinstance(node, ast.Return) and node.value is not None:
             if lightning_step:
                 found += _lightning_divides(ctx, flow, node)
+            if pipe_loss:
+                found += _pipeline_divides(ctx, flow, scope, node)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs
@@ -367,6 +382,32 @@ def _lightning_divides(ctx: FileContext, flow: Flow, node: ast.Return) -> list[F
         if msg:
             out.append(_finding(ctx, node, "WB301", msg))
     return out
+
+
+def _pipeline_divides(
+    ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return
+) -> list[Finding]:
+    """WB301 for a PipelineModule's `loss_fn` that returns a per-micro-batch mean
+    (`frameworks.FACTS["deepspeed-pipeline-loss"]`), reported where the returned name
+    takes its mean (its last assignment before the return), else at the return."""
+    assert node.value is not None
+    msg = _msg301(
+        ctx, flow.tags(node.value), node.value, None, by=FACTS["deepspeed-pipeline-loss"].says
+    )
+    if not msg:
+        return []
+    where: ast.AST = node
+    if isinstance(node.value, ast.Name):
+        name = node.value.id
+        for st in scope.stmts:
+            n = st.node
+            if (
+                isinstance(n, ast.Assign)
+                and n.lineno < node.lineno
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+            ):
+                where = n
+    return [_finding(ctx, where, "WB301", msg)]
 
 
 def _note_assigned(node: ast.stmt, assigned: dict[str, int]) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "divides_by_steps",
     "lightning_class",
     "masks_labels",
+    "pipeline_losses",
     "scaled_grads_hook",
 ]
 
@@ -70,6 +71,16 @@ _ALL = (
         "(the engine of `deepspeed.initialize`)",
         where="deepspeed/runtime/engine.py: DeepSpeedEngine.backward (`scale_wrt_gas` -> "
         "_scale_loss_by_gas: `loss / self.gradient_accumulation_steps()`)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="deepspeed-pipeline-loss",
+        framework="deepspeed",
+        says="DeepSpeed's PipelineEngine divides what a PipelineModule's `loss_fn` returns "
+        "by gradient_accumulation_steps (one call per micro-batch)",
+        where="deepspeed/runtime/pipe/engine.py: PipelineEngine._exec_forward_pass "
+        "(`self.loss = self.module.loss_fn(outputs, labels)`) -> _exec_backward_pass -> "
+        "DeepSpeedEngine.backward (`_scale_loss_by_gas`)",
         rules=("WB301",),
     ),
     Fact(
@@ -240,6 +251,58 @@ def deepspeed_divides(call: ast.Call, engines: set[str]) -> Fact | None:
     ):
         return FACTS["deepspeed-backward"]
     return None
+
+
+def pipeline_losses(tree: ast.Module, qualname: Callable[[ast.expr], str | None]) -> set[str]:
+    """The names of the functions a file gives a DeepSpeed `PipelineModule` as its
+    `loss_fn=` (in `PipelineModule(...)`, or in `super().__init__(...)` of a class whose
+    base is one): the function named, or the nested function that a function of the
+    file returns where `loss_fn=` is its call (`loss_fn=get_cross_entropy(...)`)."""
+    pipes = {
+        c.name
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef)
+        and any((qualname(b) or "").endswith("deepspeed.pipe.PipelineModule") for b in c.bases)
+    }
+    functions = {
+        f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    out: set[str] = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef | ast.Module):
+            continue
+        for call in ast.walk(cls):
+            if not isinstance(call, ast.Call):
+                continue
+            func = call.func
+            pipe = (qualname(func) or "").endswith("deepspeed.pipe.PipelineModule") or (
+                isinstance(cls, ast.ClassDef)
+                and cls.name in pipes
+                and isinstance(func, ast.Attribute)
+                and func.attr == "__init__"
+                and isinstance(func.value, ast.Call)
+                and last_name(func.value.func) == "super"
+            )
+            fn = (
+                next((k.value for k in call.keywords if k.arg == "loss_fn"), None) if pipe else None
+            )
+            if isinstance(fn, ast.Name):
+                out.add(fn.id)
+            elif isinstance(fn, ast.Call) and isinstance(fn.func, ast.Name):
+                maker = functions.get(fn.func.id)
+                if maker is not None:
+                    out |= _returned_functions(maker)
+    return out
+
+
+def _returned_functions(maker: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The nested functions that `maker` returns by name (`return CrossEntropy`)."""
+    nested = {n.name for n in maker.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return {
+        r.value.id
+        for r in ast.walk(maker)
+        if isinstance(r, ast.Return) and isinstance(r.value, ast.Name) and r.value.id in nested
+    }
 
 
 def scaled_grads_hook(cls: ast.ClassDef | None, method: str, evidence: Evidence) -> Fact | None:
