@@ -196,10 +196,17 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
 def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
     """Is the scope a function the file gives a DeepSpeed PipelineModule as `loss_fn`?"""
     return (
-        not isinstance(scope.node, ast.Module)
+        scope.cls is None
+        and not isinstance(scope.node, ast.Module)
+        and _imports_deepspeed(ctx)
         and "PipelineModule" in ctx.source
         and scope.name in pipeline_losses(ctx.tree, ctx.imports.qualname)
     )
+
+
+def _imports_deepspeed(ctx: FileContext) -> bool:
+    """Does the file import deepspeed (or a name from it)? The facts of DeepSpeed ask."""
+    return any(q.partition(".")[0] == "deepspeed" for q in ctx.imports.aliases.values())
 
 
 def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
@@ -209,7 +216,7 @@ def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
         for e in scope.events
         if e.kind == BACKWARD and not e.synthetic and isinstance(e.node, ast.Call) and e.node.args
     ]
-    if not calls or "deepspeed" not in ctx.source:
+    if not calls or not _imports_deepspeed(ctx):
         return False
     engines = deepspeed_engines(ctx.tree, ctx.imports.qualname)
     return any(deepspeed_divides(c, engines) is not None for c in calls if isinstance(c, ast.Call))
@@ -362,7 +369,7 @@ def _framework_divides(
     the engine `deepspeed.initialize` returns (`frameworks.deepspeed_divides`)."""
     fact = divides_by_steps(call, scope.withs)
     loss = ev.losses[0] if ev.losses else None
-    if fact is None and call.args and "deepspeed" in ctx.source:
+    if fact is None and call.args and _imports_deepspeed(ctx):
         fact = deepspeed_divides(call, deepspeed_engines(ctx.tree, ctx.imports.qualname))
         loss = call.args[0]
     if fact is None or loss is None:
