@@ -43,7 +43,8 @@ class Fact:
             ``"torch"``).
         says: what it does, as a message clause ("`accelerator.backward` divides ...").
         where: the framework's code that does it (checked against accelerate 1.15,
-            deepspeed 0.16, lightning 2.6; torch 2.13).
+            lightning 2.6; torch 2.13; deepspeed as its runtime/engine.py and
+            runtime/pipe/engine.py read, version not pinned).
         rules: the rule codes it feeds.
     """
 
