@@ -142,6 +142,12 @@ def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
             return []
     elif all(is_on_replica_group(n) for n in gathers):
         return []  # tensor parallelism: the ranks after the gather compute alike
+    elif all(is_on_subgroup(n) for n in gathers) and not _selects_own_slice(bwd):
+        # A group the caller chooses may be a tensor-parallel one (each rank holds a
+        # shard of the same rows): then a backward that computes the gradient by hand,
+        # rather than cutting this rank's slice out of the incoming one, is no batch
+        # gather's backward, and its sum over ranks is not missing.
+        return []
     bwd_scope = ctx.scope_of.get(id(bwd))
     for n in walk_local(bwd):
         if isinstance(n, ast.Call):
@@ -175,6 +181,52 @@ def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
     if not uses:
         ctx.layers[f.line] = cls.name  # the uses may be in other files
     return [replace(f, trace=via)]
+
+
+# Calls that cut a slice out of a tensor (`grad.narrow(0, start, n)`).
+_SELECTS = frozenset({"narrow", "select", "index_select"})
+
+
+def _selects_own_slice(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Does a backward cut a slice out of its incoming gradient at a computed position
+    (`grads[rank]`, `grad[ctx.start : ctx.end]`, `grad.chunk(W)[r]`, `grad.narrow(...)`),
+    as the backward of a batch gather does? Reshapes with constants (`grad[:, None]`) and
+    gradients computed from saved tensors are not slices."""
+    a = fn.args
+    incoming = {x.arg for x in (*a.posonlyargs, *a.args)[1:]}  # after `ctx`
+    if a.vararg is not None:
+        incoming.add(a.vararg.arg)
+    body = list(walk_local(fn))
+    # names bound from the incoming gradient (`chunks = grad.chunk(W)`), to a fixed point
+    grown = True
+    while grown:
+        grown = False
+        for n in body:
+            if (
+                isinstance(n, ast.Assign | ast.AnnAssign)
+                and n.value is not None
+                and names_in(n.value) & incoming
+            ):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                new = {x for t in targets for x in names_in(t)} - incoming
+                if new:
+                    incoming |= new
+                    grown = True
+
+    def computed(node: ast.AST) -> bool:
+        return any(isinstance(x, ast.Name | ast.Attribute | ast.Call) for x in ast.walk(node))
+
+    for n in body:
+        if isinstance(n, ast.Subscript) and computed(n.slice) and names_in(n.value) & incoming:
+            return True
+        if (
+            isinstance(n, ast.Call)
+            and last_name(n.func) in _SELECTS
+            and any(computed(x) for x in n.args)
+            and names_in(n) & incoming
+        ):
+            return True
+    return False
 
 
 def _never_returns(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -557,3 +609,4 @@ def _guarded(
         else:
             for sub in _sub_blocks(st):
                 _guarded(sub, holds, out)
+
