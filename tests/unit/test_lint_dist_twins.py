@@ -262,6 +262,86 @@ def test_gather_layer_on_a_group_passed_in(tmp_path: Path, bad: bool) -> None:
     _judge(tmp_path, {"layer.py": text})
 
 
+# -- 3. the same collective on both paths, one of them through an early `continue` -------
+#
+# A sharded optimizer step: the rank that owns block `base + rank` updates it; a fresh
+# state takes an early path. Collectives match by order, not by line: every rank must
+# make the same sequence of them per iteration. The early path gathers and `continue`s
+# past the gather after the `if`: one gather on every path (good). Without the
+# `continue` the early path gathers twice while the others gather once: the ranks pair
+# the wrong calls and hang (bad).
+
+_SHARDED_STEP = """
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def step(params, state, lr):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    padded = params + [torch.empty_like(params[-1])] * (world - len(params) % world)
+    for base in range(0, len(params), world):
+        if base + rank < len(params):
+            p = params[base + rank]
+            if p not in state:
+                state[p] = torch.zeros_like(p)
+                dist.all_gather(padded[base : base + world], padded[base + rank]){mark}
+{early_exit}
+            state[p].mul_(0.9).add_(p.grad)
+            p.add_(state[p], alpha=-lr)
+        dist.all_gather(padded[base : base + world], padded[base + rank])
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["no-continue", "continue"])
+def test_collectives_match_by_order_along_each_path(tmp_path: Path, bad: bool) -> None:
+    # Before: WB104 on both (the gather under the rank test has no twin in an `else`).
+    text = _SHARDED_STEP.format(
+        mark="  # expect: WB104" if bad else "",
+        early_exit="" if bad else "                continue",
+    )
+    _judge(tmp_path, {"optim.py": text})
+
+
+# The same for a rank-local exit (WB105): a rank whose loss is not finite still joins
+# this iteration's all_reduce (with zeros) before it `continue`s past the one the other
+# ranks make.
+_SKIP_STEP = """
+import torch
+import torch.distributed as dist
+
+
+def train(model, loader, optimizer):
+    for x in loader:
+        loss = model(x).mean()
+        if not torch.isfinite(loss):
+{skip}
+            continue{mark}
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+        dist.all_reduce(flat)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+_JOIN_WITH_ZEROS = """
+            flat = torch.cat([torch.zeros_like(p).flatten() for p in model.parameters()])
+            dist.all_reduce(flat)
+"""
+_JUST_SKIP = """
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["skip", "join-then-skip"])
+def test_an_exit_after_the_same_collective_hangs_nobody(tmp_path: Path, bad: bool) -> None:
+    # Before: WB105 on both (the `continue` skips the all_reduce after the `if`).
+    text = _SKIP_STEP.format(
+        mark="  # expect: WB105" if bad else "",
+        skip=_indent(_JUST_SKIP if bad else _JOIN_WITH_ZEROS, "            "),
+    )
+    _judge(tmp_path, {"train.py": text})
+
+
 def test_a_function_forward_runs_with_gradient_recording_off() -> None:
     # The framework fact the WB101 exemption above reads (torch 2.13): nothing inside an
     # autograd.Function's forward is recorded; its backward alone gives the gradient.

@@ -440,8 +440,13 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     for node, q, _, _ in unmatched:
         holders.setdefault(q, set()).add(id(node))
     seen: set[int] = set()
+    agree: dict[int, bool] = {}  # id(if) -> every path makes the same collectives
     for node, q, call, trace in unmatched:
         if len(holders[q]) > 1 or id(call) in seen or not is_rank_test(node.test):
+            continue
+        if id(node) not in agree:
+            agree[id(node)] = _one_sequence(ctx, scope, node)
+        if agree[id(node)]:
             continue
         seen.add(id(call))
         f = _finding(
@@ -519,6 +524,8 @@ def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 if len(exits) == 1:
                     jump = exits[0][-1]
                     hit = _first_after(ctx, scope, block, i, chain, jump, st)
+                    if hit is not None and _one_sequence(ctx, scope, st, (chain, block, i)):
+                        hit = None  # it joins the same collectives before it leaves
                     if hit is not None:
                         q, call, trace = hit
                         kind = type(jump).__name__.lower()
@@ -610,3 +617,118 @@ def _guarded(
             for sub in _sub_blocks(st):
                 _guarded(sub, holds, out)
 
+
+# -- collectives along each path ---------------------------------------------------------
+
+# Where a path leaves the loop (`break`, `return` in a loop) or raises: the ranks that
+# took it make none of the later iterations' collectives, so it never matches a path
+# that goes on.
+_LEAVES = "<leaves>"
+_MAX_PATHS = 64
+_MAX_VISITS = 2000
+
+_Chain = list[tuple[list[ast.stmt], int, ast.stmt]]
+
+
+def _one_sequence(
+    ctx: FileContext,
+    scope: Scope,
+    the_if: ast.If,
+    where: tuple[_Chain, list[ast.stmt], int] | None = None,
+) -> bool:
+    """Does every path from `the_if` to the end of the iteration (or of the function,
+    outside a loop) make the same sequence of collectives? Collectives match by order,
+    not by line: a rank that calls `all_gather` and `continue`s past the `all_gather`
+    after the `if` pairs with the ranks that reach that one, and nobody hangs. False when
+    the paths are too many to compare (then the rules judge as before)."""
+    if where is None:
+        where = _chain_to(scope.node.body, the_if)
+        if where is None:
+            return False
+    chain, block, i = where
+    rest: list[ast.stmt] = [the_if, *block[i + 1 :]]
+    in_loop = False
+    for outer, j, owner in reversed(chain):
+        if isinstance(owner, _LOOPS):
+            in_loop = True  # `continue` ends the iteration: the paths end here
+            break
+        rest += outer[j + 1 :]
+    paths = _Paths(ctx, scope, in_loop).of(rest)
+    return paths is not None and len(paths) == 1
+
+
+def _chain_to(body: list[ast.stmt], target: ast.stmt) -> tuple[_Chain, list[ast.stmt], int] | None:
+    """(the compound statements from `body` down to `target`, as `(block, index,
+    statement)`; the block that holds `target`; its index there)."""
+    for i, st in enumerate(body):
+        if st is target:
+            return [], body, i
+        if isinstance(st, _DEFS):
+            continue
+        for sub in _sub_blocks(st):
+            found = _chain_to(sub, target)
+            if found is not None:
+                return [(body, i, st), *found[0]], found[1], found[2]
+    return None
+
+
+class _Paths:
+    """The sequences of collectives (their qualified names, in order) the paths through
+    a list of statements make: every branch of every `if` is taken (the conditions are
+    not compared), a loop is one step named by the collectives it makes."""
+
+    def __init__(self, ctx: FileContext, scope: Scope, in_loop: bool) -> None:
+        self.ctx, self.scope, self.in_loop = ctx, scope, in_loop
+        self.visits = 0
+
+    def _names(self, nodes: list[ast.stmt]) -> list[str]:
+        found = _collectives(self.ctx, nodes, self.scope)
+        found.sort(key=lambda c: (c[1].lineno, c[1].col_offset))
+        return [q for q, _, _ in found]
+
+    def of(self, stmts: list[ast.stmt]) -> set[tuple[str, ...]] | None:
+        prefix: list[str] = []
+        for i, st in enumerate(stmts):
+            self.visits += 1
+            if self.visits > _MAX_VISITS:
+                return None
+            rest = stmts[i + 1 :]
+            branches: list[list[ast.stmt]] = []
+            if isinstance(st, _DEFS):
+                continue
+            if isinstance(st, ast.If):
+                prefix += self._names([ast.Expr(st.test)])
+                branches = [st.body + rest, st.orelse + rest]
+            elif isinstance(st, ast.Match):
+                prefix += self._names([ast.Expr(st.subject)])
+                branches = [c.body + rest for c in st.cases] + [rest]
+            elif isinstance(st, ast.With | ast.AsyncWith):
+                prefix += self._names([ast.Expr(it.context_expr) for it in st.items])
+                branches = [st.body + rest]
+            elif isinstance(st, ast.Try | ast.TryStar):
+                branches = [st.body + st.orelse + st.finalbody + rest]
+            elif isinstance(st, ast.Continue):
+                return {tuple(prefix)}
+            elif isinstance(st, ast.Break | ast.Raise):
+                return {(*prefix, _LEAVES)}
+            elif isinstance(st, ast.Return):
+                prefix += self._names([st])
+                return {(*prefix, _LEAVES)} if self.in_loop else {tuple(prefix)}
+            elif isinstance(st, _LOOPS):
+                inner = self._names([st])
+                if inner:
+                    prefix.append(f"loop({', '.join(inner)})")
+                continue
+            else:
+                prefix += self._names([st])
+                continue
+            out: set[tuple[str, ...]] = set()
+            for b in branches:
+                sub = self.of(b)
+                if sub is None:
+                    return None
+                out |= sub
+                if len(out) > _MAX_PATHS:
+                    return None
+            return {(*prefix, *p) for p in out}
+        return {tuple(prefix)}
