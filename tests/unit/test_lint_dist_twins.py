@@ -303,6 +303,34 @@ def test_collectives_match_by_order_along_each_path(tmp_path: Path, bad: bool) -
     _judge(tmp_path, {"optim.py": text})
 
 
+# Many `if`s after the one that splits the ranks: the paths join again after each, so
+# the comparison stays linear in the statements (2**24 paths, one sequence).
+_MANY_IFS = """
+import torch.distributed as dist
+
+
+def average(params, flags):
+    rank = dist.get_rank()
+    for p in params:
+        if rank == 0:
+            dist.all_reduce(p){mark}
+{early_exit}
+{ifs}
+        dist.all_reduce(p)
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["no-continue", "continue"])
+def test_the_paths_are_compared_past_many_ifs(tmp_path: Path, bad: bool) -> None:
+    ifs = "\n".join(f"        if flags[{k}]:\n            p.mul_({k + 2})" for k in range(24))
+    text = _MANY_IFS.format(
+        mark="  # expect: WB104" if bad else "",
+        early_exit="" if bad else "            continue",
+        ifs=ifs,
+    )
+    _judge(tmp_path, {"avg.py": text})
+
+
 # The same for a rank-local exit (WB105): a rank whose loss is not finite still joins
 # this iteration's all_reduce (with zeros) before it `continue`s past the one the other
 # ranks make.

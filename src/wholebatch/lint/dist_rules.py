@@ -672,63 +672,91 @@ def _chain_to(body: list[ast.stmt], target: ast.stmt) -> tuple[_Chain, list[ast.
     return None
 
 
+_Frames = tuple[tuple[list[ast.stmt], int], ...]  # what runs next: (block, from index)
+_Seqs = frozenset[tuple[str, ...]]
+
+
 class _Paths:
     """The sequences of collectives (their qualified names, in order) the paths through
     a list of statements make: every branch of every `if` is taken (the conditions are
-    not compared), a loop is one step named by the collectives it makes."""
+    not compared), a loop is one step named by the collectives it makes. The paths from
+    one point on are computed once (`if`s in a row join again after each one)."""
 
     def __init__(self, ctx: FileContext, scope: Scope, in_loop: bool) -> None:
         self.ctx, self.scope, self.in_loop = ctx, scope, in_loop
         self.visits = 0
+        self.memo: dict[tuple[tuple[int, int], ...], _Seqs | None] = {}
 
     def _names(self, nodes: list[ast.stmt]) -> list[str]:
         found = _collectives(self.ctx, nodes, self.scope)
         found.sort(key=lambda c: (c[1].lineno, c[1].col_offset))
         return [q for q, _, _ in found]
 
-    def of(self, stmts: list[ast.stmt]) -> set[tuple[str, ...]] | None:
+    def of(self, stmts: list[ast.stmt]) -> _Seqs | None:
+        return self._from(((stmts, 0),))
+
+    def _from(self, frames: _Frames) -> _Seqs | None:
+        key = tuple((id(b), i) for b, i in frames)
+        if key in self.memo:
+            return self.memo[key]
+        out = self._walk(frames)
+        self.memo[key] = out
+        return out
+
+    def _walk(self, frames: _Frames) -> _Seqs | None:
         prefix: list[str] = []
-        for i, st in enumerate(stmts):
+        while frames:
+            block, i = frames[0]
+            if i >= len(block):
+                frames = frames[1:]
+                continue
+            st = block[i]
+            rest: _Frames = ((block, i + 1), *frames[1:])
             self.visits += 1
             if self.visits > _MAX_VISITS:
                 return None
-            rest = stmts[i + 1 :]
-            branches: list[list[ast.stmt]] = []
+            branches: list[_Frames] = []
             if isinstance(st, _DEFS):
+                frames = rest
                 continue
             if isinstance(st, ast.If):
                 prefix += self._names([ast.Expr(st.test)])
-                branches = [st.body + rest, st.orelse + rest]
+                branches = [((st.body, 0), *rest), ((st.orelse, 0), *rest)]
             elif isinstance(st, ast.Match):
                 prefix += self._names([ast.Expr(st.subject)])
-                branches = [c.body + rest for c in st.cases] + [rest]
+                branches = [((c.body, 0), *rest) for c in st.cases] + [rest]
             elif isinstance(st, ast.With | ast.AsyncWith):
                 prefix += self._names([ast.Expr(it.context_expr) for it in st.items])
-                branches = [st.body + rest]
+                frames = ((st.body, 0), *rest)
+                continue
             elif isinstance(st, ast.Try | ast.TryStar):
-                branches = [st.body + st.orelse + st.finalbody + rest]
+                frames = ((st.body, 0), (st.orelse, 0), (st.finalbody, 0), *rest)
+                continue
             elif isinstance(st, ast.Continue):
-                return {tuple(prefix)}
+                return frozenset({tuple(prefix)})
             elif isinstance(st, ast.Break | ast.Raise):
-                return {(*prefix, _LEAVES)}
+                return frozenset({(*prefix, _LEAVES)})
             elif isinstance(st, ast.Return):
                 prefix += self._names([st])
-                return {(*prefix, _LEAVES)} if self.in_loop else {tuple(prefix)}
+                end = (*prefix, _LEAVES) if self.in_loop else tuple(prefix)
+                return frozenset({end})
             elif isinstance(st, _LOOPS):
                 inner = self._names([st])
                 if inner:
                     prefix.append(f"loop({', '.join(inner)})")
+                frames = rest
                 continue
             else:
                 prefix += self._names([st])
+                frames = rest
                 continue
             out: set[tuple[str, ...]] = set()
             for b in branches:
-                sub = self.of(b)
+                sub = self._from(b)
                 if sub is None:
                     return None
                 out |= sub
                 if len(out) > _MAX_PATHS:
                     return None
-            return {(*prefix, *p) for p in out}
-        return {tuple(prefix)}
+            return frozenset((*prefix, *q) for q in out)
+        return frozenset({tuple(prefix)})
