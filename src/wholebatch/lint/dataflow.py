@@ -113,6 +113,93 @@ def _token_inputs(call: ast.Call) -> bool:
 _TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
 
 
+def _true(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def _makes_leaf(node: ast.expr) -> bool:
+    """`x.requires_grad_()` / `x.requires_grad_(True)` (not `requires_grad_(False)`)."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "requires_grad_"
+    ):
+        return False
+    arg = node.args[0] if node.args else next((k.value for k in node.keywords), None)
+    return arg is None or not (isinstance(arg, ast.Constant) and not arg.value)
+
+
+# Where a call takes an index tensor: method -> position of the index argument (after
+# `dim`), and functions -> position of theirs (a classification loss's target).
+_INDEX_METHODS = {"gather": 1, "scatter": 1, "scatter_": 1, "scatter_add": 1, "scatter_add_": 1}
+_INDEX_FUNCS = {"one_hot": 0, "cross_entropy": 1, "nll_loss": 1, "bincount": 0}
+
+
+def _index_names(ctx: FileContext, scope: Scope) -> set[str]:
+    """The names this scope uses as an index tensor (`logits.gather(1, labels[:, None])`,
+    `onehot.scatter_(1, ids, 1)`, `F.one_hot(y)`, `F.cross_entropy(logits, y)`); not
+    the collectives of those names (`dist.gather(x, parts)`)."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        for n in st.walk():
+            if not isinstance(n, ast.Call) or ctx.imports.collective(n) is not None:
+                continue
+            name = last_name(n.func)
+            pos = _INDEX_FUNCS.get(name)
+            if pos is None and isinstance(n.func, ast.Attribute):
+                pos = _INDEX_METHODS.get(name)
+                if pos is not None and last_name(n.func.value) == "torch":
+                    pos += 1  # `torch.gather(x, 1, idx)`
+            if pos is None:
+                continue
+            arg = n.args[pos] if len(n.args) > pos else None
+            if arg is None:
+                arg = next((k.value for k in n.keywords if k.arg in ("index", "target")), None)
+            while isinstance(arg, ast.Subscript):
+                arg = arg.value  # `labels[:, None]`
+            d = dotted(arg) if arg is not None else None
+            if d is not None:
+                out.add(d)
+    return out
+
+
+def _summed_grads(ctx: FileContext, scope: Scope) -> set[str]:
+    """The names whose `.grad` this scope passes to a collective that sums across ranks
+    (`dist.reduce_scatter(out, list(x.grad.chunk(W)))`, `g = x.grad;
+    dist.all_reduce(g)`)."""
+    via: dict[str, set[str]] = {}  # `g = x.grad...` -> {x}
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.Assign):
+            bases = _grad_bases(node.value)
+            if bases:
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        via[t.id] = bases
+        for n in st.walk():
+            if not isinstance(n, ast.Call):
+                continue
+            q = ctx.imports.collective(n)
+            if q is None or "reduce" not in q.rpartition(".")[2]:
+                continue
+            for arg in (*n.args, *(k.value for k in n.keywords)):
+                out |= _grad_bases(arg)
+                for x in ast.walk(arg):
+                    if isinstance(x, ast.Name):
+                        out |= via.get(x.id, set())
+    return out
+
+
+def _grad_bases(node: ast.expr) -> set[str]:
+    """`x` for each `x.grad` read in `node`."""
+    return {
+        d
+        for x in ast.walk(node)
+        if isinstance(x, ast.Attribute) and x.attr == "grad" and (d := dotted(x.value)) is not None
+    }
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
     return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
@@ -136,6 +223,17 @@ class Flow:
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
         self._puts_back: bool | None = None  # computed on first need (`_restores_somewhere`)
+        self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
+        self._indices: set[str] | None = None  # computed on first need (`_held`)
+        # An autograd.Function's forward runs with gradient recording off (tested in
+        # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
+        # so nothing gathered there lacks one (WB102 judges that backward).
+        cls = scope.cls
+        self._recorded = not (
+            cls is not None
+            and scope.name == "forward"
+            and any(last_name(b) == "Function" for b in cls.bases)
+        )
         node = scope.node
         self.params: set[str] = set()
         if not isinstance(node, ast.Module):
@@ -173,11 +271,11 @@ class Flow:
                         out.add("L")
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
-                out |= self.t.get(n.id, set())
+                out |= self._held(n.id)
             elif isinstance(n, ast.Attribute):
                 d = dotted(n)
                 if d is not None:
-                    out |= self.t.get(d, set())
+                    out |= self._held(d)
                 if n.attr == "grad":
                     out.add("G:" + (dotted(n.value) or ast.unparse(n.value)))
                 elif n.attr == "loss" and not (
@@ -213,6 +311,8 @@ class Flow:
             out.discard("K")  # a count stays one through names and `n + eps`, not calls
         if product and any(t[:2] in ("m:", "n:") for t in out):
             out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
+        if not self._recorded:
+            out = {t for t in out if t[:2] not in ("g:", "m:", "n:", "N:")}
         if rank:
             # `torch.cat(gathered[:rank] + [local] + gathered[rank + 1:])`: the local slice
             # is put back with its gradient, the classic partial fix; not "no gradient".
@@ -220,6 +320,21 @@ class Flow:
         if reducer:
             out = {t for t in out if not t.startswith(("q:", "qa:"))}
         return out
+
+    def _held(self, key: str) -> set[str]:
+        """The tags of the value bound to `key`. A value this scope uses as an index
+        (labels, class ids: `x.gather(1, idx)`, `scatter_(1, idx, 1)`, a loss's target)
+        is an integer tensor, which carries no gradient and needs none: a gather of it
+        loses nothing (`g`, `m`, `n` tags dropped)."""
+        tags = self.t.get(key)
+        if not tags:
+            return set()
+        if any(t[:2] in ("g:", "m:", "n:") for t in tags):
+            if self._indices is None:
+                self._indices = _index_names(self.ctx, self.scope)
+            if key in self._indices:
+                return {t for t in tags if t[:2] not in ("g:", "m:", "n:")}
+        return tags
 
     def _hop(self, node: ast.AST, note: str) -> Hop:
         return Hop(
@@ -451,6 +566,30 @@ class Flow:
             self.origins.items[int(tag[2:])] = replace(o, partial=note)
         return False
 
+    def _new_leaf(self, target: ast.expr) -> None:
+        """`x.requires_grad_()`: `x` is made a new leaf of autograd, in place."""
+        key = dotted(target)
+        if key is None or key not in self.t:
+            return
+        self.t[key] = self._leaf_tags(key, self.t[key])
+        if key in self.at:
+            self.at[key] = [(q, frozenset(self._leaf_tags(key, set(tg)))) for q, tg in self.at[key]]
+
+    def _leaf_tags(self, key: str, tags: set[str]) -> set[str]:
+        """The tags of a gathered value made a new leaf `key` (`all_x =
+        torch.cat(parts).detach().requires_grad_()`): a loss backpropagated into it leaves
+        each rank's loss's gradient in `key.grad`; summed back across ranks
+        (`dist.reduce_scatter(g, list(key.grad.chunk(W)))`, or an all_reduce), that is
+        all-gather's backward written out by hand, and nothing is lost (Partial FC). Kept
+        as no-gradient gather output otherwise."""
+        if not any(t.startswith("g:") for t in tags):
+            return tags
+        if self._summed_grads is None:
+            self._summed_grads = _summed_grads(self.ctx, self.scope)
+        if key not in self._summed_grads:
+            return tags
+        return {t for t in tags if not t.startswith("g:")}
+
     def _add(self, target: ast.expr, tags: set[str]) -> None:
         key = dotted(target)
         if key is not None:
@@ -468,8 +607,17 @@ class Flow:
             self.bind(node.target, self.tags(node.iter))
         elif isinstance(node, ast.Assign):
             tags = self._value_tags(node.value)
+            leaf = _makes_leaf(node.value)
             for target in node.targets:
-                self.bind(target, tags)
+                if isinstance(target, ast.Attribute) and target.attr == "requires_grad":
+                    # `x.requires_grad = True`
+                    if _true(node.value):
+                        self._new_leaf(target.value)
+                    continue
+                if leaf and (key := dotted(target)) is not None:
+                    self.bind(target, self._leaf_tags(key, tags))
+                else:
+                    self.bind(target, tags)
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
             self.bind(node.target, self._value_tags(node.value))
         elif isinstance(node, ast.AugAssign):
@@ -518,6 +666,9 @@ class Flow:
         return tag
 
     def _apply_call(self, call: ast.Call) -> None:
+        if _makes_leaf(call) and isinstance(call.func, ast.Attribute):
+            self._new_leaf(call.func.value)  # `x.requires_grad_()`
+            return
         q = self.ctx.imports.plain_gather(call)
         if q is not None:
             out = call.args[0] if call.args else _kwarg(call, _GATHER_OUT_KW)
