@@ -241,6 +241,47 @@ def test_a_loss_module_given_bare_targets_keeps_a_fixed_count(tmp_path: Path) ->
     _check(tmp_path, {k: textwrap.dedent(v) for k, v in files.items()})
 
 
+def test_a_model_given_positions_it_ignores_out_of_range_keeps_a_fixed_count(
+    tmp_path: Path,
+) -> None:
+    # A span model of the run whose forward ignores positions clamped to the sequence
+    # length (`ignore_index=seq_len`), called with positional inputs and an attention
+    # mask: no labels or loss mask by name, so its count is not shown to vary (one span
+    # per row; DeepSpeedExamples' BERT SQuAD). Not reported.
+    files = {
+        "model.py": """
+            import torch.nn as nn
+
+
+            class SpanQA(nn.Module):
+                def __init__(self, encoder, dim):
+                    super().__init__()
+                    self.encoder, self.qa = encoder, nn.Linear(dim, 2)
+
+                def forward(self, input_ids, attention_mask, start, end):
+                    start_logits, end_logits = self.qa(self.encoder(input_ids)).unbind(-1)
+                    n = start_logits.size(1)
+                    loss_fct = nn.CrossEntropyLoss(ignore_index=n)
+                    return (loss_fct(start_logits, start.clamp(0, n)) + loss_fct(end_logits, end)) / 2
+            """,
+        "run_squad.py": """
+            from model import SpanQA
+
+
+            def train(encoder, loader, optimizer, args):
+                model = SpanQA(encoder, args.dim)
+                for step, (input_ids, input_mask, start, end) in enumerate(loader):
+                    loss = model(input_ids, input_mask, start, end)
+                    loss = loss / args.gradient_accumulation_steps
+                    loss.backward()
+                    if (step + 1) % args.gradient_accumulation_steps == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+            """,
+    }
+    _check(tmp_path, {k: textwrap.dedent(v) for k, v in files.items()})
+
+
 # -- 5. label masking in another file of the run -------------------------------------------
 
 _LOOP = """

@@ -120,9 +120,11 @@ def _given_labels(call: ast.Call) -> bool:
 
 
 def _given_mask(call: ast.Call) -> bool:
-    """Is a forward pass given a mask of the items its loss counts (`lm_mask=m`, `mask`)?"""
-    return any(kw.arg is not None and "mask" in kw.arg for kw in call.keywords) or any(
-        isinstance(a, ast.Name) and "mask" in a.id for a in call.args
+    """Is a forward pass given a mask of the items its loss counts, by name (`lm_mask=m`,
+    `loss_mask=m`; not an `attention_mask=`, which every token model takes)?"""
+    return any(
+        kw.arg is not None and "mask" in kw.arg and "attention" not in kw.arg
+        for kw in call.keywords
     )
 
 
@@ -190,11 +192,13 @@ class Flow:
                         out.add("L")
                         if _given_labels(n):
                             out.add("Y")
-                    if _token_inputs(n) or _given_labels(n) or _given_mask(n):
+                    if _given_labels(n) or _given_mask(n):
                         # a module of the run whose forward returns a mean over the items
-                        # its labels or mask select (`loss.sum() / mask.sum()`); a loss
-                        # module given bare targets (`loss_fn(logits, targets)`) keeps a
-                        # fixed count unless its targets are masked, which it does not show
+                        # its labels or loss mask select (`loss.sum() / mask.sum()`). A
+                        # loss module given bare targets (`loss_fn(logits, targets)`), or
+                        # a model given positions it ignores only out of range (a span's
+                        # `ignore_index=seq_len`), keeps a fixed count unless its targets
+                        # are masked, which the call does not show
                         out |= self.resolver.forward_tags(n, self.scope)
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
