@@ -25,6 +25,9 @@ Tags:
                is a mean over them (``V``);
     ``L``      the output of a forward pass given token inputs (``labels=``,
                ``input_ids=``, ``**batch``): its ``loss`` field (``v``) is a token mean;
+    ``Y``      the output itself of a forward pass given labels (``labels=``,
+               ``**batch``), kept through names only: its first element (``out[0]``)
+               is its loss, as ``.loss`` is (``v``);
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
@@ -110,6 +113,22 @@ def _token_inputs(call: ast.Call) -> bool:
     return any(isinstance(a, ast.Name) and a.id in _TOKEN_ARGS for a in call.args)
 
 
+def _given_labels(call: ast.Call) -> bool:
+    """Is a forward pass given labels (`labels=`, or a whole batch, `model(**batch)`), so
+    that a Hugging Face model computes its loss and returns it first?"""
+    return any(kw.arg is None or kw.arg in _LABEL_ARGS for kw in call.keywords)
+
+
+def _given_mask(call: ast.Call) -> bool:
+    """Is a forward pass given a mask of the items its loss counts, by name (`lm_mask=m`,
+    `loss_mask=m`; not an `attention_mask=`, which every token model takes)?"""
+    return any(
+        kw.arg is not None and "mask" in kw.arg and "attention" not in kw.arg
+        for kw in call.keywords
+    )
+
+
+_LABEL_ARGS = frozenset({"labels", "lm_labels", "target_ids"})
 _TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
 
 
@@ -269,6 +288,16 @@ class Flow:
                     out.add("T")
                     if _token_inputs(n):
                         out.add("L")
+                        if _given_labels(n):
+                            out.add("Y")
+                    if _given_labels(n) or _given_mask(n):
+                        # a module of the run whose forward returns a mean over the items
+                        # its labels or loss mask select (`loss.sum() / mask.sum()`). A
+                        # loss module given bare targets (`loss_fn(logits, targets)`), or
+                        # a model given positions it ignores only out of range (a span's
+                        # `ignore_index=seq_len`), keeps a fixed count unless its targets
+                        # are masked, which the call does not show
+                        out |= self.resolver.forward_tags(n, self.scope)
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self._held(n.id)
@@ -291,11 +320,24 @@ class Flow:
                 if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
                     out.add("V")
                 d = dotted(n.func)
-                if d is not None and "C" in self.t.get(d, ()) and not _sum_reduction(n):
+                if (
+                    d is not None
+                    and ("C" in self.t.get(d, ()) or d in self.ctx.ignoring)
+                    and not _sum_reduction(n)
+                ):
                     out.add("V")
             elif isinstance(n, ast.Subscript):
                 s = n.slice
                 if isinstance(s, ast.Constant) and s.value == "loss":
+                    out.add("v")
+                elif (
+                    isinstance(s, ast.Constant)
+                    and s.value == 0
+                    and isinstance(n.value, ast.Name | ast.Call)
+                    and "Y" in self.tags(n.value)
+                ):
+                    # `model(..., labels=y)[0]`, `outputs[0]`: a Hugging Face model given
+                    # labels returns its loss first (a tuple, or an output indexed so)
                     out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
             elif isinstance(n, ast.BinOp):
@@ -307,6 +349,8 @@ class Flow:
                 ):
                     out.add("V")
         out.discard("C")
+        if "Y" in out and not (isinstance(expr, ast.Name) or self._labelled_forward(expr)):
+            out.discard("Y")  # `outputs[1]`, `logits`: no longer the output with the loss first
         if "K" in out and not isinstance(expr, ast.Name | ast.BinOp):
             out.discard("K")  # a count stays one through names and `n + eps`, not calls
         if product and any(t[:2] in ("m:", "n:") for t in out):
@@ -380,6 +424,14 @@ class Flow:
             elif tag in ("V", "v", "L"):
                 out.add(tag)
         return out
+
+    def _labelled_forward(self, expr: ast.AST) -> bool:
+        return (
+            isinstance(expr, ast.Call)
+            and self._forward_call(expr.func)
+            and _token_inputs(expr)
+            and _given_labels(expr)
+        )
 
     def _forward_call(self, func: ast.expr) -> bool:
         """Is this the call of a module (a forward pass): a variable that is not an

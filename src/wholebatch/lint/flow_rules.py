@@ -166,10 +166,21 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
-        accum = lightning_class(scope.cls)
+        accum = _lightning(resolver, scope)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
+
+
+def _lightning(resolver: Resolver | None, scope: Scope) -> bool:
+    """Is the scope's class a LightningModule, by its bases here or in other files of the
+    run (`class NER(BaseTransformer)`, `BaseTransformer(pl.LightningModule)` elsewhere)?"""
+    cls = scope.cls
+    if cls is None:
+        return False
+    return lightning_class(cls) or (
+        resolver is not None and resolver.derives_from(cls, ("LightningModule", "LitModule"))
+    )
 
 
 def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]:
@@ -208,7 +219,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     lightning_step = (
         scope.name == "training_step"
         and ctx.evidence.lightning_accumulates
-        and lightning_class(scope.cls)
+        and _lightning(ctx.resolver, scope)
     )
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
@@ -253,7 +264,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                     pending.append((node.lineno, f))
                 else:
                     found.append(f)
-        found.extend(_mean_over_steps(ctx, flow, st, periods, steps))
+        found.extend(_mean_over_steps(ctx, flow, st, periods, steps, scope))
     origins = flow.origins
     for tag, hop in to_loss.items():
         o = origins.get(tag)
@@ -454,11 +465,12 @@ def _mean_over_steps(
     st: Stmt,
     periods: set[str],
     steps: Callable[[ast.Call], bool] | None,
+    scope: Scope,
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
         if _is_accum_count(node.value, periods, steps):
-            msg = _msg301(ctx, flow.tags(node.target), node.target, node.value)
+            msg = _msg301_passed(ctx, scope, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
         return
@@ -468,9 +480,45 @@ def _mean_over_steps(
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods, steps)
         ):
-            msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
+            msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
+
+
+def _msg301_passed(
+    ctx: FileContext, scope: Scope, tags: set[str], loss: ast.expr, steps: ast.expr
+) -> str:
+    """`_msg301`, with the evidence the callers pass in: a parameter (`a:loss`) divided
+    by the steps in a callee (`self.optimize(loss)` dividing by
+    gradient_accumulation_steps) holds what the call sites of this file give it."""
+    msg = _msg301(ctx, tags, loss, steps)
+    if msg or ctx.resolver is None:
+        return msg
+    names = {t[2:] for t in tags if t.startswith("a:")}
+    if not names:
+        return ""
+    for caller, call, facts, bound in ctx.resolver.call_sites(scope):
+        args = [v for p, v in facts.bind(call, bound) if p in names]
+        got = _tags_at(ctx, caller, call, args) if args else set()
+        msg = _msg301(ctx, got, loss, steps)
+        if msg:
+            return (
+                f"{msg}; the mean is built in `{caller.qual or '<module>'}` and passed in at "
+                f"line {call.lineno}"
+            )
+    return ""
+
+
+def _tags_at(ctx: FileContext, scope: Scope, call: ast.Call, args: list[ast.expr]) -> set[str]:
+    """The mean tags (`V`, `v`, `L`) of `args` where `call` runs in `scope`."""
+    flow = Flow(ctx, scope)
+    for st in flow.run():
+        if any(x is call for x in st.walk()):
+            out: set[str] = set()
+            for a in args:
+                out |= flow.tags(a)
+            return out & {"V", "v", "L"}
+    return set()
 
 
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")
@@ -500,7 +548,7 @@ def _msg301(
     if (
         "v" not in tags
         or "L" not in tags
-        or not masks_labels(ctx.source)
+        or not (ctx.evidence.masks_labels or masks_labels(ctx.source))
         or _FIXED_SIZE_RE.search(ctx.source)
     ):
         return ""
