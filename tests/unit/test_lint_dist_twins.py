@@ -425,3 +425,48 @@ def test_gathered_labels_need_no_gradient(tmp_path: Path, bad: bool) -> None:
         features="concat_all_gather(feats_BD)" if bad else "feats_BD.repeat(2, 1)",
     )
     _judge(tmp_path, {"train.py": text})
+
+
+# A gather layer used on both sides of the similarity: `torch.transpose(all_c, 0, 1)` is
+# the gathered contexts (a function of an imported module reads its argument's rows), so
+# every rank computes the same loss of the whole batch and its own slice of that loss's
+# gradient is the whole gradient of its rows (a learning-rate scale): no WB102. The bad
+# twin pairs this rank's own queries with the gathered contexts.
+_BOTH_SIDES = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BD):
+        parts = [torch.empty_like(x_BD) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x_BD)
+        return torch.cat(parts).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_ND):{mark}
+        return grad_ND.chunk(dist.get_world_size())[dist.get_rank()].contiguous()
+
+
+def retrieval_step(model, q_tokens, c_tokens):
+    q_BD, c_BD = model(q_tokens, c_tokens)
+    all_c_ND = GatherRows.apply(c_BD)
+    queries = {queries}
+    scores = torch.matmul(queries, torch.transpose(all_c_ND, 0, 1))
+    labels = torch.arange(scores.shape[0])
+    loss = F.nll_loss(F.log_softmax(scores, dim=1), labels) * dist.get_world_size()
+    loss.backward()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["own-queries", "gathered-queries"])
+def test_a_transposed_gathered_operand_is_gathered(tmp_path: Path, bad: bool) -> None:
+    # Before (6463f64): both misjudged, the root of `torch.transpose(all_c_ND, 0, 1)` read
+    # as `torch`: the own-queries twin not reported, the gathered one reported.
+    text = _BOTH_SIDES.format(
+        mark="  # expect: WB102" if bad else "",
+        queries="q_BD" if bad else "GatherRows.apply(q_BD)",
+    )
+    _judge(tmp_path, {"train.py": text})
