@@ -425,3 +425,108 @@ def test_gathered_labels_need_no_gradient(tmp_path: Path, bad: bool) -> None:
         features="concat_all_gather(feats_BD)" if bad else "feats_BD.repeat(2, 1)",
     )
     _judge(tmp_path, {"train.py": text})
+
+
+# A gather layer used on both sides of the similarity: `torch.transpose(all_c, 0, 1)` is
+# the gathered contexts (a function of an imported module reads its argument's rows), so
+# every rank computes the same loss of the whole batch and its own slice of that loss's
+# gradient is the whole gradient of its rows (a learning-rate scale): no WB102. The bad
+# twin pairs this rank's own queries with the gathered contexts.
+_BOTH_SIDES = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BD):
+        parts = [torch.empty_like(x_BD) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x_BD)
+        return torch.cat(parts).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_ND):{mark}
+        return grad_ND.chunk(dist.get_world_size())[dist.get_rank()].contiguous()
+
+
+def retrieval_step(model, q_tokens, c_tokens):
+    q_BD, c_BD = model(q_tokens, c_tokens)
+    all_c_ND = GatherRows.apply(c_BD)
+    queries = {queries}
+    scores = torch.matmul(queries, torch.transpose(all_c_ND, 0, 1))
+    labels = torch.arange(scores.shape[0])
+    loss = F.nll_loss(F.log_softmax(scores, dim=1), labels) * dist.get_world_size()
+    loss.backward()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["own-queries", "gathered-queries"])
+def test_a_transposed_gathered_operand_is_gathered(tmp_path: Path, bad: bool) -> None:
+    # Before (6463f64): both misjudged, the root of `torch.transpose(all_c_ND, 0, 1)` read
+    # as `torch`: the own-queries twin not reported, the gathered one reported.
+    text = _BOTH_SIDES.format(
+        mark="  # expect: WB102" if bad else "",
+        queries="q_BD" if bad else "GatherRows.apply(q_BD)",
+    )
+    _judge(tmp_path, {"train.py": text})
+
+
+# Per-domain statistics of the whole batch: the per-token losses and the integer domain
+# ids are all-gathered, bucketed into a fresh `zeros(n_domains)` and divided by the
+# counts and the sequence length (`losses_BT.shape[1]`, a number). The loss module
+# returns them beside the loss it optimises, a mean of this rank's tokens; neither
+# gather reaches a backward. The bad twin adds the gathered statistics to the optimised
+# loss, where they carry no gradient of the other ranks' tokens.
+_DOMAIN_STATS = """
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def compute_per_domain_loss(losses_BT, domain_ids_B, n_domains):
+    parts = [torch.empty_like(losses_BT) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, losses_BT.contiguous()){mark}
+    losses_NT = torch.cat(parts)
+    id_parts = [torch.empty_like(domain_ids_B) for _ in range(dist.get_world_size())]
+    dist.all_gather(id_parts, domain_ids_B.contiguous())
+    ids_N = torch.cat(id_parts)
+    sums = torch.zeros(n_domains).index_add_(0, ids_N, losses_NT.sum(dim=-1))
+    counts = torch.bincount(ids_N, minlength=n_domains)
+    per_domain = sums / (counts * losses_BT.shape[1])
+    return losses_NT, per_domain, counts
+
+
+class LossWithDomainStats(nn.Module):
+    def __init__(self, n_domains):
+        super().__init__()
+        self.n_domains = n_domains
+
+    def forward(self, logits_BTV, labels_BT, domain_ids_B):
+        losses_BT = nn.functional.cross_entropy(
+            logits_BTV.transpose(1, 2), labels_BT, reduction="none"
+        )
+        ce_loss = losses_BT.mean()
+        _, per_domain, counts = compute_per_domain_loss(losses_BT, domain_ids_B, self.n_domains)
+        return {{"loss": {loss}, "domain_losses": per_domain, "counts": counts}}
+
+
+def train_step(model, criterion, batch, optimizer):
+    out = criterion(model(batch["tokens"]), batch["labels"], batch["domains"])
+    out["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out["domain_losses"].tolist()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["stats-in-loss", "stats-beside"])
+def test_gathered_statistics_beside_the_loss_are_no_loss(tmp_path: Path, bad: bool) -> None:
+    # Before (6463f64): the stats-beside twin reported WB101 (the helper, named `*loss*`,
+    # returns the gathered values, read as derived from this rank's input through the
+    # sizes `zeros(n_domains)` and `.shape[1]`; and the module's dict read as one loss).
+    text = _DOMAIN_STATS.format(
+        mark="  # expect: WB101" if bad else "",
+        loss="ce_loss + per_domain.mean()" if bad else "ce_loss",
+    )
+    _judge(tmp_path, {"train.py": text})

@@ -95,10 +95,31 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 
 def _to_number(func: ast.expr) -> bool:
-    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd."""
+    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd; and
+    the size of a tensor (`len(x)`, `x.size(1)`, `x.dim()`, `x.numel()`): a number that
+    carries no gradient of `x`'s (issue 33: `n = losses.shape[1]` made a per-domain
+    statistic divided by it read as "derived from this rank's differentiable input")."""
     if isinstance(func, ast.Name):
-        return func.id in ("float", "int", "bool")
-    return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
+        return func.id in ("float", "int", "bool", "len")
+    return isinstance(func, ast.Attribute) and func.attr in _NUMBER_METHODS
+
+
+_NUMBER_METHODS = frozenset({"item", "tolist", "numpy", "size", "dim", "numel", "nelement"})
+# Calls whose result carries no gradient of their arguments': a new tensor of a given
+# size or like another one (`torch.zeros(n)`, `torch.empty_like(x)`), or an integer one
+# (`torch.bincount(ids)`, `x.argmax(-1)`). Issue 33: DoReMi's per-domain statistics,
+# `zeros(n_domains)` filled from gathered losses, read as "derived from this rank's input".
+_FRESH = frozenset(
+    {
+        "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
+        "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like",
+        "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+        "new_full", "bincount", "argmax", "argmin", "argsort", "nonzero", "isnan", "isinf",
+        "isfinite",
+    }
+)  # fmt: skip
+# Attributes of a tensor that describe it and carry none of its gradient.
+_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad"})
 
 
 def _token_inputs(call: ast.Call) -> bool:
@@ -282,8 +303,8 @@ class Flow:
                 if gathered is not None:
                     out |= gathered
                     continue
-                if _to_number(n.func):
-                    continue  # `float(x)`, `x.item()`: a Python number, no gradient
+                if _to_number(n.func) or last_name(n.func) in _FRESH:
+                    continue  # `float(x)`, `x.item()`, `zeros(n)`: nothing of `x`'s or `n`'s
                 if self._forward_call(n.func):
                     out.add("T")
                     if _token_inputs(n):
@@ -298,6 +319,8 @@ class Flow:
                         # `ignore_index=seq_len`), keeps a fixed count unless its targets
                         # are masked, which the call does not show
                         out |= self.resolver.forward_tags(n, self.scope)
+            if isinstance(n, ast.Attribute) and n.attr in _META_ATTRS:
+                continue  # `x.shape[0]`: a number, none of `x`'s tags
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
                 out |= self._held(n.id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from functools import partial
 
@@ -275,7 +275,9 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
                         uses.append((cls, st, n))
             calls = {id(n) for _, _, n in uses}
             for cls, st, n in uses:
-                local = _reads_again(scope, st.node, n) or _local_product(scope, st, calls)
+                local = _reads_again(scope, st.node, n) or _local_product(
+                    scope, st, calls, ctx.imports.aliases
+                )
                 hit.append((cls, local))
     return hit
 
@@ -283,7 +285,7 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
 _PRODUCTS = frozenset({"matmul", "mm", "bmm", "einsum", "cosine_similarity", "cdist", "inner"})
 
 
-def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
+def _local_product(scope: Scope, at: Stmt, uses: set[int], modules: Mapping[str, str]) -> bool:
     """After the use in `at`, does a similarity product pair a value that no gather
     produced with one (`text @ all_video.T`, `text` never gathered)? Values assigned
     from a use (any of `uses`, the ids of the scope's use calls) or from a gathered value
@@ -307,7 +309,7 @@ def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
                 operands = [x.left, x.right]
             elif isinstance(x, ast.Call) and last_name(x.func) in _PRODUCTS:
                 operands = [a for a in x.args if not isinstance(a, ast.Constant)]
-            roots = [_root(o) for o in operands]
+            roots = [_root(o, modules) for o in operands]
             names = [r for r in roots if r is not None]
             if (
                 len(names) >= 2
@@ -318,13 +320,35 @@ def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
     return False
 
 
-def _root(node: ast.expr) -> str | None:
-    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`."""
+# Calls that keep their argument's rows (a view, a cast, a transpose, a row-wise norm):
+# `torch.transpose(all_c, 0, 1)` reads `all_c`, not `torch` (issue 33: ICT's loss of
+# gathered queries against gathered contexts).
+_SAME_ROWS = frozenset(
+    {
+        "transpose", "t", "permute", "view", "reshape", "contiguous", "float", "half",
+        "double", "bfloat16", "to", "type", "flatten", "squeeze", "unsqueeze", "clone",
+        "detach", "normalize", "swapaxes", "movedim", "adjoint",
+    }
+)  # fmt: skip
+
+
+def _root(node: ast.expr, modules: Mapping[str, str]) -> str | None:
+    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`,
+    `torch.transpose(x, 0, 1)` and `F.normalize(x)` -> `x` (`modules`: the file's
+    imported names, which are no variables)."""
     while True:
         if isinstance(node, ast.Name):
             return node.id
         if isinstance(node, ast.Attribute | ast.Subscript):
             node = node.value
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and last_name(node.func) in _SAME_ROWS
+            and (d := dotted(node.func)) is not None
+            and d.partition(".")[0] in modules
+        ):
+            node = node.args[0]  # the function form of an imported module: `torch.t(x)`
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             node = node.func.value
         else:

@@ -48,8 +48,16 @@ def _is_loss_function(scope: Scope) -> bool:
 def _returned_losses(value: ast.expr, loss_fn: bool) -> list[ast.expr]:
     """The parts of a returned value that are a loss: all of it in a loss function;
     elsewhere (a model's `forward`, a step helper) a name `*loss*`, the `*loss*` values of
-    a dict, or the `*loss*=` fields of an output object (`Output(loss=..., logits=...)`)."""
+    a dict, or the `*loss*=` fields of an output object (`Output(loss=..., logits=...)`).
+    A loss function's tuple or dict is judged item by item: the statistics returned beside
+    the loss (`return {"ce_loss": ce, "domain_losses": gathered_stats}`) are not combined
+    with it (issue 33, DoReMi)."""
     if loss_fn:
+        elts = value.elts if isinstance(value, ast.Tuple | ast.List) else []
+        if elts and not any(isinstance(e, ast.Starred) for e in elts):
+            return list(elts)
+        if isinstance(value, ast.Dict) and value.keys and None not in value.keys:
+            return list(value.values)  # no `**rest`
         return [value]
     if isinstance(value, ast.Name):
         return [value] if "loss" in value.id.lower() else []
