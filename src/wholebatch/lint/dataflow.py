@@ -25,6 +25,9 @@ Tags:
                is a mean over them (``V``);
     ``L``      the output of a forward pass given token inputs (``labels=``,
                ``input_ids=``, ``**batch``): its ``loss`` field (``v``) is a token mean;
+    ``Y``      the output itself of a forward pass given labels (``labels=``,
+               ``**batch``), kept through names only: its first element (``out[0]``)
+               is its loss, as ``.loss`` is (``v``);
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
@@ -97,10 +100,31 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 
 def _to_number(func: ast.expr) -> bool:
-    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd."""
+    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd; and
+    the size of a tensor (`len(x)`, `x.size(1)`, `x.dim()`, `x.numel()`): a number that
+    carries no gradient of `x`'s (issue 33: `n = losses.shape[1]` made a per-domain
+    statistic divided by it read as "derived from this rank's differentiable input")."""
     if isinstance(func, ast.Name):
-        return func.id in ("float", "int", "bool")
-    return isinstance(func, ast.Attribute) and func.attr in ("item", "tolist", "numpy")
+        return func.id in ("float", "int", "bool", "len")
+    return isinstance(func, ast.Attribute) and func.attr in _NUMBER_METHODS
+
+
+_NUMBER_METHODS = frozenset({"item", "tolist", "numpy", "size", "dim", "numel", "nelement"})
+# Calls whose result carries no gradient of their arguments': a new tensor of a given
+# size or like another one (`torch.zeros(n)`, `torch.empty_like(x)`), or an integer one
+# (`torch.bincount(ids)`, `x.argmax(-1)`). Issue 33: DoReMi's per-domain statistics,
+# `zeros(n_domains)` filled from gathered losses, read as "derived from this rank's input".
+_FRESH = frozenset(
+    {
+        "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
+        "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like",
+        "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+        "new_full", "bincount", "argmax", "argmin", "argsort", "nonzero", "isnan", "isinf",
+        "isfinite",
+    }
+)  # fmt: skip
+# Attributes of a tensor that describe it and carry none of its gradient.
+_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad"})
 
 
 def _token_inputs(call: ast.Call) -> bool:
@@ -115,6 +139,22 @@ def _token_inputs(call: ast.Call) -> bool:
     return any(isinstance(a, ast.Name) and a.id in _TOKEN_ARGS for a in call.args)
 
 
+def _given_labels(call: ast.Call) -> bool:
+    """Is a forward pass given labels (`labels=`, or a whole batch, `model(**batch)`), so
+    that a Hugging Face model computes its loss and returns it first?"""
+    return any(kw.arg is None or kw.arg in _LABEL_ARGS for kw in call.keywords)
+
+
+def _given_mask(call: ast.Call) -> bool:
+    """Is a forward pass given a mask of the items its loss counts, by name (`lm_mask=m`,
+    `loss_mask=m`; not an `attention_mask=`, which every token model takes)?"""
+    return any(
+        kw.arg is not None and "mask" in kw.arg and "attention" not in kw.arg
+        for kw in call.keywords
+    )
+
+
+_LABEL_ARGS = frozenset({"labels", "lm_labels", "target_ids"})
 _TOKEN_ARGS = frozenset({"labels", "input_ids", "decoder_input_ids", "target_ids", "token_ids"})
 
 
@@ -156,6 +196,93 @@ def _only_fixed(tags: set[str]) -> bool:
     return "F" in tags and all(t in ("F", "D", "p") or t.startswith("a:") for t in tags)
 
 
+def _true(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def _makes_leaf(node: ast.expr) -> bool:
+    """`x.requires_grad_()` / `x.requires_grad_(True)` (not `requires_grad_(False)`)."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "requires_grad_"
+    ):
+        return False
+    arg = node.args[0] if node.args else next((k.value for k in node.keywords), None)
+    return arg is None or not (isinstance(arg, ast.Constant) and not arg.value)
+
+
+# Where a call takes an index tensor: method -> position of the index argument (after
+# `dim`), and functions -> position of theirs (a classification loss's target).
+_INDEX_METHODS = {"gather": 1, "scatter": 1, "scatter_": 1, "scatter_add": 1, "scatter_add_": 1}
+_INDEX_FUNCS = {"one_hot": 0, "cross_entropy": 1, "nll_loss": 1, "bincount": 0}
+
+
+def _index_names(ctx: FileContext, scope: Scope) -> set[str]:
+    """The names this scope uses as an index tensor (`logits.gather(1, labels[:, None])`,
+    `onehot.scatter_(1, ids, 1)`, `F.one_hot(y)`, `F.cross_entropy(logits, y)`); not
+    the collectives of those names (`dist.gather(x, parts)`)."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        for n in st.walk():
+            if not isinstance(n, ast.Call) or ctx.imports.collective(n) is not None:
+                continue
+            name = last_name(n.func)
+            pos = _INDEX_FUNCS.get(name)
+            if pos is None and isinstance(n.func, ast.Attribute):
+                pos = _INDEX_METHODS.get(name)
+                if pos is not None and last_name(n.func.value) == "torch":
+                    pos += 1  # `torch.gather(x, 1, idx)`
+            if pos is None:
+                continue
+            arg = n.args[pos] if len(n.args) > pos else None
+            if arg is None:
+                arg = next((k.value for k in n.keywords if k.arg in ("index", "target")), None)
+            while isinstance(arg, ast.Subscript):
+                arg = arg.value  # `labels[:, None]`
+            d = dotted(arg) if arg is not None else None
+            if d is not None:
+                out.add(d)
+    return out
+
+
+def _summed_grads(ctx: FileContext, scope: Scope) -> set[str]:
+    """The names whose `.grad` this scope passes to a collective that sums across ranks
+    (`dist.reduce_scatter(out, list(x.grad.chunk(W)))`, `g = x.grad;
+    dist.all_reduce(g)`)."""
+    via: dict[str, set[str]] = {}  # `g = x.grad...` -> {x}
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.Assign):
+            bases = _grad_bases(node.value)
+            if bases:
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        via[t.id] = bases
+        for n in st.walk():
+            if not isinstance(n, ast.Call):
+                continue
+            q = ctx.imports.collective(n)
+            if q is None or "reduce" not in q.rpartition(".")[2]:
+                continue
+            for arg in (*n.args, *(k.value for k in n.keywords)):
+                out |= _grad_bases(arg)
+                for x in ast.walk(arg):
+                    if isinstance(x, ast.Name):
+                        out |= via.get(x.id, set())
+    return out
+
+
+def _grad_bases(node: ast.expr) -> set[str]:
+    """`x` for each `x.grad` read in `node`."""
+    return {
+        d
+        for x in ast.walk(node)
+        if isinstance(x, ast.Attribute) and x.attr == "grad" and (d := dotted(x.value)) is not None
+    }
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
     return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
@@ -179,6 +306,17 @@ class Flow:
         self._ifs = {id(n): n for n in scope.ifs}
         self._st: Stmt | None = None
         self._puts_back: bool | None = None  # computed on first need (`_restores_somewhere`)
+        self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
+        self._indices: set[str] | None = None  # computed on first need (`_held`)
+        # An autograd.Function's forward runs with gradient recording off (tested in
+        # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
+        # so nothing gathered there lacks one (WB102 judges that backward).
+        cls = scope.cls
+        self._recorded = not (
+            cls is not None
+            and scope.name == "forward"
+            and any(last_name(b) == "Function" for b in cls.bases)
+        )
         node = scope.node
         self.params: set[str] = set()
         if not isinstance(node, ast.Module):
@@ -211,19 +349,31 @@ class Flow:
                 if gathered is not None:
                     out |= gathered
                     continue
-                if _to_number(n.func):
-                    continue  # `float(x)`, `x.item()`: a Python number, no gradient
+                if _to_number(n.func) or last_name(n.func) in _FRESH:
+                    continue  # `float(x)`, `x.item()`, `zeros(n)`: nothing of `x`'s or `n`'s
                 if self._forward_call(n.func):
                     out.add("T")
                     if _token_inputs(n):
                         out.add("L")
+                        if _given_labels(n):
+                            out.add("Y")
+                    if _given_labels(n) or _given_mask(n):
+                        # a module of the run whose forward returns a mean over the items
+                        # its labels or loss mask select (`loss.sum() / mask.sum()`). A
+                        # loss module given bare targets (`loss_fn(logits, targets)`), or
+                        # a model given positions it ignores only out of range (a span's
+                        # `ignore_index=seq_len`), keeps a fixed count unless its targets
+                        # are masked, which the call does not show
+                        out |= self.resolver.forward_tags(n, self.scope)
+            if isinstance(n, ast.Attribute) and n.attr in _META_ATTRS:
+                continue  # `x.shape[0]`: a number, none of `x`'s tags
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
-                out |= self.t.get(n.id, set())
+                out |= self._held(n.id)
             elif isinstance(n, ast.Attribute):
                 d = dotted(n)
                 if d is not None:
-                    out |= self.t.get(d, set())
+                    out |= self._held(d)
                 if n.attr == "grad":
                     out.add("G:" + (dotted(n.value) or ast.unparse(n.value)))
                 elif n.attr == "loss" and not (
@@ -239,11 +389,24 @@ class Flow:
                 if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
                     out.add("V")
                 d = dotted(n.func)
-                if d is not None and "C" in self.t.get(d, ()) and not _sum_reduction(n):
+                if (
+                    d is not None
+                    and ("C" in self.t.get(d, ()) or d in self.ctx.ignoring)
+                    and not _sum_reduction(n)
+                ):
                     out.add("V")
             elif isinstance(n, ast.Subscript):
                 s = n.slice
                 if isinstance(s, ast.Constant) and s.value == "loss":
+                    out.add("v")
+                elif (
+                    isinstance(s, ast.Constant)
+                    and s.value == 0
+                    and isinstance(n.value, ast.Name | ast.Call)
+                    and "Y" in self.tags(n.value)
+                ):
+                    # `model(..., labels=y)[0]`, `outputs[0]`: a Hugging Face model given
+                    # labels returns its loss first (a tuple, or an output indexed so)
                     out.add("v")
                 rank = rank or any(is_rank_ref(x) for x in ast.walk(s))
             elif isinstance(n, ast.Compare) and not all(
@@ -261,10 +424,14 @@ class Flow:
                 ):
                     out.add("V")
         out.discard("C")
+        if "Y" in out and not (isinstance(expr, ast.Name) or self._labelled_forward(expr)):
+            out.discard("Y")  # `outputs[1]`, `logits`: no longer the output with the loss first
         if "K" in out and not isinstance(expr, ast.Name | ast.BinOp):
             out.discard("K")  # a count stays one through names and `n + eps`, not calls
         if product and any(t[:2] in ("m:", "n:") for t in out):
             out = {_MET.get(t[:2], t[:2]) + t[2:] for t in out}
+        if not self._recorded:
+            out = {t for t in out if t[:2] not in ("g:", "m:", "n:", "N:")}
         if rank:
             # `torch.cat(gathered[:rank] + [local] + gathered[rank + 1:])`: the local slice
             # is put back with its gradient, the classic partial fix; not "no gradient".
@@ -277,6 +444,21 @@ class Flow:
         """Is `expr` computed from a fixed table only (`F`): its sum is the same on every
         micro-batch, so dividing by it is a normalisation, not a mean over items?"""
         return _only_fixed(self.tags(expr))
+
+    def _held(self, key: str) -> set[str]:
+        """The tags of the value bound to `key`. A value this scope uses as an index
+        (labels, class ids: `x.gather(1, idx)`, `scatter_(1, idx, 1)`, a loss's target)
+        is an integer tensor, which carries no gradient and needs none: a gather of it
+        loses nothing (`g`, `m`, `n` tags dropped)."""
+        tags = self.t.get(key)
+        if not tags:
+            return set()
+        if any(t[:2] in ("g:", "m:", "n:") for t in tags):
+            if self._indices is None:
+                self._indices = _index_names(self.ctx, self.scope)
+            if key in self._indices:
+                return {t for t in tags if t[:2] not in ("g:", "m:", "n:")}
+        return tags
 
     def _hop(self, node: ast.AST, note: str) -> Hop:
         return Hop(
@@ -322,6 +504,14 @@ class Flow:
             elif tag in ("V", "v", "L"):
                 out.add(tag)
         return out
+
+    def _labelled_forward(self, expr: ast.AST) -> bool:
+        return (
+            isinstance(expr, ast.Call)
+            and self._forward_call(expr.func)
+            and _token_inputs(expr)
+            and _given_labels(expr)
+        )
 
     def _forward_call(self, func: ast.expr) -> bool:
         """Is this the call of a module (a forward pass): a variable that is not an
@@ -508,6 +698,30 @@ class Flow:
             self.origins.items[int(tag[2:])] = replace(o, partial=note)
         return False
 
+    def _new_leaf(self, target: ast.expr) -> None:
+        """`x.requires_grad_()`: `x` is made a new leaf of autograd, in place."""
+        key = dotted(target)
+        if key is None or key not in self.t:
+            return
+        self.t[key] = self._leaf_tags(key, self.t[key])
+        if key in self.at:
+            self.at[key] = [(q, frozenset(self._leaf_tags(key, set(tg)))) for q, tg in self.at[key]]
+
+    def _leaf_tags(self, key: str, tags: set[str]) -> set[str]:
+        """The tags of a gathered value made a new leaf `key` (`all_x =
+        torch.cat(parts).detach().requires_grad_()`): a loss backpropagated into it leaves
+        each rank's loss's gradient in `key.grad`; summed back across ranks
+        (`dist.reduce_scatter(g, list(key.grad.chunk(W)))`, or an all_reduce), that is
+        all-gather's backward written out by hand, and nothing is lost (Partial FC). Kept
+        as no-gradient gather output otherwise."""
+        if not any(t.startswith("g:") for t in tags):
+            return tags
+        if self._summed_grads is None:
+            self._summed_grads = _summed_grads(self.ctx, self.scope)
+        if key not in self._summed_grads:
+            return tags
+        return {t for t in tags if not t.startswith("g:")}
+
     def _add(self, target: ast.expr, tags: set[str]) -> None:
         key = dotted(target)
         if key is not None:
@@ -525,8 +739,17 @@ class Flow:
             self.bind(node.target, self.tags(node.iter))
         elif isinstance(node, ast.Assign):
             tags = self._value_tags(node.value)
+            leaf = _makes_leaf(node.value)
             for target in node.targets:
-                self.bind(target, tags)
+                if isinstance(target, ast.Attribute) and target.attr == "requires_grad":
+                    # `x.requires_grad = True`
+                    if _true(node.value):
+                        self._new_leaf(target.value)
+                    continue
+                if leaf and (key := dotted(target)) is not None:
+                    self.bind(target, self._leaf_tags(key, tags))
+                else:
+                    self.bind(target, tags)
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
             self.bind(node.target, self._value_tags(node.value))
         elif isinstance(node, ast.AugAssign):
@@ -575,6 +798,9 @@ class Flow:
         return tag
 
     def _apply_call(self, call: ast.Call) -> None:
+        if _makes_leaf(call) and isinstance(call.func, ast.Attribute):
+            self._new_leaf(call.func.value)  # `x.requires_grad_()`
+            return
         q = self.ctx.imports.plain_gather(call)
         if q is not None:
             out = call.args[0] if call.args else _kwarg(call, _GATHER_OUT_KW)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from functools import partial
 
@@ -142,6 +142,12 @@ def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
             return []
     elif all(is_on_replica_group(n) for n in gathers):
         return []  # tensor parallelism: the ranks after the gather compute alike
+    elif all(is_on_subgroup(n) for n in gathers) and not _selects_own_slice(bwd):
+        # A group the caller chooses may be a tensor-parallel one (each rank holds a
+        # shard of the same rows): then a backward that computes the gradient by hand,
+        # rather than cutting this rank's slice out of the incoming one, is no batch
+        # gather's backward, and its sum over ranks is not missing.
+        return []
     bwd_scope = ctx.scope_of.get(id(bwd))
     for n in walk_local(bwd):
         if isinstance(n, ast.Call):
@@ -175,6 +181,52 @@ def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
     if not uses:
         ctx.layers[f.line] = cls.name  # the uses may be in other files
     return [replace(f, trace=via)]
+
+
+# Calls that cut a slice out of a tensor (`grad.narrow(0, start, n)`).
+_SELECTS = frozenset({"narrow", "select", "index_select"})
+
+
+def _selects_own_slice(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Does a backward cut a slice out of its incoming gradient at a computed position
+    (`grads[rank]`, `grad[ctx.start : ctx.end]`, `grad.chunk(W)[r]`, `grad.narrow(...)`),
+    as the backward of a batch gather does? Reshapes with constants (`grad[:, None]`) and
+    gradients computed from saved tensors are not slices."""
+    a = fn.args
+    incoming = {x.arg for x in (*a.posonlyargs, *a.args)[1:]}  # after `ctx`
+    if a.vararg is not None:
+        incoming.add(a.vararg.arg)
+    body = list(walk_local(fn))
+    # names bound from the incoming gradient (`chunks = grad.chunk(W)`), to a fixed point
+    grown = True
+    while grown:
+        grown = False
+        for n in body:
+            if (
+                isinstance(n, ast.Assign | ast.AnnAssign)
+                and n.value is not None
+                and names_in(n.value) & incoming
+            ):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                new = {x for t in targets for x in names_in(t)} - incoming
+                if new:
+                    incoming |= new
+                    grown = True
+
+    def computed(node: ast.AST) -> bool:
+        return any(isinstance(x, ast.Name | ast.Attribute | ast.Call) for x in ast.walk(node))
+
+    for n in body:
+        if isinstance(n, ast.Subscript) and computed(n.slice) and names_in(n.value) & incoming:
+            return True
+        if (
+            isinstance(n, ast.Call)
+            and last_name(n.func) in _SELECTS
+            and any(computed(x) for x in n.args)
+            and names_in(n) & incoming
+        ):
+            return True
+    return False
 
 
 def _never_returns(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -223,7 +275,9 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
                         uses.append((cls, st, n))
             calls = {id(n) for _, _, n in uses}
             for cls, st, n in uses:
-                local = _reads_again(scope, st.node, n) or _local_product(scope, st, calls)
+                local = _reads_again(scope, st.node, n) or _local_product(
+                    scope, st, calls, ctx.imports.aliases
+                )
                 hit.append((cls, local))
     return hit
 
@@ -231,7 +285,7 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
 _PRODUCTS = frozenset({"matmul", "mm", "bmm", "einsum", "cosine_similarity", "cdist", "inner"})
 
 
-def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
+def _local_product(scope: Scope, at: Stmt, uses: set[int], modules: Mapping[str, str]) -> bool:
     """After the use in `at`, does a similarity product pair a value that no gather
     produced with one (`text @ all_video.T`, `text` never gathered)? Values assigned
     from a use (any of `uses`, the ids of the scope's use calls) or from a gathered value
@@ -255,7 +309,7 @@ def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
                 operands = [x.left, x.right]
             elif isinstance(x, ast.Call) and last_name(x.func) in _PRODUCTS:
                 operands = [a for a in x.args if not isinstance(a, ast.Constant)]
-            roots = [_root(o) for o in operands]
+            roots = [_root(o, modules) for o in operands]
             names = [r for r in roots if r is not None]
             if (
                 len(names) >= 2
@@ -266,13 +320,35 @@ def _local_product(scope: Scope, at: Stmt, uses: set[int]) -> bool:
     return False
 
 
-def _root(node: ast.expr) -> str | None:
-    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`."""
+# Calls that keep their argument's rows (a view, a cast, a transpose, a row-wise norm):
+# `torch.transpose(all_c, 0, 1)` reads `all_c`, not `torch` (issue 33: ICT's loss of
+# gathered queries against gathered contexts).
+_SAME_ROWS = frozenset(
+    {
+        "transpose", "t", "permute", "view", "reshape", "contiguous", "float", "half",
+        "double", "bfloat16", "to", "type", "flatten", "squeeze", "unsqueeze", "clone",
+        "detach", "normalize", "swapaxes", "movedim", "adjoint",
+    }
+)  # fmt: skip
+
+
+def _root(node: ast.expr, modules: Mapping[str, str]) -> str | None:
+    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`,
+    `torch.transpose(x, 0, 1)` and `F.normalize(x)` -> `x` (`modules`: the file's
+    imported names, which are no variables)."""
     while True:
         if isinstance(node, ast.Name):
             return node.id
         if isinstance(node, ast.Attribute | ast.Subscript):
             node = node.value
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and last_name(node.func) in _SAME_ROWS
+            and (d := dotted(node.func)) is not None
+            and d.partition(".")[0] in modules
+        ):
+            node = node.args[0]  # the function form of an imported module: `torch.t(x)`
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             node = node.func.value
         else:
@@ -388,8 +464,13 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
     for node, q, _, _ in unmatched:
         holders.setdefault(q, set()).add(id(node))
     seen: set[int] = set()
+    agree: dict[int, bool] = {}  # id(if) -> every path makes the same collectives
     for node, q, call, trace in unmatched:
         if len(holders[q]) > 1 or id(call) in seen or not is_rank_test(node.test):
+            continue
+        if id(node) not in agree:
+            agree[id(node)] = _one_sequence(ctx, scope, node)
+        if agree[id(node)]:
             continue
         seen.add(id(call))
         f = _finding(
@@ -467,6 +548,8 @@ def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 if len(exits) == 1:
                     jump = exits[0][-1]
                     hit = _first_after(ctx, scope, block, i, chain, jump, st)
+                    if hit is not None and _one_sequence(ctx, scope, st, (chain, block, i)):
+                        hit = None  # it joins the same collectives before it leaves
                     if hit is not None:
                         q, call, trace = hit
                         kind = type(jump).__name__.lower()
@@ -557,3 +640,147 @@ def _guarded(
         else:
             for sub in _sub_blocks(st):
                 _guarded(sub, holds, out)
+
+
+# -- collectives along each path ---------------------------------------------------------
+
+# Where a path leaves the loop (`break`, `return` in a loop) or raises: the ranks that
+# took it make none of the later iterations' collectives, so it never matches a path
+# that goes on.
+_LEAVES = "<leaves>"
+_MAX_PATHS = 64
+_MAX_VISITS = 2000
+
+_Chain = list[tuple[list[ast.stmt], int, ast.stmt]]
+
+
+def _one_sequence(
+    ctx: FileContext,
+    scope: Scope,
+    the_if: ast.If,
+    where: tuple[_Chain, list[ast.stmt], int] | None = None,
+) -> bool:
+    """Does every path from `the_if` to the end of the iteration (or of the function,
+    outside a loop) make the same sequence of collectives? Collectives match by order,
+    not by line: a rank that calls `all_gather` and `continue`s past the `all_gather`
+    after the `if` pairs with the ranks that reach that one, and nobody hangs. False when
+    the paths are too many to compare (then the rules judge as before)."""
+    if where is None:
+        where = _chain_to(scope.node.body, the_if)
+        if where is None:
+            return False
+    chain, block, i = where
+    rest: list[ast.stmt] = [the_if, *block[i + 1 :]]
+    in_loop = False
+    for outer, j, owner in reversed(chain):
+        if isinstance(owner, _LOOPS):
+            in_loop = True  # `continue` ends the iteration: the paths end here
+            break
+        rest += outer[j + 1 :]
+    paths = _Paths(ctx, scope, in_loop).of(rest)
+    return paths is not None and len(paths) == 1
+
+
+def _chain_to(body: list[ast.stmt], target: ast.stmt) -> tuple[_Chain, list[ast.stmt], int] | None:
+    """(the compound statements from `body` down to `target`, as `(block, index,
+    statement)`; the block that holds `target`; its index there)."""
+    for i, st in enumerate(body):
+        if st is target:
+            return [], body, i
+        if isinstance(st, _DEFS):
+            continue
+        for sub in _sub_blocks(st):
+            found = _chain_to(sub, target)
+            if found is not None:
+                return [(body, i, st), *found[0]], found[1], found[2]
+    return None
+
+
+_Frames = tuple[tuple[list[ast.stmt], int], ...]  # what runs next: (block, from index)
+_Seqs = frozenset[tuple[str, ...]]
+
+
+class _Paths:
+    """The sequences of collectives (their qualified names, in order) the paths through
+    a list of statements make: every branch of every `if` is taken (the conditions are
+    not compared), a loop is one step named by the collectives it makes. The paths from
+    one point on are computed once (`if`s in a row join again after each one)."""
+
+    def __init__(self, ctx: FileContext, scope: Scope, in_loop: bool) -> None:
+        self.ctx, self.scope, self.in_loop = ctx, scope, in_loop
+        self.visits = 0
+        self.memo: dict[tuple[tuple[int, int], ...], _Seqs | None] = {}
+
+    def _names(self, nodes: list[ast.stmt]) -> list[str]:
+        found = _collectives(self.ctx, nodes, self.scope)
+        found.sort(key=lambda c: (c[1].lineno, c[1].col_offset))
+        return [q for q, _, _ in found]
+
+    def of(self, stmts: list[ast.stmt]) -> _Seqs | None:
+        return self._from(((stmts, 0),))
+
+    def _from(self, frames: _Frames) -> _Seqs | None:
+        key = tuple((id(b), i) for b, i in frames)
+        if key in self.memo:
+            return self.memo[key]
+        out = self._walk(frames)
+        self.memo[key] = out
+        return out
+
+    def _walk(self, frames: _Frames) -> _Seqs | None:
+        prefix: list[str] = []
+        while frames:
+            block, i = frames[0]
+            if i >= len(block):
+                frames = frames[1:]
+                continue
+            st = block[i]
+            rest: _Frames = ((block, i + 1), *frames[1:])
+            self.visits += 1
+            if self.visits > _MAX_VISITS:
+                return None
+            branches: list[_Frames] = []
+            if isinstance(st, _DEFS):
+                frames = rest
+                continue
+            if isinstance(st, ast.If):
+                prefix += self._names([ast.Expr(st.test)])
+                branches = [((st.body, 0), *rest), ((st.orelse, 0), *rest)]
+            elif isinstance(st, ast.Match):
+                prefix += self._names([ast.Expr(st.subject)])
+                branches = [((c.body, 0), *rest) for c in st.cases] + [rest]
+            elif isinstance(st, ast.With | ast.AsyncWith):
+                prefix += self._names([ast.Expr(it.context_expr) for it in st.items])
+                frames = ((st.body, 0), *rest)
+                continue
+            elif isinstance(st, ast.Try | ast.TryStar):
+                frames = ((st.body, 0), (st.orelse, 0), (st.finalbody, 0), *rest)
+                continue
+            elif isinstance(st, ast.Continue):
+                return frozenset({tuple(prefix)})
+            elif isinstance(st, ast.Break | ast.Raise):
+                return frozenset({(*prefix, _LEAVES)})
+            elif isinstance(st, ast.Return):
+                prefix += self._names([st])
+                end = (*prefix, _LEAVES) if self.in_loop else tuple(prefix)
+                return frozenset({end})
+            elif isinstance(st, _LOOPS):
+                inner = self._names([st])
+                if inner:
+                    prefix.append(f"loop({', '.join(inner)})")
+                frames = rest
+                continue
+            else:
+                prefix += self._names([st])
+                frames = rest
+                continue
+            out: set[tuple[str, ...]] = set()
+            for b in branches:
+                sub = self._from(b)
+                if sub is None:
+                    return None
+                out |= sub
+                if len(out) > _MAX_PATHS:
+                    return None
+            return frozenset((*prefix, *q) for q in out)
+        return frozenset({tuple(prefix)})

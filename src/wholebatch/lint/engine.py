@@ -25,11 +25,12 @@ from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
-from wholebatch.lint.frameworks import Evidence
+from wholebatch.lint.frameworks import Evidence, masks_labels
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
     ModuleMap,
+    co_imported,
     import_base,
     import_order,
     imported_names,
@@ -200,7 +201,8 @@ def _analyse(
 ) -> ModuleFacts | None:
     """Run the enabled rules over one file into `out`; its summaries for other files."""
     if program is not None:
-        ctx.evidence = program.evidence
+        ev = program.evidence
+        ctx.evidence = replace(ev, masks_labels=True) if ctx.path in program.masked else ev
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -562,6 +564,9 @@ def lint_run(
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
     program.evidence = Evidence.of(sources.values())
+    # WB301: labels masked out of a token loss in a dataset module counts for the loop
+    # imported alongside it (`frameworks.Evidence.masks_labels`).
+    program.masked = _masked(sources, deps, modules)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -597,6 +602,28 @@ def lint_run(
         out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
     )
     return Report(findings=kept, files=len(files), hidden=hidden)
+
+
+def _masked(sources: dict[Path, str], deps: dict[Path, list[Path]], modules: ModuleMap) -> set[str]:
+    """The files for which labels are masked out of a token loss in a file imported
+    alongside them (`program.co_imported`) of their own code: the same top-level package,
+    or for a script the same folder. (A vendored library's collator is not evidence about
+    the scripts that import it: its -100 is for the tasks that use it.)"""
+
+    def own(f: Path) -> str:
+        name = modules.own.get(f, "")
+        if "." in name or modules.package.get(f, False):
+            return name.split(".")[0]
+        return str(f.parent)
+
+    groups: dict[str, set[Path]] = {}
+    for f, text in sources.items():
+        if masks_labels(text):
+            groups.setdefault(own(f), set()).add(f)
+    out: set[str] = set()
+    for key, marked in groups.items():
+        out.update(str(f) for f in co_imported(deps, marked) if own(f) == key)
+    return out
 
 
 def _read_all(files: list[Path], codes: frozenset[str], out: list[Finding]) -> dict[Path, str]:

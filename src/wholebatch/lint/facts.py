@@ -205,6 +205,8 @@ class Program:
         self.roots: set[str] = set()  # top-level names of the run's modules
         self.open_layers = False  # a WB102 finding waits on uses in other files
         self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
+        # files imported alongside one that masks labels (`program.co_imported`, WB301)
+        self.masked: set[str] = set()
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""
@@ -261,6 +263,21 @@ class Program:
                 return self.lookup(".".join([mod.names[head], *rest[1:]]), depth + 1)
             return None
         return None
+
+    def derives_from(self, cls: str, names: tuple[str, ...], depth: int = 0) -> bool:
+        """Is the class with absolute name `cls` derived from one whose last name is in
+        `names` (by the bases the run's files wrote)?"""
+        mod_name, _, cls_name = cls.rpartition(".")
+        mod = self.modules.get(mod_name)
+        if mod is None or depth > 6:
+            return False
+        for base in mod.classes.get(cls_name, ()):
+            if base.rpartition(".")[2] in names:
+                return True
+            target = self.lookup(base)
+            if isinstance(target, str) and self.derives_from(target, names, depth + 1):
+                return True
+        return False
 
     def method(self, cls: str, name: str, depth: int = 0) -> Facts | None:
         """The facts of method `name` of the class with absolute name `cls`, or its bases."""

@@ -57,8 +57,16 @@ def _is_loss_function(scope: Scope) -> bool:
 def _returned_losses(value: ast.expr, loss_fn: bool) -> list[ast.expr]:
     """The parts of a returned value that are a loss: all of it in a loss function;
     elsewhere (a model's `forward`, a step helper) a name `*loss*`, the `*loss*` values of
-    a dict, or the `*loss*=` fields of an output object (`Output(loss=..., logits=...)`)."""
+    a dict, or the `*loss*=` fields of an output object (`Output(loss=..., logits=...)`).
+    A loss function's tuple or dict is judged item by item: the statistics returned beside
+    the loss (`return {"ce_loss": ce, "domain_losses": gathered_stats}`) are not combined
+    with it (issue 33, DoReMi)."""
     if loss_fn:
+        elts = value.elts if isinstance(value, ast.Tuple | ast.List) else []
+        if elts and not any(isinstance(e, ast.Starred) for e in elts):
+            return list(elts)
+        if isinstance(value, ast.Dict) and value.keys and None not in value.keys:
+            return list(value.values)  # no `**rest`
         return [value]
     if isinstance(value, ast.Name):
         return [value] if "loss" in value.id.lower() else []
@@ -187,7 +195,7 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
     if not accum and _deepspeed_backward(resolver.ctx, scope):
         accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
-        accum = lightning_class(scope.cls)
+        accum = _lightning(resolver, scope)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
@@ -231,6 +239,17 @@ def _is_product(d: ast.BinOp | ast.AugAssign) -> bool:
     )
 
 
+def _lightning(resolver: Resolver | None, scope: Scope) -> bool:
+    """Is the scope's class a LightningModule, by its bases here or in other files of the
+    run (`class NER(BaseTransformer)`, `BaseTransformer(pl.LightningModule)` elsewhere)?"""
+    cls = scope.cls
+    if cls is None:
+        return False
+    return lightning_class(cls) or (
+        resolver is not None and resolver.derives_from(cls, ("LightningModule", "LitModule"))
+    )
+
+
 def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]:
     """Is a call one of a function of the run that returns a number of steps?"""
 
@@ -267,7 +286,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     lightning_step = (
         scope.name == "training_step"
         and ctx.evidence.lightning_accumulates
-        and lightning_class(scope.cls)
+        and _lightning(ctx.resolver, scope)
     )
     pipe_loss = _pipeline_loss(ctx, scope)
     params = _param_vars(scope)
@@ -316,7 +335,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                     pending.append((node.lineno, f))
                 else:
                     found.append(f)
-        found.extend(_mean_over_steps(ctx, flow, st, periods, steps))
+        found.extend(_mean_over_steps(ctx, flow, st, periods, steps, scope))
         if trips is not periods:
             found.extend(_count_and_steps(ctx, flow, scope, st, trips, steps))
     origins = flow.origins
@@ -549,11 +568,12 @@ def _mean_over_steps(
     st: Stmt,
     periods: set[str],
     steps: Callable[[ast.Call], bool] | None,
+    scope: Scope,
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
         if _is_accum_count(node.value, periods, steps):
-            msg = _msg301(ctx, flow.tags(node.target), node.target, node.value)
+            msg = _msg301_passed(ctx, scope, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
         return
@@ -563,7 +583,7 @@ def _mean_over_steps(
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods, steps)
         ):
-            msg = _msg301(ctx, flow.tags(sub.left), sub.left, sub.right)
+            msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
 
@@ -601,6 +621,42 @@ def _count_and_steps(
             )
 
 
+def _msg301_passed(
+    ctx: FileContext, scope: Scope, tags: set[str], loss: ast.expr, steps: ast.expr
+) -> str:
+    """`_msg301`, with the evidence the callers pass in: a parameter (`a:loss`) divided
+    by the steps in a callee (`self.optimize(loss)` dividing by
+    gradient_accumulation_steps) holds what the call sites of this file give it."""
+    msg = _msg301(ctx, tags, loss, steps)
+    if msg or ctx.resolver is None:
+        return msg
+    names = {t[2:] for t in tags if t.startswith("a:")}
+    if not names:
+        return ""
+    for caller, call, facts, bound in ctx.resolver.call_sites(scope):
+        args = [v for p, v in facts.bind(call, bound) if p in names]
+        got = _tags_at(ctx, caller, call, args) if args else set()
+        msg = _msg301(ctx, got, loss, steps)
+        if msg:
+            return (
+                f"{msg}; the mean is built in `{caller.qual or '<module>'}` and passed in at "
+                f"line {call.lineno}"
+            )
+    return ""
+
+
+def _tags_at(ctx: FileContext, scope: Scope, call: ast.Call, args: list[ast.expr]) -> set[str]:
+    """The mean tags (`V`, `v`, `L`) of `args` where `call` runs in `scope`."""
+    flow = Flow(ctx, scope)
+    for st in flow.run():
+        if any(x is call for x in st.walk()):
+            out: set[str] = set()
+            for a in args:
+                out |= flow.tags(a)
+            return out & {"V", "v", "L"}
+    return set()
+
+
 _FIXED_SIZE_RE = re.compile(r"drop_last\s*=\s*True")
 
 
@@ -628,7 +684,7 @@ def _msg301(
     if (
         "v" not in tags
         or "L" not in tags
-        or not masks_labels(ctx.source)
+        or not (ctx.evidence.masks_labels or masks_labels(ctx.source))
         or _FIXED_SIZE_RE.search(ctx.source)
     ):
         return ""

@@ -145,8 +145,12 @@ def masks_labels(text: str) -> bool:
 # (Two tests, each starting with a literal, which `re` finds fast.)
 _FP16_RE = re.compile(r"""precision\s*[=:]\s*["']?16(?:-mixed)?\b""")
 _FP16_WORDS = ('"16-mixed"', "'16-mixed'")
-# `Trainer(accumulate_grad_batches=4)` (any value but a literal 1).
-_LIGHTNING_ACCUM_RE = re.compile(r"accumulate_grad_batches\s*=\s*(?!1\b)[\w\"'.(\[]")
+# `Trainer(accumulate_grad_batches=4)` (any value but a literal 1), also through a dict
+# of arguments (`params["accumulate_grad_batches"] = args.k`, `{"accumulate_grad_batches":
+# k}`, then `Trainer(**params)`).
+_LIGHTNING_ACCUM_RE = re.compile(
+    r"accumulate_grad_batches(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*(?!1\b)[\w\"'.(\[]"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,10 +160,14 @@ class Evidence:
     Attributes:
         fp16: a Lightning/Fabric precision of 16-bit mixed floats is written somewhere.
         lightning_accumulates: a Trainer accumulates gradients over micro-batches.
+        masks_labels: for one file, a file imported alongside it (`engine`: both within
+            three imports of one file of the run) masks labels out of a token loss
+            (`masks_labels`): the dataset module of the script that runs its loop.
     """
 
     fp16: bool = False
     lightning_accumulates: bool = False
+    masks_labels: bool = False
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:

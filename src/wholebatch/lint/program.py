@@ -19,6 +19,7 @@ from pathlib import Path
 
 __all__ = [
     "ModuleMap",
+    "co_imported",
     "import_base",
     "import_order",
     "imported_names",
@@ -230,3 +231,27 @@ def import_order(files: Sequence[Path], deps: dict[Path, list[Path]]) -> list[Pa
                 stack.pop()
                 out.append(f)
     return out
+
+
+def co_imported(deps: dict[Path, list[Path]], marked: set[Path], depth: int = 3) -> frozenset[Path]:
+    """The files imported alongside a file of `marked`: those within `depth` imports of a
+    file that is itself within `depth` imports of a marked one (the training loop's
+    module and the dataset module a script imports both). Two walks of the import graph,
+    each from all of its starting files at once: linear in its size."""
+    if not marked:
+        return frozenset()
+    importers: dict[Path, list[Path]] = {}
+    for f, ds in deps.items():
+        for d in ds:
+            importers.setdefault(d, []).append(f)
+
+    def reach(start: set[Path], edges: dict[Path, list[Path]]) -> set[Path]:
+        seen = set(start)
+        frontier = list(start)
+        for _ in range(depth):
+            nxt = [g for f in frontier for g in edges.get(f, ()) if g not in seen]
+            seen.update(nxt)
+            frontier = nxt
+        return seen
+
+    return frozenset(reach(reach(marked, importers), deps))

@@ -271,6 +271,12 @@ def _ends_in_jump(body: list[ast.stmt]) -> bool:
     return bool(body) and isinstance(body[-1], ast.Return | ast.Continue | ast.Break | ast.Raise)
 
 
+# Wrappers whose call runs the wrapped module's forward.
+_WRAPPERS = frozenset(
+    {"DistributedDataParallel", "DDP", "DataParallel", "FullyShardedDataParallel", "FSDP"}
+)
+
+
 class FileContext:
     """Everything the rules need to know about one parsed file.
 
@@ -307,9 +313,13 @@ class FileContext:
         # The rules to run here (None: all): the enabled ones whose gate is open, set by
         # `engine` from each rule's words (`rules.Rule.words`).
         self.codes: frozenset[str] | None = None
-        self._assign_calls: list[tuple[ast.expr, list[ast.expr]]] = []
+        self._assign_calls: list[tuple[ast.Call, list[ast.expr]]] = []
         # names (`self.gc`, `gc`) assigned an instance of a class -> the class as written
+        # (through a DDP/FSDP wrapper: `model = DDP(Net(...))` -> `Net`)
         self.constructed: dict[str, str] = {}
+        # names assigned a loss module built with `ignore_index` (`self.lm_loss =
+        # nn.CrossEntropyLoss(ignore_index=-100)`): calling one gives a token mean (WB301)
+        self.ignoring: set[str] = set()
         # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
         self.applies: list[tuple[str, bool]] | None = None
         # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
@@ -345,7 +355,24 @@ class FileContext:
     # -- names bound to optimizers / scalers --------------------------------------------
 
     def _known_objects(self) -> None:
-        for func, targets in self._assign_calls:
+        for call, targets in self._assign_calls:
+            func = call.func
+            inner = call.args[0] if call.args else None
+            if last_name(func) in _WRAPPERS and isinstance(inner, ast.Call):
+                func = inner.func  # the wrapper runs the module's forward
+            if (
+                last_name(func) in ("CrossEntropyLoss", "NLLLoss")
+                and any(k.arg == "ignore_index" for k in call.keywords)
+                and not any(
+                    k.arg == "reduction"
+                    and isinstance(k.value, ast.Constant)
+                    and k.value.value in ("sum", "none")
+                    for k in call.keywords
+                )
+            ):
+                self.ignoring.update(
+                    d for t in targets if isinstance(t, ast.Attribute) and (d := dotted(t))
+                )
             ctor = dotted(func)
             if ctor is not None and last_name(func)[:1].isupper():
                 for target in targets:
@@ -467,7 +494,7 @@ class FileContext:
                 if isinstance(st, ast.Return | ast.Continue | ast.Break):
                     scope.has_exit = True
                 elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Call):
-                    self._assign_calls.append((st.value.func, st.targets))
+                    self._assign_calls.append((st.value, st.targets))
                 elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Attribute):
                     self._alias(scope, st.targets, st.value)
                 scope.stmts.append(at.stmt(st))

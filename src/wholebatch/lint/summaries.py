@@ -66,6 +66,9 @@ _KIND_NOTE = {
     UNSCALE: "unscales",
     CLIP: "clips gradients",
 }
+# The tags of a mean over a micro-batch's items (`dataflow`): what dispatch and a module
+# called through a name add to what a call returns.
+_MEAN_TAGS = frozenset({"V", "v", "L"})
 # Call chains followed at most this deep (each level is a few Python frames).
 _MAX_DEPTH = 40
 # Bases that add no method the linter could follow (so a miss there is a real "none").
@@ -124,6 +127,9 @@ class Resolver:
         self._facts: dict[int, Facts] = {}
         self._busy: set[int] = set()
         self._resolved: dict[int, tuple[Facts, bool] | None] = {}
+        self._forward: dict[int, frozenset[str]] = {}
+        self._sites: dict[int, list[tuple[Scope, ast.Call, Facts, bool]]] = {}
+        self._subclasses: dict[int, list[ast.ClassDef]] | None = None
         # Which kinds of mean the file's text can hold at all (`_may_return_mean`), read
         # once per file: per function, the substring tests cost a fifth of a run on torch.
         src = ctx.source
@@ -193,7 +199,9 @@ class Resolver:
         value, attr = func.value, func.attr
         if isinstance(value, ast.Name) and value.id in ("self", "cls") and scope.cls is not None:
             found = self._method(scope.cls, attr, include_self=True)
-            return found if found is not None else self._object_call(func)
+            if found is not None:
+                return self._with_overrides(scope.cls, attr, found)
+            return self._object_call(func)
         if (
             isinstance(value, ast.Call)
             and isinstance(value.func, ast.Name)
@@ -287,6 +295,136 @@ class Resolver:
             if len(defs) == 1:
                 return self.facts(defs[0]), True
         return None
+
+    # -- dynamic dispatch, call sites, modules called through a name ------------------------
+
+    def _with_overrides(
+        self, cls: ast.ClassDef, name: str, found: tuple[Facts, bool]
+    ) -> tuple[Facts, bool]:
+        """`self.m()` in class `cls` may run the override of any subclass of the file (a
+        base-class loop calling `self.get_batch_metrics()`): the mean tags its overrides
+        return (`V`, `v`, `L`) are added to what the method found returns. Only those:
+        its training calls and collectives stay the method's own."""
+        extra: set[str] = set()
+        for sub in self._subclasses_of(cls):
+            for st in sub.body:
+                if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef) and st.name == name:
+                    extra |= self.facts(st).returns or frozenset()
+        extra &= _MEAN_TAGS
+        f, bound = found
+        if not extra or extra <= (f.returns or frozenset()):
+            return found
+        return replace(f, returns=(f.returns or frozenset()) | extra), bound
+
+    def _subclasses_of(self, cls: ast.ClassDef) -> list[ast.ClassDef]:
+        """The classes of this file derived from `cls` (by the names of their bases)."""
+        if self._subclasses is None:
+            direct: dict[int, list[ast.ClassDef]] = {}
+            for c in self.ctx.classes:
+                for b in c.bases:
+                    base = self.ctx.class_by_name.get(dotted(b) or "")
+                    if base is not None and base is not c:
+                        direct.setdefault(id(base), []).append(c)
+            self._subclasses = direct
+        out: list[ast.ClassDef] = []
+        todo = list(self._subclasses.get(id(cls), ()))
+        while todo:
+            c = todo.pop()
+            if c not in out and c is not cls:
+                out.append(c)
+                todo.extend(self._subclasses.get(id(c), ()))
+        return out
+
+    def call_sites(self, scope: Scope) -> list[tuple[Scope, ast.Call, Facts, bool]]:
+        """The calls in this file that run `scope`'s function (`f(x)`, `self.m(x)`), each
+        with its scope and (facts, bound) for `Facts.bind`."""
+        key = id(scope)
+        hit = self._sites.get(key)
+        if hit is not None:
+            return hit
+        out: list[tuple[Scope, ast.Call, Facts, bool]] = []
+        self._sites[key] = out
+        name = scope.name
+        if name:
+            for caller in self.ctx.scopes:
+                if caller is scope:
+                    continue
+                for call, _ in caller.local_calls:
+                    if last_name(call.func) != name:
+                        continue
+                    # not cached: `scope` may be half summarised (a shell) just now
+                    r = self._resolve(call, caller)
+                    if r is not None and r[0].path == self.ctx.path and r[0].line == scope.line:
+                        out.append((caller, call, r[0], r[1]))
+        return out
+
+    def forward_tags(self, call: ast.Call, scope: Scope) -> frozenset[str]:
+        """The mean tags (`V`, `v`) of what a module of the run returns, called through a
+        name: `net(x)` after `net = Net(...)` (or `DDP(Net(...))`), `self.model(x)`, or a
+        parameter (`model(x)` in `train(model, ...)`) given such an instance where this
+        file calls the function. nn.Module's `__call__` runs `forward`."""
+        key = id(call)
+        hit = self._forward.get(key)
+        if hit is None:
+            self._forward[key] = frozenset()  # recursion: nothing
+            hit = self._forward[key] = self._forward_tags(call, scope)
+        return hit
+
+    def _forward_tags(self, call: ast.Call, scope: Scope) -> frozenset[str]:
+        d = dotted(call.func)
+        if d is None:
+            return frozenset()
+        classes: set[str] = set()
+        ctor = self.ctx.constructed.get(d)
+        if ctor is not None:
+            classes.add(ctor)
+        elif isinstance(call.func, ast.Name) and not isinstance(scope.node, ast.Module):
+            a = scope.node.args
+            if d in {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}:
+                for _, site, f, bound in self.call_sites(scope):
+                    for p, v in f.bind(site, bound):
+                        c = self.ctx.constructed.get(dotted(v) or "") if p == d else None
+                        if c is not None:
+                            classes.add(c)
+        out: set[str] = set()
+        for c in sorted(classes):
+            fw = self._forward_of(c)
+            if fw is not None and fw.returns:
+                out |= fw.returns & {"V", "v"}
+        return frozenset(out)
+
+    def _forward_of(self, cls: str) -> Facts | None:
+        local = self.ctx.class_by_name.get(cls)
+        if local is not None:
+            found = self._method(local, "forward", include_self=True)
+            return found[0] if found is not None else None
+        target = self._global(cls)
+        if isinstance(target, str) and self.program is not None:
+            return self.program.method(target, "forward")
+        return None
+
+    def derives_from(self, cls: ast.ClassDef, names: tuple[str, ...], depth: int = 0) -> bool:
+        """Is `cls` derived, through bases of this file or of the run, from a class whose
+        last name is one of `names` (`LightningModule`)?"""
+        for b in cls.bases:
+            bn = dotted(b)
+            if bn is None or depth > 6:
+                continue
+            if last_name(b) in names:
+                return True
+            local = self.ctx.class_by_name.get(bn)
+            if local is not None and local is not cls:
+                if self.derives_from(local, names, depth + 1):
+                    return True
+                continue
+            target = self._global(bn)
+            if (
+                isinstance(target, str)
+                and self.program is not None
+                and self.program.derives_from(target, names)
+            ):
+                return True
+        return False
 
     # -- summaries ------------------------------------------------------------------------
 
@@ -549,18 +687,19 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
         and _returns_value(scope)
     ):
         return True
-    if not hints.loss:
+    if not hints.loss or not _returns_value(scope):
         return False
     for st in scope.stmts:
         n = st.node
-        if isinstance(n, ast.Return) and n.value is not None:
-            for x in ast.walk(n.value):
-                if (isinstance(x, ast.Attribute) and x.attr == "loss") or (
-                    isinstance(x, ast.Subscript)
-                    and isinstance(x.slice, ast.Constant)
-                    and x.slice.value == "loss"
-                ):
-                    return True
+        # a `loss` field read anywhere (`loss = out["loss"]`, then `return loss`), or a
+        # first element returned (`return outputs[0]`: a model's loss, given labels)
+        for x in st.walk():
+            if (isinstance(x, ast.Attribute) and x.attr == "loss") or (
+                isinstance(x, ast.Subscript)
+                and isinstance(x.slice, ast.Constant)
+                and (x.slice.value == "loss" or (x.slice.value == 0 and isinstance(n, ast.Return)))
+            ):
+                return True
     return False
 
 
