@@ -7,7 +7,9 @@ The kinds: a loss taken by index (`model(..., labels=y)[0]`); a mean passed by a
 to a callee that divides it; dynamic dispatch (`self.get_metrics()` in a base-class loop,
 the mean in a subclass's override); a model called through a parameter or a DDP wrapper,
 whose forward is a class of the run; label masking in a dataset module imported
-alongside the loop; Lightning's accumulation set through a dict of arguments.
+alongside the loop; Lightning's accumulation set through a dict of arguments; a mean
+built in another module and returned in a tuple (followed element by element); a
+forward returning its loss in a tuple, given labels under another name.
 
 The trees are written to a temporary folder and linted as a folder; nothing is run.
 """
@@ -421,5 +423,153 @@ def test_lightning_accumulation_through_a_dict_of_arguments(tmp_path: Path, bad:
             "base.py": _MODULE,
             "seq2seq.py": _TASK.format(mark=_mark(bad)),
             "train.py": _SCRIPT.format(key=key),
+        },
+    )
+
+
+# -- 7. a mean built in another module, returned in a tuple ---------------------------------
+
+_FUNCTIONAL = """
+\"\"\"Masked reductions for the policy loss.\"\"\"
+
+
+def masked_mean(values, mask, axis=None):
+    return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+"""
+_ALGOS = """
+import torch
+
+from rl import functional
+
+
+def policy_loss(logp, old_logp, adv, mask, clip):
+    ratio = torch.exp(logp - old_logp)
+    losses = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
+    loss = {loss}
+    clipfrac = functional.masked_mean(torch.gt(ratio, 1.0 + clip).float(), mask)
+    return loss, clipfrac
+"""
+_ACTOR = """
+from rl import algos
+
+
+class Actor:
+    def __init__(self, grad_accum_steps):
+        self.grad_accum_steps = grad_accum_steps
+
+    def update(self, micro_batches, optimizer):
+        for i, b in enumerate(micro_batches):
+            pg_loss, clipfrac = algos.policy_loss(b.logp, b.old_logp, b.adv, b.mask, 0.2)
+            loss = pg_loss / self.grad_accum_steps{mark}
+            loss.backward()
+            if (i + 1) % self.grad_accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_a_mean_from_another_module_in_a_tuple(tmp_path: Path, bad: bool) -> None:
+    # Bad: `algos.policy_loss` returns `masked_mean(losses, mask)` first, a mean over
+    # this micro-batch's response tokens (`masked_mean`'s `axis` left at None: the whole
+    # mask's count), built in a third module; the actor divides it by the steps (verl's
+    # PPO actor). Good: the first element is a mean of per-row means (`axis=-1`, then
+    # `.mean()`: every micro-batch has as many rows); the second, `clipfrac`, is still a
+    # token mean, and only its own element carries it (tuple returns followed element by
+    # element). 74495cc's lint misses the bad twin (`mask.sum(axis=axis)` counted as a
+    # per-row count, and the mean of a callee's callee not followed).
+    loss = (
+        "functional.masked_mean(losses, mask)"
+        if bad
+        else "functional.masked_mean(losses, mask, axis=-1).mean()"
+    )
+    _check(
+        tmp_path,
+        {
+            "rl/__init__.py": "",
+            "rl/functional.py": _FUNCTIONAL,
+            "rl/algos.py": _ALGOS.format(loss=loss),
+            "rl/actor.py": _ACTOR.format(mark=_mark(bad)),
+        },
+    )
+
+
+# -- 8. a forward that returns its loss in a tuple, given labels under another name ---------
+
+_VLM = """
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CaptionModel(nn.Module):
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, images, attention_mask=None, targets=None):
+        logits = self.head(self.emb(input_ids) + images)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        return logits, loss
+"""
+_COLLATE = """
+import torch
+
+
+def collate(rows, pad_id):
+    width = max(len(r["ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), {fill})
+    for i, r in enumerate(rows):
+        ids[i, : len(r["ids"])] = torch.tensor(r["ids"])
+        labels[i, : len(r["ids"])] = torch.tensor(r["labels"])
+    return ids, labels
+"""
+_VLM_TRAIN = """
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from data.collate import collate
+from models.caption import CaptionModel
+
+
+def train(cfg, loader, rank):
+    model = CaptionModel(cfg.vocab, cfg.dim)
+    model = DistributedDataParallel(model, device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step, (ids, images, mask, labels) in enumerate(loader):
+        _, loss = model(ids, images, attention_mask=mask, targets=labels)
+        loss = loss / cfg.gradient_accumulation_steps{mark}
+        loss.backward()
+        if (step + 1) % cfg.gradient_accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad", "good"])
+def test_a_forward_given_labels_under_another_name_returns_them_in_a_tuple(
+    tmp_path: Path, bad: bool
+) -> None:
+    # Bad: `_, loss = model(..., targets=labels)`, a DDP-wrapped CaptionModel of the run
+    # whose forward returns `(logits, cross_entropy(..., targets, ignore_index=-100))`:
+    # the parameter the call binds is that loss's target, and the collator beside the
+    # script pads labels with -100, so the loss is a mean over a varying token count
+    # (nanoVLM). Good: the collator pads labels with the pad id (no label is ever -100:
+    # packed, fixed-count rows), and the forward's own `ignore_index=-100` is no
+    # evidence. 74495cc's lint misses the bad twin (`targets=` is not a labels name, and
+    # the collator is in a package beside the script, not the script's own package).
+    _check(
+        tmp_path,
+        {
+            "data/__init__.py": "",
+            "data/collate.py": _COLLATE.format(fill="-100" if bad else "pad_id"),
+            "models/__init__.py": "",
+            "models/caption.py": _VLM,
+            "train.py": _VLM_TRAIN.format(mark=_mark(bad)),
         },
     )

@@ -21,6 +21,15 @@ Tags:
     ``v``      a mean over an item count the linter cannot see: the ``loss`` field of
                a model's output (a Hugging Face ``outputs.loss``, ``out["loss"]``), a
                token mean for a language model, a row mean for a contrastive loss;
+    ``W:NAME`` a mean over a micro-batch's items unless the caller sets parameter NAME, a
+               `dim`/`axis` defaulting to None (`mask.sum(axis=axis)` in `masked_mean`):
+               a call that leaves it unset gets ``V``;
+    ``@N``, ``@I:TAG``  a tuple of N elements (every `return` of the function a tuple of
+               N), element I holding mean tag TAG (``V``, ``v``, ``W:``): unpacked
+               (`_, loss = f(x)`) or indexed (`f(x)[1]`), each element gets its own mean
+               tags, not those of the whole tuple;
+    ``t:NAME`` a loss with a sentinel `ignore_index` (`-100`) whose target derives from
+               parameter NAME: a forward pass that binds NAME is given labels;
     ``K``      a count of a micro-batch's items (`n = mask.sum()`): a division by it
                is a mean over them (``V``);
     ``L``      the output of a forward pass given token inputs (``labels=``,
@@ -69,7 +78,7 @@ from wholebatch.lint.names import (
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
-from wholebatch.lint.summaries import Resolver
+from wholebatch.lint.summaries import Resolver, count_unless, none_default
 
 __all__ = ["Flow", "returned_tags"]
 
@@ -283,9 +292,43 @@ def _grad_bases(node: ast.expr) -> set[str]:
     }
 
 
+def _sentinel(node: ast.expr) -> bool:
+    """An `ignore_index` that is a negative literal (`-100`, `-1`): a label value set on
+    purpose where the loss must not count (not an out-of-range position, `seq_len`)."""
+    return (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) is int
+    )
+
+
+def _is_mean(tag: str) -> bool:
+    """A tag of a mean over a micro-batch's items, followed element-wise in tuples."""
+    return tag in ("V", "v") or tag.startswith("W:")
+
+
+def _whole(tags: set[str]) -> set[str]:
+    """`tags` without the element-wise ones (`@`): a value that is not the tuple."""
+    return {t for t in tags if t[:1] != "@"}
+
+
+def _element(tags: set[str], i: int) -> set[str]:
+    """The tags of element `i` of a tuple with element-wise tags (`@N`, `@I:TAG`): its
+    own mean tags, and the whole tuple's other tags."""
+    n = next((int(t[1:]) for t in tags if t[:1] == "@" and ":" not in t), None)
+    if n is None or not -n <= i < n:
+        return _whole(tags)
+    i %= n
+    out = {t for t in tags if t[:1] != "@" and not _is_mean(t)}
+    prefix = f"@{i}:"
+    out.update(t[len(prefix) :] for t in tags if t.startswith(prefix))
+    return out
+
+
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvTL" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvTLW@t" and not t.startswith("G:"))
 
 
 class Flow:
@@ -300,6 +343,9 @@ class Flow:
         # name -> (branch path, tags) of the assignments that may still hold (see _assign)
         self.at: dict[str, list[tuple[tuple[tuple[int, int], ...], frozenset[str]]]] = {}
         self.returns: set[str] = set()
+        # the length of every tuple returned so far (None: none yet; -1: not all tuples
+        # of one length, so no element-wise tags, `@`)
+        self._arity: int | None = None
         # g-tag -> branch path (see Stmt.path) where its value entered this scope
         self.entered: dict[str, tuple[tuple[int, int], ...]] = {}
         self._made: dict[int, str] = {}  # id(gather call) -> its tag (one per call, both walks)
@@ -365,6 +411,12 @@ class Flow:
                         # `ignore_index=seq_len`), keeps a fixed count unless its targets
                         # are masked, which the call does not show
                         out |= self.resolver.forward_tags(n, self.scope)
+                    elif self.resolver.masks_labels():
+                        # labels given under another name or by position (`model(x, y)`,
+                        # `targets=y`): where the forward's own sentinel-ignoring loss
+                        # takes its target from the parameter the call binds, and labels
+                        # are masked in this file or one imported alongside it
+                        out |= self.resolver.forward_tags(n, self.scope, by_target=True)
             if isinstance(n, ast.Attribute) and n.attr in _META_ATTRS:
                 continue  # `x.shape[0]`: a number, none of `x`'s tags
             stack.extend(ast.iter_child_nodes(n))
@@ -386,8 +438,11 @@ class Flow:
                 if name == "detach":
                     out.add("D")
                 product = product or name in _PRODUCTS
-                if _kwarg(n, ("ignore_index",)) is not None and not _sum_reduction(n):
+                ignore = _kwarg(n, ("ignore_index",))
+                if ignore is not None and not _sum_reduction(n):
                     out.add("V")
+                    if _sentinel(ignore):
+                        out |= self._targets(n)
                 d = dotted(n.func)
                 if (
                     d is not None
@@ -397,6 +452,13 @@ class Flow:
                     out.add("V")
             elif isinstance(n, ast.Subscript):
                 s = n.slice
+                vt = self._tuple_tags(n)
+                if vt is not None:
+                    # `f(x)[1]` of a tuple with element-wise tags: that element's only
+                    assert isinstance(s, ast.Constant) and isinstance(s.value, int)
+                    del stack[len(stack) - len(list(ast.iter_child_nodes(n))) :]  # read above
+                    out |= _element(vt, s.value)
+                    continue
                 if isinstance(s, ast.Constant) and s.value == "loss":
                     out.add("v")
                 elif (
@@ -423,7 +485,14 @@ class Flow:
                     and not self.fixed(n.right)
                 ):
                     out.add("V")
+                elif (
+                    isinstance(n.op, ast.Div)
+                    and (dim := count_unless(n.right, self.scope)) is not None
+                ):
+                    out.add(f"W:{dim}")
         out.discard("C")
+        if not isinstance(expr, ast.Name | ast.Call) and any(t[:1] == "@" for t in out):
+            out = _whole(out)  # `f(x) * 2`, `out.sum()`: no longer the tuple itself
         if "Y" in out and not (isinstance(expr, ast.Name) or self._labelled_forward(expr)):
             out.discard("Y")  # `outputs[1]`, `logits`: no longer the output with the loss first
         if "K" in out and not isinstance(expr, ast.Name | ast.BinOp):
@@ -444,6 +513,30 @@ class Flow:
         """Is `expr` computed from a fixed table only (`F`): its sum is the same on every
         micro-batch, so dividing by it is a normalisation, not a mean over items?"""
         return _only_fixed(self.tags(expr))
+
+    def _targets(self, call: ast.Call) -> set[str]:
+        """`t:NAME` for each parameter NAME the target of a loss with a sentinel
+        `ignore_index` derives from (`F.cross_entropy(logits, targets.view(-1),
+        ignore_index=-1)` in `forward(self, idx, targets)`): a call of the forward
+        that binds NAME gives it labels, whatever the argument is called."""
+        target = _kwarg(call, ("target",)) or (call.args[1] if len(call.args) > 1 else None)
+        if target is None:
+            return set()
+        return {f"t:{t[2:]}" for t in self.tags(target) if t.startswith("a:")}
+
+    def _tuple_tags(self, n: ast.Subscript) -> set[str] | None:
+        """The tags of `x` in `x[I]` (a constant index) where `x` is a tuple with
+        element-wise tags (`out = f(x)`, or the call itself); None otherwise."""
+        s, v = n.slice, n.value
+        if not (isinstance(s, ast.Constant) and type(s.value) is int):
+            return None
+        if isinstance(v, ast.Name):
+            vt = self._held(v.id)
+        elif isinstance(v, ast.Call):
+            vt = self.tags(v)
+        else:
+            return None
+        return vt if any(t[:1] == "@" for t in vt) else None
 
     def _held(self, key: str) -> set[str]:
         """The tags of the value bound to `key`. A value this scope uses as an index
@@ -503,6 +596,27 @@ class Flow:
                         out.update(f"qa:{t[2:]}:{new[2:]}" for t in vt if t.startswith("a:"))
             elif tag in ("V", "v", "L"):
                 out.add(tag)
+            elif kind == "W":
+                out |= self._mean_of(rest, args)
+            elif tag[:1] == "@":
+                # a tuple's element-wise tags (`@2`, `@1:V`, `@1:W:axis`), mapped alike
+                i, _, inner = tag.partition(":")
+                if not inner or inner in ("V", "v"):
+                    out.add(tag)
+                elif inner.startswith("W:"):
+                    out.update(f"{i}:{t}" for t in self._mean_of(inner[2:], args))
+        return out
+
+    def _mean_of(self, dim: str, args: dict[str, list[ast.expr]]) -> set[str]:
+        """A `W:dim` tag of a callee at a call: a mean over the items (`V`) where the call
+        leaves `dim` unset (`masked_mean(x, mask)`), or where it passes on a parameter of
+        this function that defaults to None (`axis=axis`: `W:axis`, its callers say)."""
+        out: set[str] = set()
+        for value in args.get(dim, ()) or [ast.Constant(None)]:
+            if isinstance(value, ast.Constant) and value.value is None:
+                out.add("V")
+            elif isinstance(value, ast.Name) and none_default(self.scope, value.id):
+                out.add(f"W:{value.id}")
         return out
 
     def _labelled_forward(self, expr: ast.AST) -> bool:
@@ -623,8 +737,13 @@ class Flow:
             if key is not None:
                 self._assign(key, tags)
         elif isinstance(target, ast.Tuple | ast.List):
+            n = len(target.elts)
+            if f"@{n}" in tags and not any(isinstance(e, ast.Starred) for e in target.elts):
+                for i, elt in enumerate(target.elts):  # `_, loss = model(x, y)`
+                    self.bind(elt, _element(tags, i))
+                return
             for elt in target.elts:
-                self.bind(elt, tags)
+                self.bind(elt, _whole(tags))
         elif isinstance(target, ast.Starred):
             self.bind(target.value, tags)
         elif isinstance(target, ast.Subscript):
@@ -733,7 +852,7 @@ class Flow:
         self._st = st
         node = st.node
         if isinstance(node, ast.Return) and node.value is not None:
-            self.returns |= self.tags(node.value)
+            self._return(node.value)
             return
         if isinstance(node, ast.For | ast.AsyncFor):
             self.bind(node.target, self.tags(node.iter))
@@ -759,6 +878,28 @@ class Flow:
                 self.bind(node.target, self.tags(node.value))
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             self._apply_call(node.value)
+
+    def _return(self, value: ast.expr) -> None:
+        """`return value`: its tags, and element-wise mean tags while every `return`
+        of the function is a tuple of one length (`return logits, loss`)."""
+        self.returns |= _whole(self.tags(value))
+        n = (
+            len(value.elts)
+            if isinstance(value, ast.Tuple)
+            and not any(isinstance(e, ast.Starred) for e in value.elts)
+            else -1
+        )
+        if self._arity is None or self._arity == n:
+            self._arity = n
+        else:
+            self._arity = -1
+        if self._arity == -1:
+            self.returns = _whole(self.returns)
+            return
+        assert isinstance(value, ast.Tuple)
+        self.returns.add(f"@{n}")
+        for i, e in enumerate(value.elts):
+            self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
 
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)

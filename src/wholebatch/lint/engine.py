@@ -39,7 +39,7 @@ from wholebatch.lint.program import (
 )
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext
-from wholebatch.lint.summaries import Resolver
+from wholebatch.lint.summaries import Resolver, writes_masked_labels
 
 __all__ = [
     "Report",
@@ -567,6 +567,7 @@ def lint_run(
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
     program.masked = _masked(sources, deps, modules)
+    program.masked_values = _masked(sources, deps, modules, writes_masked_labels)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -604,11 +605,17 @@ def lint_run(
     return Report(findings=kept, files=len(files), hidden=hidden)
 
 
-def _masked(sources: dict[Path, str], deps: dict[Path, list[Path]], modules: ModuleMap) -> set[str]:
-    """The files for which labels are masked out of a token loss in a file imported
+def _masked(
+    sources: dict[Path, str],
+    deps: dict[Path, list[Path]],
+    modules: ModuleMap,
+    test: Callable[[str], bool] = masks_labels,
+) -> set[str]:
+    """The files for which labels are masked out of a token loss (`test`) in a file imported
     alongside them (`program.co_imported`) of their own code: the same top-level package,
     or for a script the same folder. (A vendored library's collator is not evidence about
-    the scripts that import it: its -100 is for the tasks that use it.)"""
+    the scripts that import it: its -100 is for the tasks that use it.) A package beside
+    a script (`data/collators.py` next to `train.py`) is the script's own code too."""
 
     def own(f: Path) -> str:
         name = modules.own.get(f, "")
@@ -617,12 +624,22 @@ def _masked(sources: dict[Path, str], deps: dict[Path, list[Path]], modules: Mod
         return str(f.parent)
 
     groups: dict[str, set[Path]] = {}
+    beside: dict[str, str] = {}  # a package's key -> the folder that holds it
     for f, text in sources.items():
-        if masks_labels(text):
-            groups.setdefault(own(f), set()).add(f)
+        if test(text):
+            key = own(f)
+            groups.setdefault(key, set()).add(f)
+            name = modules.own.get(f, "")
+            if key != str(f.parent) or modules.package.get(f, False):
+                beside[key] = str(import_base(f, name, modules.package.get(f, False)))
     out: set[str] = set()
     for key, marked in groups.items():
-        out.update(str(f) for f in co_imported(deps, marked) if own(f) == key)
+        near = beside.get(key)
+        out.update(
+            str(f)
+            for f in co_imported(deps, marked)
+            if own(f) == key or (near is not None and own(f) == near)
+        )
     return out
 
 

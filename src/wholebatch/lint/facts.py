@@ -207,6 +207,9 @@ class Program:
         self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
         # files imported alongside one that masks labels (`program.co_imported`, WB301)
         self.masked: set[str] = set()
+        # those imported alongside one that writes masked label values, `-100` (not only
+        # a loss's `ignore_index=`: `summaries.writes_masked_labels`)
+        self.masked_values: set[str] = set()
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

@@ -374,6 +374,10 @@ def is_count_expr(node: ast.expr) -> bool:
         operand = func.value
     else:  # `torch.sum(mask)`, `sum(mask)`
         operand = node.args[0] if len(node.args) == 1 else None
+        if isinstance(func, ast.Name) and not (
+            isinstance(operand, ast.Name | ast.Attribute) and "mask" in last_name(operand).lower()
+        ):
+            return False  # the builtin over a list of numbers (`sum(weights)`): no count
     while isinstance(operand, ast.Call) and isinstance(operand.func, ast.Attribute):
         if operand.func.attr not in _MASK_METHODS:
             return False

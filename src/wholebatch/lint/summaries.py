@@ -26,11 +26,13 @@ Nothing here imports or runs the code it reads.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
+from wholebatch.lint.frameworks import masks_labels
 from wholebatch.lint.names import (
     counts_items,
     dotted,
@@ -54,7 +56,13 @@ from wholebatch.lint.scope import (
     Scope,
 )
 
-__all__ = ["Resolver", "unconditional"]
+__all__ = [
+    "Resolver",
+    "count_unless",
+    "none_default",
+    "unconditional",
+    "writes_masked_labels",
+]
 
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
 _KINDS = frozenset({BACKWARD, ZERO, STEP, SETGRAD, UNSCALE, CLIP})
@@ -128,6 +136,7 @@ class Resolver:
         self._busy: set[int] = set()
         self._resolved: dict[int, tuple[Facts, bool] | None] = {}
         self._forward: dict[int, frozenset[str]] = {}
+        self._masks: bool | None = None
         self._sites: dict[int, list[tuple[Scope, ast.Call, Facts, bool]]] = {}
         self._subclasses: dict[int, list[ast.ClassDef]] | None = None
         # Which kinds of mean the file's text can hold at all (`_may_return_mean`), read
@@ -358,19 +367,36 @@ class Resolver:
                         out.append((caller, call, r[0], r[1]))
         return out
 
-    def forward_tags(self, call: ast.Call, scope: Scope) -> frozenset[str]:
+    def masks_labels(self) -> bool:
+        """Are masked label values written in this file, or in a file imported alongside
+        it (`writes_masked_labels`)? Read once."""
+        if self._masks is None:
+            p = self.program
+            self._masks = (
+                self.ctx.path in p.masked_values
+                if p is not None
+                else writes_masked_labels(self.ctx.source)
+            )
+        return self._masks
+
+    def forward_tags(
+        self, call: ast.Call, scope: Scope, *, by_target: bool = False
+    ) -> frozenset[str]:
         """The mean tags (`V`, `v`) of what a module of the run returns, called through a
         name: `net(x)` after `net = Net(...)` (or `DDP(Net(...))`), `self.model(x)`, or a
         parameter (`model(x)` in `train(model, ...)`) given such an instance where this
-        file calls the function. nn.Module's `__call__` runs `forward`."""
+        file calls the function. nn.Module's `__call__` runs `forward`. `by_target`: the
+        call names no labels, so the forward's mean counts only where its
+        sentinel-ignoring loss takes its target from a parameter the call binds (`t:`
+        tags, `dataflow`)."""
         key = id(call)
         hit = self._forward.get(key)
         if hit is None:
             self._forward[key] = frozenset()  # recursion: nothing
-            hit = self._forward[key] = self._forward_tags(call, scope)
+            hit = self._forward[key] = self._forward_tags(call, scope, by_target)
         return hit
 
-    def _forward_tags(self, call: ast.Call, scope: Scope) -> frozenset[str]:
+    def _forward_tags(self, call: ast.Call, scope: Scope, by_target: bool) -> frozenset[str]:
         d = dotted(call.func)
         if d is None:
             return frozenset()
@@ -389,8 +415,13 @@ class Resolver:
         out: set[str] = set()
         for c in sorted(classes):
             fw = self._forward_of(c)
+            if by_target and fw is not None and fw.returns:
+                binds = {p for p, _ in fw.bind(call, True)}
+                if not any(t[:2] == "t:" and t[2:] in binds for t in fw.returns):
+                    continue
             if fw is not None and fw.returns:
-                out |= fw.returns & {"V", "v"}
+                # with a tuple's element-wise mean tags (`return logits, loss`)
+                out |= {t for t in fw.returns if t in ("V", "v") or t[:1] == "@"}
         return frozenset(out)
 
     def _forward_of(self, cls: str) -> Facts | None:
@@ -500,11 +531,13 @@ class Resolver:
                     collective = (q, (hop,))
                     break
         on_path_calls: set[int] | None = None
+        calls_mean = False  # it calls a function that returns a mean (`masked_mean(...)`)
         for call, _ in scope.local_calls:
             r = self.resolve(call, scope)
             if r is None:
                 continue
             f = r[0]
+            calls_mean = calls_mean or (f.returns is not None and _returns_mean(f.returns))
             reduces = reduces or f.reduces
             gathers = gathers or f.gathers
             nograd_gathers = nograd_gathers or f.nograd_gathers
@@ -522,7 +555,9 @@ class Resolver:
                     )
                     collective = (f.collective[0], (hop, *f.collective[1]))
         tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
-        mean = not tagged and _may_return_mean(scope, self._hints)
+        mean = not tagged and (
+            (calls_mean and _returns_value(scope)) or _may_return_mean(scope, self._hints)
+        )
         steps = _returns_step_count(scope)
         if not (effects or collective or reduces or tagged or mean or steps):
             return shell
@@ -673,7 +708,11 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
         hints.counts
         and scope.divs
         and (
-            any(isinstance(d, ast.BinOp) and counts_items(d.right) for d in scope.divs)
+            any(
+                isinstance(d, ast.BinOp)
+                and (counts_items(d.right) or count_unless(d.right, scope) is not None)
+                for d in scope.divs
+            )
             or any(
                 isinstance(st.node, ast.Assign) and is_count_expr(st.node.value)
                 for st in scope.stmts
@@ -703,8 +742,62 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
     return False
 
 
+def writes_masked_labels(text: str) -> bool:
+    """Does this source write masked label values (`masked_fill(~m, -100)`, a collator
+    that pads labels, `IGNORE_INDEX = -100`), not only name one in a loss's
+    `ignore_index=` (a language model's own file, which pre-training on packed blocks
+    never uses)? `frameworks.masks_labels` over the text without its `ignore_index=`s."""
+    if "ignore_index" in text:
+        text = _IGNORE_KW_RE.sub("", text)
+    return masks_labels(text)
+
+
+_IGNORE_KW_RE = re.compile(r"\bignore_index\s*=\s*[-\w.]*")
+
+
+def count_unless(node: ast.expr, scope: Scope) -> str | None:
+    """The parameter P when `node` counts a micro-batch's items unless the caller sets P:
+    `mask.sum(axis=axis)` (or `dim=`) in a function whose `axis` defaults to None, such as
+    `masked_mean(values, mask, axis=None)`, a token mean where it is called without one
+    and a per-row mean with one. None otherwise."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "sum"
+        and not node.args
+        and len(node.keywords) == 1
+        and node.keywords[0].arg in ("dim", "axis")
+        and isinstance(node.keywords[0].value, ast.Name)
+    ):
+        return None
+    name = node.keywords[0].value.id
+    return name if none_default(scope, name) else None
+
+
+def none_default(scope: Scope, name: str) -> bool:
+    """Is `name` a parameter of the scope's function that defaults to None?"""
+    if isinstance(scope.node, ast.Module):
+        return False
+    a = scope.node.args
+    positional = (*a.posonlyargs, *a.args)
+    pairs = [
+        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
+        *((k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None),
+    ]
+    return any(
+        arg.arg == name and isinstance(default, ast.Constant) and default.value is None
+        for arg, default in pairs
+    )
+
+
 # Text without any of these has no item count to divide by (`names.counts_items`).
 _COUNT_WORDS = (".sum(", "count_nonzero", "tok", "item", "valid")
+
+
+def _returns_mean(tags: frozenset[str]) -> bool:
+    """Do a function's return tags hold a mean over a micro-batch's items (perhaps one
+    that depends on a `dim` argument, `W:`)?"""
+    return any(t in _MEAN_TAGS or t.startswith("W:") for t in tags)
 
 
 def _returns_value(scope: Scope) -> bool:
