@@ -15,6 +15,18 @@ miss, the good twin of a false alarm):
 - `fixed-weight-table` (WB301, a false alarm): a weight table built by `torch.arange`
   and normalised by its own sum is no mean over a data-dependent count.
 
+Three more kinds (issue 33, METER and nanotron), each misjudged by the lint of 1c57c5d:
+
+- `lightning-own-forward` (WB301, a miss): `output = self(batch)` in `training_step`
+  runs the class's own `forward`, which collects the objectives' dicts
+  (`ret.update(compute_mlm(self, batch))`), while the Trainer accumulates
+  (`accumulate_grad_batches=grad_steps`, computed from the config).
+- `lightning-accumulates-one` (WB301, a false alarm): `grad_steps = 1`, the only
+  assignment of the name given as `accumulate_grad_batches`: no accumulation.
+- `label-mask-by-position` (WB301, a miss): a pipeline engine divides each micro-batch's
+  model `loss` by the number of micro-batches, and the package's data module sets the
+  label mask on each sample's completion tokens only (`label_mask[i, p:n] = True`).
+
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus2_twins.py -q
 """
 
@@ -148,6 +160,88 @@ _BELL = (
 # The tokens of this micro-batch that a length mask keeps: a count that varies.
 _LENGTHS = "w = (torch.arange(num_steps)[None, :] < mask.sum(-1)[:, None]).float()"
 
+_LIGHTNING = """
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+def compute_mlm(module, batch):
+    logits = module.head(batch["text"])
+    mlm_loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    return {{"mlm_loss": mlm_loss, "mlm_logits": logits}}
+
+
+class Pretrain(pl.LightningModule):
+    def forward(self, batch):
+        ret = dict()
+        ret.update(compute_mlm(self, batch))
+        return ret
+
+    def training_step(self, batch, batch_idx):
+        {output}
+        total_loss = sum([v for k, v in output.items() if "loss" in k])
+        return total_loss{mark}
+
+
+def main(config):
+    {steps}
+    trainer = pl.Trainer(accumulate_grad_batches=grad_steps, max_steps=config["max_steps"])
+    trainer.fit(Pretrain())
+"""
+_GRAD_STEPS = 'grad_steps = max(config["batch_size"] // config["per_gpu_batchsize"], 1)'
+
+# A pipeline engine that divides each micro-batch's `loss` by the number of micro-batches;
+# the data module of the same package builds the label mask the model's mean counts.
+_ENGINE = """
+class PipelineEngine:
+    def __init__(self, nb_microbatches):
+        self.nb_microbatches = nb_microbatches
+
+    def forward(self, micro_batch, model):
+        output = model(**micro_batch)
+        output["loss"] = output["loss"] / self.nb_microbatches{mark}
+        output["loss"].backward()
+        return output
+"""
+_DATA = """
+import torch
+
+
+def collate(samples, seq_length):
+    input_ids = torch.tensor([s["ids"] for s in samples])
+    {mask}
+    return {{"input_ids": input_ids, "label_mask": label_mask}}
+"""
+# The completion tokens of each sample only: as many as that sample has.
+_COMPLETIONS = (
+    "label_mask = torch.zeros((len(samples), seq_length), dtype=torch.bool)\n"
+    "    for i, s in enumerate(samples):\n"
+    '        label_mask[i, s["prompt_length"]:s["length"]] = True'
+)
+_TRAIN = """
+from pkg.data import collate
+from pkg.engine import PipelineEngine
+
+
+def train(model, loader, optimizer, k):
+    engine = PipelineEngine(k)
+    for micro_batches in loader:
+        for mb in micro_batches:
+            engine.forward(collate(mb, 2048), model)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+def _pipeline(mask: str, mark: str) -> Twin:
+    return {
+        "pkg/__init__.py": "",
+        "pkg/engine.py": _ENGINE.format(mark=mark),
+        "pkg/data.py": _DATA.format(mask=mask),
+        "pkg/train.py": _TRAIN,
+    }
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "amp-branch-clip": (
         {"train.py": _AMP.format(unscale="pass", mark="  # expect: WB303")},
@@ -166,6 +260,39 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "count-and-steps": (
         {"train.py": _PASSES.format(total="", count=_PER_PASS)},
         {"train.py": _PASSES.format(total=_TOTAL, count=_PER_STEP)},
+    ),
+    "lightning-own-forward": (
+        {
+            "train.py": _LIGHTNING.format(
+                output="output = self(batch)", mark="  # expect: WB301", steps=_GRAD_STEPS
+            )
+        },
+        # The objectives' sum over the tokens: Lightning's 1/k scales every token alike.
+        {
+            "train.py": _LIGHTNING.format(
+                output="output = self(batch)", mark="", steps=_GRAD_STEPS
+            ).replace("ignore_index=-100)", 'ignore_index=-100, reduction="sum")')
+        },
+    ),
+    "lightning-accumulates-one": (
+        {
+            "train.py": _LIGHTNING.format(
+                output="output = compute_mlm(self, batch)",
+                mark="  # expect: WB301",
+                steps=_GRAD_STEPS,
+            )
+        },
+        # Every assignment of the name is a literal 1: the Trainer does not accumulate.
+        {
+            "train.py": _LIGHTNING.format(
+                output="output = compute_mlm(self, batch)", mark="", steps="grad_steps = 1"
+            )
+        },
+    ),
+    "label-mask-by-position": (
+        _pipeline(_COMPLETIONS, "  # expect: WB301"),
+        # Pre-training: every token counts, the same number in every micro-batch.
+        _pipeline("label_mask = torch.ones_like(input_ids, dtype=torch.bool)", ""),
     ),
     "fixed-weight-table": (
         {"train.py": _WEIGHTS.format(table=_LENGTHS, mark="  # expect: WB301")},

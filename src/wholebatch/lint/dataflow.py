@@ -80,6 +80,9 @@ from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver, count_unless, none_default
 
+# The tags of a mean over a micro-batch's items, which a module's own `forward` passes on.
+_MEAN_TAGS = frozenset({"V", "v", "L"})
+
 __all__ = ["Flow", "returned_tags"]
 
 # Calls that add up their input: after one of these, gathered gradients are summed.
@@ -391,6 +394,9 @@ class Flow:
                     reducer = reducer or last_name(n.func) in _REDUCERS
                     out |= self._from_call(n, r[0], r[1])
                     continue
+                fw = self._own_forward(n)
+                if fw is not None:
+                    out |= self._forward_returns(fw)
                 gathered = self._value_gather(n)
                 if gathered is not None:
                     out |= gathered
@@ -626,6 +632,51 @@ class Flow:
             and _token_inputs(expr)
             and _given_labels(expr)
         )
+
+    def _own_forward(self, call: ast.Call) -> ast.Call | None:
+        """`self.forward(x)` for `self(x)` in a method: nn.Module's `__call__` runs the
+        class's own `forward` (a LightningModule's `training_step` calling `output =
+        self(batch)`), whose return is read like any method of the class. The call is
+        made once per node and kept on it, so the resolver's caches (by `id`) stay sound."""
+        if not (
+            isinstance(call.func, ast.Name)
+            and call.func.id == "self"
+            and self.scope.cls is not None
+        ):
+            return None
+        made: ast.Call | None = getattr(call, "_wb_forward", None)
+        if made is None:
+            func = ast.copy_location(
+                ast.Attribute(value=call.func, attr="forward", ctx=ast.Load()), call.func
+            )
+            made = ast.copy_location(
+                ast.Call(func=func, args=call.args, keywords=call.keywords), call
+            )
+            call._wb_forward = made  # type: ignore[attr-defined]  # kept with the tree
+        return made
+
+    def _forward_returns(self, fw: ast.Call) -> set[str]:
+        """The tags `self.forward(...)` returns (`_own_forward`): its summary's, or where
+        the summary keeps none (a forward that only collects what the objectives'
+        helpers return: `ret.update(compute_mlm(self, batch))`), the mean tags of the
+        walk of the class's own `forward`."""
+        r = self.resolver.resolve(fw, self.scope)
+        if r is None:
+            return set()
+        facts, bound = r
+        cls = self.scope.cls
+        own = next(
+            (
+                b
+                for b in (cls.body if cls is not None else ())
+                if isinstance(b, ast.FunctionDef | ast.AsyncFunctionDef) and b.name == "forward"
+            ),
+            None,
+        )
+        returns_fn = self.resolver.returns_fn
+        if facts.returns is None and own is not None and returns_fn is not None:
+            facts = replace(facts, returns=returns_fn(self.ctx.scope_of[id(own)]) & _MEAN_TAGS)
+        return self._from_call(fw, facts, bound) if facts.returns is not None else set()
 
     def _forward_call(self, func: ast.expr) -> bool:
         """Is this the call of a module (a forward pass): a variable that is not an
@@ -997,6 +1048,7 @@ class Flow:
             "extend",
             "insert",
             "copy_",
+            "update",  # `ret.update(compute_mlm(self, batch))`: a dict of the objectives
         ):
             added: set[str] = set()
             for arg in call.args:

@@ -125,12 +125,15 @@ _ALL = (
 FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 
 # Text that shows labels masked out of a token loss, so its count varies from one
-# micro-batch to the next: a -100 label, `ignore_index`, a collator that pads labels.
+# micro-batch to the next: a -100 label, `ignore_index`, a collator that pads labels, a
+# label or loss mask set by position (`label_mask[i, prompt_len:length] = True`: the
+# completion tokens of a fine-tuning sample, as many as that sample has).
 _MASKED_RE = re.compile(
     r"\bignore_index\b|\blabel_pad_token_id\b|DataCollatorFor(?:Seq2Seq|LanguageModeling|"
     r"TokenClassification|CompletionOnlyLM)|[=(,\[]\s*-100(?![\d.])"
+    r"|\b(?:label|loss)_mask\[[^\n]*?\]\s*=(?!=)\s*(?:True|False|[01](?:\.0)?)\b"
 )
-_MASKED_WORDS = ("ignore_index", "label_pad_token_id", "DataCollatorFor", "-100")
+_MASKED_WORDS = ("ignore_index", "label_pad_token_id", "DataCollatorFor", "-100", "_mask[")
 
 
 def masks_labels(text: str) -> bool:
@@ -178,12 +181,29 @@ class Evidence:
                 any(w in text for w in _FP16_WORDS)
                 or ("precision" in text and _FP16_RE.search(text) is not None)
             )
-            accum = accum or (
-                "accumulate_grad_batches" in text and _LIGHTNING_ACCUM_RE.search(text) is not None
-            )
+            accum = accum or ("accumulate_grad_batches" in text and _accumulates(text))
             if fp16 and accum:
                 break
         return cls(fp16=fp16, lightning_accumulates=accum)
+
+
+def _accumulates(text: str) -> bool:
+    """Does this text give a Trainer an accumulation that may be more than 1? A literal
+    but 1, or any expression (`accumulate_grad_batches=grad_steps`, computed from the
+    config: it may accumulate), unless it is a name every assignment of which in this
+    text is a literal 1 (`k = 1`, then `accumulate_grad_batches=k`)."""
+    for m in _LIGHTNING_ACCUM_RE.finditer(text):
+        name = _NAME_RE.match(text, m.end() - 1)
+        if name is None:
+            return True
+        values = re.findall(rf"(?<![\w.]){re.escape(name[1])}\s*=(?!=)\s*([^\s,)#]+)", text)
+        if not values or any(v != "1" for v in values):
+            return True
+    return False
+
+
+# The value of an `accumulate_grad_batches=` that is a bare name: `grad_steps,`.
+_NAME_RE = re.compile(r"([A-Za-z_]\w*)\s*(?=[,)\n#]|$)")
 
 
 def lightning_class(cls: ast.ClassDef | None) -> bool:
