@@ -10,6 +10,10 @@ miss, the good twin of a false alarm):
 - `deepspeed-backward` (WB301, a miss): DeepSpeed's engine divides by the steps itself.
 - `deepspeed-pipeline-loss` (WB301, a miss): so does its PipelineEngine, with what the
   `loss_fn=` of a PipelineModule returns (Megatron-DeepSpeed's GPTModelPipe).
+- `megatron-schedules-loss` (WB301, a miss; issue 33, misjudged by the lint of 0ab77b5):
+  Megatron's pipeline schedules divide what the loss function returns by the number of
+  micro-batches, the function a forward step hands over as `partial(loss_func, mask)`
+  (Megatron-DeepSpeed's pretrain_t5.py, TinyZero's Megatron actor).
 - `count-and-steps` (WB301, a miss): this micro-batch's token count and the number of
   micro-batches in one denominator.
 - `fixed-weight-table` (WB301, a false alarm): a weight table built by `torch.arange`
@@ -39,7 +43,12 @@ import pytest
 
 from benchmarks.lint_twins import expected, write
 from wholebatch.lint import lint_paths
-from wholebatch.lint.frameworks import FACTS, deepspeed_divides, deepspeed_engines
+from wholebatch.lint.frameworks import (
+    FACTS,
+    deepspeed_divides,
+    deepspeed_engines,
+    megatron_losses,
+)
 from wholebatch.lint.names import Imports
 
 Twin = dict[str, str]
@@ -102,6 +111,38 @@ def get_cross_entropy(seq_len):
 class GPTPipe(PipelineModule):
     def __init__(self, specs, seq_len):
         super().__init__(layers=specs, loss_fn=get_cross_entropy(seq_len))
+"""
+
+_MEGATRON = """
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    {count}
+    loss = torch.sum(losses * loss_mask.view(-1)) / count
+    return loss, {{"lm loss": loss.detach()}}{mark}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask = next(data_iterator)
+    output_tensor = model(tokens, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_step(model, data_iterator, num_microbatches, seq_length, micro_batch_size):
+    forward_backward_func = get_forward_backward_func()
+    return forward_backward_func(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+    )
 """
 
 _PASSES = """
@@ -257,6 +298,11 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         # The tokens a micro-batch holds, padding included: the same count every time.
         {"train.py": _PIPE.format(count="count = loss_mask.size(0) * seq_len", mark="")},
     ),
+    "megatron-schedules-loss": (
+        {"train.py": _MEGATRON.format(count="count = loss_mask.sum()", mark="  # expect: WB301")},
+        # The tokens a micro-batch holds, padding included: the same count every time.
+        {"train.py": _MEGATRON.format(count="count = loss_mask.numel()", mark="")},
+    ),
     "count-and-steps": (
         {"train.py": _PASSES.format(total="", count=_PER_PASS)},
         {"train.py": _PASSES.format(total=_TOTAL, count=_PER_STEP)},
@@ -344,3 +390,25 @@ def test_deepspeed_engine_is_the_one_initialize_returned() -> None:
         if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("backward")
     ]
     assert [deepspeed_divides(c, engines) for c in calls] == [None, FACTS["deepspeed-backward"]]
+
+
+def test_megatron_loss_is_the_one_a_forward_step_returns() -> None:
+    # `megatron-schedules-loss`: the function a forward step (named so, or given as
+    # `forward_step_func=`) returns beside its output, through functools.partial or by
+    # name; not a partial of another function, nor one returned by any other function.
+    src = (
+        "import functools\n"
+        "def step(it, model):\n"
+        "    return model(next(it)), functools.partial(lm_loss, mask)\n"
+        "def forward_step(it, model):\n"
+        "    return model(next(it)), plain_loss\n"
+        "def helper(x):\n"
+        "    return x, functools.partial(other_loss, x)\n"
+        "run(forward_step_func=step)\n"
+    )
+    tree = ast.parse(src)
+    imports = Imports()
+    first = tree.body[0]
+    assert isinstance(first, ast.Import)
+    imports.add(first)
+    assert megatron_losses(tree, imports.qualname) == {"lm_loss", "plain_loss"}

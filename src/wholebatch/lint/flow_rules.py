@@ -19,11 +19,13 @@ from wholebatch.lint.accum import accumulation_trips, count_over_steps, factors
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.frameworks import (
     FACTS,
+    Fact,
     deepspeed_divides,
     deepspeed_engines,
     divides_by_steps,
     lightning_class,
     masks_labels,
+    megatron_losses,
     pipeline_losses,
 )
 from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
@@ -192,6 +194,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
         accum = True  # a framework that divides by the steps itself
     if not accum and _pipeline_loss(resolver.ctx, scope):
         accum = True  # DeepSpeed's PipelineEngine divides its return by the steps
+    if not accum and _megatron_loss(resolver.ctx, scope):
+        accum = True  # Megatron's schedules divide its return by the micro-batches
     if not accum and _deepspeed_backward(resolver.ctx, scope):
         accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
@@ -209,6 +213,17 @@ def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
         and _imports_deepspeed(ctx)
         and "PipelineModule" in ctx.source
         and scope.name in pipeline_losses(ctx.tree, ctx.imports.qualname)
+    )
+
+
+def _megatron_loss(ctx: FileContext, scope: Scope) -> bool:
+    """Is the scope a loss function the file's forward step hands Megatron's schedules
+    (`frameworks.megatron_losses`), in a file that imports megatron?"""
+    return (
+        not isinstance(scope.node, ast.Module)
+        and "forward_step" in ctx.source
+        and any(q.partition(".")[0] == "megatron" for q in ctx.imports.aliases.values())
+        and scope.name in megatron_losses(ctx.tree, ctx.imports.qualname)
     )
 
 
@@ -288,7 +303,13 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         and ctx.evidence.lightning_accumulates
         and _lightning(ctx.resolver, scope)
     )
-    pipe_loss = _pipeline_loss(ctx, scope)
+    pipe_loss = (
+        FACTS["deepspeed-pipeline-loss"]
+        if _pipeline_loss(ctx, scope)
+        else FACTS["megatron-schedules-loss"]
+        if _megatron_loss(ctx, scope)
+        else None
+    )
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
     trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
@@ -317,8 +338,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         if isinstance(node, ast.Return) and node.value is not None:
             if lightning_step:
                 found += _lightning_divides(ctx, flow, node)
-            if pipe_loss:
-                found += _pipeline_divides(ctx, flow, scope, node)
+            if pipe_loss is not None:
+                found += _pipeline_divides(ctx, flow, scope, node, pipe_loss)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs
@@ -411,20 +432,24 @@ def _lightning_divides(ctx: FileContext, flow: Flow, node: ast.Return) -> list[F
 
 
 def _pipeline_divides(
-    ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return
+    ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return, fact: Fact
 ) -> list[Finding]:
-    """WB301 for a PipelineModule's `loss_fn` that returns a per-micro-batch mean
-    (`frameworks.FACTS["deepspeed-pipeline-loss"]`), reported where the returned name
-    takes its mean (its last assignment before the return), else at the return."""
+    """WB301 for a loss function whose return a framework divides by the steps (`fact`:
+    a PipelineModule's `loss_fn`, `deepspeed-pipeline-loss`; the loss function of a
+    Megatron forward step, `megatron-schedules-loss`, whose loss is the first of the
+    `(loss, stats)` it returns) that returns a per-micro-batch mean, reported where the
+    returned name takes its mean (its last assignment before the return), else (and for
+    a tuple, which hands the loss over) at the return."""
     assert node.value is not None
-    msg = _msg301(
-        ctx, flow.tags(node.value), node.value, None, by=FACTS["deepspeed-pipeline-loss"].says
-    )
+    value = node.value
+    if fact.framework == "megatron" and isinstance(value, ast.Tuple) and value.elts:
+        value = value.elts[0]
+    msg = _msg301(ctx, flow.tags(value), value, None, by=fact.says)
     if not msg:
         return []
     where: ast.AST = node
-    if isinstance(node.value, ast.Name):
-        name = node.value.id
+    if isinstance(value, ast.Name) and value is node.value:
+        name = value.id
         for st in scope.stmts:
             n = st.node
             if (

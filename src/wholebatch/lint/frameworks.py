@@ -28,6 +28,7 @@ __all__ = [
     "divides_by_steps",
     "lightning_class",
     "masks_labels",
+    "megatron_losses",
     "pipeline_losses",
     "scaled_grads_hook",
 ]
@@ -82,6 +83,16 @@ _ALL = (
         where="deepspeed/runtime/pipe/engine.py: PipelineEngine._exec_forward_pass "
         "(`self.loss = self.module.loss_fn(outputs, labels)`) -> _exec_backward_pass -> "
         "DeepSpeedEngine.backward (`_scale_loss_by_gas`)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="megatron-schedules-loss",
+        framework="megatron",
+        says="Megatron's pipeline schedules divide what the loss function a forward step "
+        "returns gives back by the number of micro-batches (one call per micro-batch)",
+        where="megatron/core/pipeline_parallel/schedules.py (Megatron-DeepSpeed: "
+        "megatron/schedules.py): forward_step (`output_tensor, loss_func = "
+        "forward_step_func(data_iterator, model)`; `loss / num_microbatches`)",
         rules=("WB301",),
     ),
     Fact(
@@ -332,6 +343,37 @@ def _returned_functions(maker: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
         for r in ast.walk(maker)
         if isinstance(r, ast.Return) and isinstance(r.value, ast.Name) and r.value.id in nested
     }
+
+
+def megatron_losses(tree: ast.Module, qualname: Callable[[ast.expr], str | None]) -> set[str]:
+    """The names of the loss functions a file hands Megatron's pipeline schedules: the
+    `f` of `partial(f, ...)` (or `f` itself) in the returned tuple of a forward step, a
+    function given as `forward_step_func=` or named `forward_step` (Megatron's name for
+    the function `pretrain(..., forward_step, ...)` and `get_forward_backward_func()(...)`
+    call: it returns `(output_tensor, loss_func)`)."""
+    steps = {"forward_step"}
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call):
+            for k in call.keywords:
+                if k.arg == "forward_step_func" and isinstance(k.value, ast.Name):
+                    steps.add(k.value.id)
+    out: set[str] = set()
+    for f in ast.walk(tree):
+        if not (isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name in steps):
+            continue
+        for r in ast.walk(f):
+            if not (isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)):
+                continue
+            last = r.value.elts[-1] if len(r.value.elts) == 2 else None
+            if (
+                isinstance(last, ast.Call)
+                and (qualname(last.func) or "") == "functools.partial"
+                and last.args
+            ):
+                last = last.args[0]
+            if isinstance(last, ast.Name):
+                out.add(last.id)
+    return out
 
 
 def scaled_grads_hook(cls: ast.ClassDef | None, method: str, evidence: Evidence) -> Fact | None:
