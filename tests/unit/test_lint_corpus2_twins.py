@@ -92,6 +92,23 @@ class GPTPipe(PipelineModule):
         super().__init__(layers=specs, loss_fn=get_cross_entropy(seq_len))
 """
 
+_CRITERION = """
+import torch.nn.functional as F
+from fairseq.criterions import FairseqCriterion, register_criterion
+
+
+@register_criterion("masked_tokens")
+class MaskedTokensCriterion(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        logits = model(**sample["net_input"])[0]
+        target = sample["target"].view(-1)
+        loss = F.nll_loss(
+            logits.view(-1, logits.size(-1)), target, ignore_index=self.padding_idx, {reduction}
+        )
+        {size}
+        return loss, sample_size, {{"loss": loss.data, "sample_size": sample_size}}
+"""
+
 _PASSES = """
 def train(model, batches, optimizer, examples_per_rank, num_steps):
     for step in range(num_steps):
@@ -162,6 +179,22 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         {"train.py": _PIPE.format(count="count = loss_mask.sum()", mark="  # expect: WB301")},
         # The tokens a micro-batch holds, padding included: the same count every time.
         {"train.py": _PIPE.format(count="count = loss_mask.size(0) * seq_len", mark="")},
+    ),
+    "fairseq-criterion": (
+        # A token mean with sample_size 1: the trainer divides the summed micro-batch
+        # means by the number of micro-batches.
+        {
+            "criterion.py": _CRITERION.format(
+                reduction='reduction="mean"', size="sample_size = 1  # expect: WB301"
+            )
+        },
+        # A sum with its token count: the trainer's division by the summed counts is exact.
+        {
+            "criterion.py": _CRITERION.format(
+                reduction='reduction="sum" if reduce else "none"',
+                size='sample_size = sample["ntokens"]',
+            )
+        },
     ),
     "count-and-steps": (
         {"train.py": _PASSES.format(total="", count=_PER_PASS)},
