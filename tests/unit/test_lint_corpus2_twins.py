@@ -250,3 +250,58 @@ def test_deepspeed_engine_is_the_one_initialize_returned() -> None:
         if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("backward")
     ]
     assert [deepspeed_divides(c, engines) for c in calls] == [None, FACTS["deepspeed-backward"]]
+
+
+def test_criterion_helpers_are_read_by_their_own_bodies(tmp_path: Path) -> None:
+    # A criterion's loss is what its helpers return: a helper of the run given
+    # `ignore_index=` that sums (fairseq's label_smoothed_nll_loss), or one whose mean
+    # default the call overrides with reduction="sum", is no mean; the same helper left
+    # at its default "mean" is.
+    helpers = """
+import torch.nn.functional as F
+
+
+def smoothed_nll(lprobs, target, ignore_index=None, reduce=True):
+    nll = -lprobs.gather(dim=-1, index=target.unsqueeze(-1))
+    if ignore_index is not None:
+        nll.masked_fill_(target.eq(ignore_index).unsqueeze(-1), 0.0)
+    return nll.sum() if reduce else nll
+
+
+def token_ce(logits, target, ignore_index=-100, reduction="mean"):
+    return F.nll_loss(logits, target, ignore_index=ignore_index, reduction=reduction)
+"""
+    criterion = """
+from fairseq.criterions import FairseqCriterion
+
+from pkg.helpers import smoothed_nll, token_ce
+
+
+class Smoothed(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        lprobs = model(**sample["net_input"])[0]
+        loss = smoothed_nll(lprobs, sample["target"], ignore_index=self.padding_idx)
+        sample_size = sample["ntokens"]
+        return loss, sample_size, {{}}
+
+
+class Tokens(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        logits = model(**sample["net_input"])[0]
+        loss = token_ce(logits, sample["target"], ignore_index=self.padding_idx{red})
+        sample_size = sample["ntokens"]{mark}
+        return loss, sample_size, {{}}
+"""
+    for red, mark in ((', reduction="sum"', ""), ("", "  # expect: WB301")):
+        root = tmp_path / str(len(mark))
+        write(
+            root,
+            {
+                "pkg/__init__.py": "",
+                "pkg/helpers.py": helpers,
+                "pkg/criterion.py": criterion.format(red=red, mark=mark),
+            },
+        )
+        findings, _ = lint_paths([root])
+        got = sorted([Path(f.path).relative_to(root).as_posix(), f.line, f.code] for f in findings)
+        assert got == expected(root), [f.message for f in findings]
