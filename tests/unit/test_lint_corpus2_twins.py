@@ -145,6 +145,23 @@ def train_step(model, data_iterator, num_microbatches, seq_length, micro_batch_s
     )
 """
 
+_CRITERION = """
+import torch.nn.functional as F
+from fairseq.criterions import FairseqCriterion, register_criterion
+
+
+@register_criterion("masked_tokens")
+class MaskedTokensCriterion(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        logits = model(**sample["net_input"])[0]
+        target = sample["target"].view(-1)
+        loss = F.nll_loss(
+            logits.view(-1, logits.size(-1)), target, ignore_index=self.padding_idx, {reduction}
+        )
+        {size}
+        return loss, sample_size, {{"loss": loss.data, "sample_size": sample_size}}
+"""
+
 _PASSES = """
 def train(model, batches, optimizer, examples_per_rank, num_steps):
     for step in range(num_steps):
@@ -303,6 +320,22 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         # The tokens a micro-batch holds, padding included: the same count every time.
         {"train.py": _MEGATRON.format(count="count = loss_mask.numel()", mark="")},
     ),
+    "fairseq-criterion": (
+        # A token mean with sample_size 1: the trainer divides the summed micro-batch
+        # means by the number of micro-batches.
+        {
+            "criterion.py": _CRITERION.format(
+                reduction='reduction="mean"', size="sample_size = 1  # expect: WB301"
+            )
+        },
+        # A sum with its token count: the trainer's division by the summed counts is exact.
+        {
+            "criterion.py": _CRITERION.format(
+                reduction='reduction="sum" if reduce else "none"',
+                size='sample_size = sample["ntokens"]',
+            )
+        },
+    ),
     "count-and-steps": (
         {"train.py": _PASSES.format(total="", count=_PER_PASS)},
         {"train.py": _PASSES.format(total=_TOTAL, count=_PER_STEP)},
@@ -412,3 +445,58 @@ def test_megatron_loss_is_the_one_a_forward_step_returns() -> None:
     assert isinstance(first, ast.Import)
     imports.add(first)
     assert megatron_losses(tree, imports.qualname) == {"lm_loss", "plain_loss"}
+
+
+def test_criterion_helpers_are_read_by_their_own_bodies(tmp_path: Path) -> None:
+    # A criterion's loss is what its helpers return: a helper of the run given
+    # `ignore_index=` that sums (fairseq's label_smoothed_nll_loss), or one whose mean
+    # default the call overrides with reduction="sum", is no mean; the same helper left
+    # at its default "mean" is.
+    helpers = """
+import torch.nn.functional as F
+
+
+def smoothed_nll(lprobs, target, ignore_index=None, reduce=True):
+    nll = -lprobs.gather(dim=-1, index=target.unsqueeze(-1))
+    if ignore_index is not None:
+        nll.masked_fill_(target.eq(ignore_index).unsqueeze(-1), 0.0)
+    return nll.sum() if reduce else nll
+
+
+def token_ce(logits, target, ignore_index=-100, reduction="mean"):
+    return F.nll_loss(logits, target, ignore_index=ignore_index, reduction=reduction)
+"""
+    criterion = """
+from fairseq.criterions import FairseqCriterion
+
+from pkg.helpers import smoothed_nll, token_ce
+
+
+class Smoothed(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        lprobs = model(**sample["net_input"])[0]
+        loss = smoothed_nll(lprobs, sample["target"], ignore_index=self.padding_idx)
+        sample_size = sample["ntokens"]
+        return loss, sample_size, {{}}
+
+
+class Tokens(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        logits = model(**sample["net_input"])[0]
+        loss = token_ce(logits, sample["target"], ignore_index=self.padding_idx{red})
+        sample_size = sample["ntokens"]{mark}
+        return loss, sample_size, {{}}
+"""
+    for red, mark in ((', reduction="sum"', ""), ("", "  # expect: WB301")):
+        root = tmp_path / str(len(mark))
+        write(
+            root,
+            {
+                "pkg/__init__.py": "",
+                "pkg/helpers.py": helpers,
+                "pkg/criterion.py": criterion.format(red=red, mark=mark),
+            },
+        )
+        findings, _ = lint_paths([root])
+        got = sorted([Path(f.path).relative_to(root).as_posix(), f.line, f.code] for f in findings)
+        assert got == expected(root), [f.message for f in findings]

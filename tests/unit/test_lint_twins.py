@@ -52,6 +52,7 @@ _DECIDED_BY = {
     "deepspeed-backward": "deepspeed-backward",  # tests/unit/test_lint_corpus2_twins.py
     "deepspeed-pipeline-loss": "deepspeed-pipeline-loss",  # the same
     "megatron-schedules-loss": "megatron-schedules-loss",  # the same
+    "fairseq-criterion": "fairseq-criterion",  # the same
     "lightning-accumulation": "lightning-accumulation",
     "lightning-after-backward": "lightning-16-mixed-hook",
     "distributed-autograd": "distributed-autograd-context",

@@ -73,12 +73,13 @@ from wholebatch.lint.names import (
     dotted,
     is_count_expr,
     is_rank_ref,
+    is_sum_reduction,
     last_name,
     position,
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
-from wholebatch.lint.summaries import Resolver, count_unless, none_default
+from wholebatch.lint.summaries import Resolver, count_unless, none_default, param_default
 
 # The tags of a mean over a micro-batch's items, which a module's own `forward` passes on.
 _MEAN_TAGS = frozenset({"V", "v", "L"})
@@ -107,8 +108,7 @@ def _kwarg(call: ast.Call, names: tuple[str, ...]) -> ast.expr | None:
 
 
 def _sum_reduction(call: ast.Call) -> bool:
-    red = _kwarg(call, ("reduction",))
-    return isinstance(red, ast.Constant) and red.value in ("sum", "none")
+    return is_sum_reduction(_kwarg(call, ("reduction",)))
 
 
 def _to_number(func: ast.expr) -> bool:
@@ -392,7 +392,10 @@ class Flow:
                 r = self.resolver.resolve(n, self.scope)
                 if r is not None and r[0].returns is not None:
                     reducer = reducer or last_name(n.func) in _REDUCERS
-                    out |= self._from_call(n, r[0], r[1])
+                    got = self._from_call(n, r[0], r[1])
+                    if self._sums(n, r[0], r[1]):  # no mean, in the whole or an element
+                        got = {t for t in got if t.rpartition(":")[2] not in ("V", "v")}
+                    out |= got
                     continue
                 fw = self._own_forward(n)
                 if fw is not None:
@@ -445,7 +448,11 @@ class Flow:
                     out.add("D")
                 product = product or name in _PRODUCTS
                 ignore = _kwarg(n, ("ignore_index",))
-                if ignore is not None and not _sum_reduction(n):
+                if (
+                    ignore is not None
+                    and not _sum_reduction(n)
+                    and not self.resolver.own(n, self.scope)
+                ):
                     out.add("V")
                     if _sentinel(ignore):
                         out |= self._targets(n)
@@ -612,6 +619,21 @@ class Flow:
                 elif inner.startswith("W:"):
                     out.update(f"{i}:{t}" for t in self._mean_of(inner[2:], args))
         return out
+
+    def _sums(self, call: ast.Call, facts: Facts, bound: bool) -> bool:
+        """Does `call` give the function's `reduction` parameter a sum ("sum", "none", a
+        choice of the two, or a parameter of this function that defaults to one)? Then
+        what it returns is no mean over items, whatever its summary says of the default
+        (fairseq's `cross_entropy(..., reduction="sum")`)."""
+        if facts.star:
+            return False
+        for name, value in facts.bind(call, bound):
+            if name == "reduction":
+                if isinstance(value, ast.Name):
+                    default = param_default(self.scope, value.id)
+                    return default is not None and is_sum_reduction(default)
+                return is_sum_reduction(value)
+        return False
 
     def _mean_of(self, dim: str, args: dict[str, list[ast.expr]]) -> set[str]:
         """A `W:dim` tag of a callee at a call: a mean over the items (`V`) where the call

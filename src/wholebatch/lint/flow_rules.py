@@ -23,6 +23,7 @@ from wholebatch.lint.frameworks import (
     deepspeed_divides,
     deepspeed_engines,
     divides_by_steps,
+    fairseq_criterion,
     lightning_class,
     masks_labels,
     megatron_losses,
@@ -198,6 +199,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
         accum = True  # Megatron's schedules divide its return by the micro-batches
     if not accum and _deepspeed_backward(resolver.ctx, scope):
         accum = True  # DeepSpeed's engine divides by the steps in its backward
+    if not accum and _criterion_forward(resolver.ctx, scope):
+        accum = True  # fairseq's trainer divides by the summed sample sizes
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
         accum = _lightning(resolver, scope)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
@@ -225,6 +228,49 @@ def _megatron_loss(ctx: FileContext, scope: Scope) -> bool:
         and any(q.partition(".")[0] == "megatron" for q in ctx.imports.aliases.values())
         and scope.name in megatron_losses(ctx.tree, ctx.imports.qualname)
     )
+
+
+def _criterion_forward(ctx: FileContext, scope: Scope) -> bool:
+    """Is the scope the `forward` of a fairseq criterion (`frameworks.fairseq_criterion`,
+    here or through a base class of the run), which returns `(loss, sample_size, log)`?"""
+    cls = scope.cls
+    if cls is None or scope.name != "forward" or "sample_size" not in ctx.source:
+        return False
+    return fairseq_criterion(cls) or (
+        ctx.resolver is not None
+        and ctx.resolver.derives_from(cls, ("FairseqCriterion", "LegacyFairseqCriterion"))
+    )
+
+
+def _criterion_divides(
+    ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return
+) -> list[Finding]:
+    """WB301 for a fairseq criterion whose `forward` returns a per-micro-batch mean as its
+    loss (`frameworks.FACTS["fairseq-criterion"]`): whatever `sample_size` it returns
+    beside it, the trainer sums the means of the micro-batches and divides by the summed
+    sizes, a mean of micro-batch means. A sum returned with its count is exact. Reported
+    where the returned `sample_size` is assigned, else at the return."""
+    value = node.value
+    if not (isinstance(value, ast.Tuple) and len(value.elts) == 3):
+        return []
+    loss, size = value.elts[0], value.elts[1]
+    fact = FACTS["fairseq-criterion"]
+    # a mean the criterion takes itself (`V`); fairseq's models return `(logits, extra)`,
+    # so `model(...)[0]` is no model's mean loss (`v`)
+    msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
+    if not msg:
+        return []
+    where: ast.AST = node
+    if isinstance(size, ast.Name):
+        for st in scope.stmts:
+            n = st.node
+            if (
+                isinstance(n, ast.Assign)
+                and n.lineno < node.lineno
+                and any(isinstance(t, ast.Name) and t.id == size.id for t in n.targets)
+            ):
+                where = n
+    return [_finding(ctx, where, "WB301", msg)]
 
 
 def _imports_deepspeed(ctx: FileContext) -> bool:
@@ -310,6 +356,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         if _megatron_loss(ctx, scope)
         else None
     )
+    criterion = _criterion_forward(ctx, scope)
     params = _param_vars(scope)
     periods = _modulo_denominators(scope)
     trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
@@ -340,6 +387,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 found += _lightning_divides(ctx, flow, node)
             if pipe_loss is not None:
                 found += _pipeline_divides(ctx, flow, scope, node, pipe_loss)
+            if criterion:
+                found += _criterion_divides(ctx, flow, scope, node)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs

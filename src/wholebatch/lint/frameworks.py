@@ -26,6 +26,7 @@ __all__ = [
     "deepspeed_divides",
     "deepspeed_engines",
     "divides_by_steps",
+    "fairseq_criterion",
     "lightning_class",
     "masks_labels",
     "megatron_losses",
@@ -93,6 +94,16 @@ _ALL = (
         where="megatron/core/pipeline_parallel/schedules.py (Megatron-DeepSpeed: "
         "megatron/schedules.py): forward_step (`output_tensor, loss_func = "
         "forward_step_func(data_iterator, model)`; `loss / num_microbatches`)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="fairseq-criterion",
+        framework="fairseq",
+        says="fairseq's trainer sums the `sample_size` a criterion's forward returns over "
+        "the micro-batches (--update-freq) and workers, and divides the summed gradients "
+        "by it",
+        where="fairseq/trainer.py: Trainer.train_step (`sample_size += sample_size_i` per "
+        "micro-batch) -> `self.optimizer.multiply_grads(numer / (sample_size or 1.0))`",
         rules=("WB301",),
     ),
     Fact(
@@ -221,6 +232,21 @@ def lightning_class(cls: ast.ClassDef | None) -> bool:
     """Is `cls` a LightningModule (by its bases as written)?"""
     return cls is not None and any(
         last_name(b) in ("LightningModule", "LitModule") for b in cls.bases
+    )
+
+
+_CRITERION_BASES = ("FairseqCriterion", "LegacyFairseqCriterion")
+
+
+def fairseq_criterion(cls: ast.ClassDef | None) -> bool:
+    """Is `cls` a fairseq criterion, by its bases as written (`FairseqCriterion`) or its
+    registration (`@register_criterion("name")`)? Its `forward` returns `(loss,
+    sample_size, logging_output)`, and the trainer divides by the summed sample sizes."""
+    if cls is None:
+        return False
+    return any(last_name(b) in _CRITERION_BASES for b in cls.bases) or any(
+        isinstance(d, ast.Call) and last_name(d.func) == "register_criterion"
+        for d in cls.decorator_list
     )
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "is_rank_test",
     "is_scaler_name",
     "is_step_count_name",
+    "is_sum_reduction",
     "last_name",
     "names_in",
     "position",
@@ -162,6 +163,15 @@ def position(node: ast.AST) -> tuple[int, int]:
     """(1-based line, 1-based column) of a node (statements and expressions have both;
     the linter's events hold either, as `ast.AST`)."""
     return getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1
+
+
+def is_sum_reduction(node: ast.expr | None) -> bool:
+    """Is a loss's `reduction=` value "sum" or "none" whichever way it goes: a literal,
+    or a choice of literals (fairseq's `reduction="sum" if reduce else "none"`)? Then
+    the loss is no mean over its items."""
+    if isinstance(node, ast.IfExp):
+        return is_sum_reduction(node.body) and is_sum_reduction(node.orelse)
+    return isinstance(node, ast.Constant) and node.value in ("sum", "none")
 
 
 def last_name(node: ast.expr) -> str:

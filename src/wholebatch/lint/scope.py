@@ -24,6 +24,7 @@ from wholebatch.lint.names import (
     dotted,
     is_optimizer_name,
     is_scaler_name,
+    is_sum_reduction,
     last_name,
     position,
     walk_local,
@@ -364,10 +365,7 @@ class FileContext:
                 last_name(func) in ("CrossEntropyLoss", "NLLLoss")
                 and any(k.arg == "ignore_index" for k in call.keywords)
                 and not any(
-                    k.arg == "reduction"
-                    and isinstance(k.value, ast.Constant)
-                    and k.value.value in ("sum", "none")
-                    for k in call.keywords
+                    k.arg == "reduction" and is_sum_reduction(k.value) for k in call.keywords
                 )
             ):
                 self.ignoring.update(

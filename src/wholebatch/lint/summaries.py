@@ -367,6 +367,23 @@ class Resolver:
                         out.append((caller, call, r[0], r[1]))
         return out
 
+    def own(self, call: ast.Call, scope: Scope) -> bool:
+        """Is `call` one of a function of the run (of this file, or imported from the run's
+        modules)? Then its own body says what it returns (its summary), not the arguments
+        it is given: fairseq's `label_smoothed_nll_loss(..., ignore_index=pad)` sums."""
+        if self.resolve(call, scope) is not None:
+            return True
+        func = call.func
+        if not isinstance(func, ast.Name) or func.id in self.ctx.class_by_name:
+            return False
+        name = func.id
+        if name in self.ctx.imports.relative:
+            return True
+        root = self.ctx.imports.aliases.get(name, "").split(".")[0]
+        return (
+            self.program is not None and root != "" and root in self.program.roots
+        ) or name in self.ctx.module_functions
+
     def masks_labels(self) -> bool:
         """Are masked label values written in this file, or in a file imported alongside
         it (`writes_masked_labels`)? Read once."""
@@ -776,18 +793,21 @@ def count_unless(node: ast.expr, scope: Scope) -> str | None:
 
 def none_default(scope: Scope, name: str) -> bool:
     """Is `name` a parameter of the scope's function that defaults to None?"""
+    default = param_default(scope, name)
+    return isinstance(default, ast.Constant) and default.value is None
+
+
+def param_default(scope: Scope, name: str) -> ast.expr | None:
+    """The default value of parameter `name` of the scope's function, if it has one."""
     if isinstance(scope.node, ast.Module):
-        return False
+        return None
     a = scope.node.args
     positional = (*a.posonlyargs, *a.args)
     pairs = [
         *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
         *((k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None),
     ]
-    return any(
-        arg.arg == name and isinstance(default, ast.Constant) and default.value is None
-        for arg, default in pairs
-    )
+    return next((default for arg, default in pairs if arg.arg == name), None)
 
 
 # Text without any of these has no item count to divide by (`names.counts_items`).
