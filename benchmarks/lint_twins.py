@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks.bench_lint import _export
 from tests.support.lint_twins import TWINS, Twin
 
-__all__ = ["expected", "judge_tree", "main", "write"]
+__all__ = ["check_twin", "expected", "judge_tree", "main", "write"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _EXPECT = re.compile(r"#\s*expect:\s*(WB\d{3})")
@@ -58,6 +58,20 @@ def expected(root: Path) -> list[list[object]]:
         for i, line in enumerate(p.read_text().splitlines(), 1):
             out += [[p.relative_to(root).as_posix(), i, m.group(1)] for m in _EXPECT.finditer(line)]
     return sorted(out, key=str)
+
+
+def check_twin(root: Path, files: Twin, bad: bool) -> None:
+    """Lint one twin written under `root` (this process's lint) and assert it is judged as
+    its `# expect:` marks say; a bad twin must be flagged somewhere."""
+    from wholebatch.lint import lint_paths
+
+    write(root, files)
+    findings, _ = lint_paths([root])
+    got = sorted(
+        ([Path(f.path).relative_to(root).as_posix(), f.line, f.code] for f in findings), key=str
+    )
+    assert got == expected(root), [f.message for f in findings]
+    assert got or not bad, "a bad twin must be flagged somewhere"
 
 
 def judge_tree(root: Path, src: Path | None) -> dict[str, list[list[object]]]:

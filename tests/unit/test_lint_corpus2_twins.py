@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.lint_twins import expected, write
+from benchmarks.lint_twins import check_twin, expected, write
 from wholebatch.lint import lint_paths
 from wholebatch.lint.frameworks import (
     FACTS,
@@ -384,15 +384,7 @@ _CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
 @pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
 def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
     bad, good = TWINS[kind]
-    write(tmp_path, bad if side == "bad" else good)
-    findings, _ = lint_paths([tmp_path])
-    got = sorted(
-        ([Path(f.path).relative_to(tmp_path).as_posix(), f.line, f.code] for f in findings),
-        key=str,
-    )
-    assert got == expected(tmp_path), [f.message for f in findings]
-    if side == "bad":
-        assert got, "a bad twin must be flagged somewhere"
+    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
 
 
 def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
