@@ -530,3 +530,52 @@ def test_gathered_statistics_beside_the_loss_are_no_loss(tmp_path: Path, bad: bo
         loss="ce_loss + per_domain.mean()" if bad else "ce_loss",
     )
     _judge(tmp_path, {"train.py": text})
+
+
+# -- a staggered context manager: the barriers split across __enter__ and __exit__ -------
+#
+# Objects built by every rank at once may not fit in memory, so even ranks wait at a
+# barrier on the way into the `with` block and odd ranks at one on the way out, then
+# every rank meets at a last one: two barriers per rank, matched by order, nobody hangs
+# (good). When the way out tests the same parity as the way in (even ranks make three
+# barriers, odd ones one), or only rank 1 (rank 3 makes none of them), the counts differ
+# and the ranks hang (bad).
+
+_STAGGERED = """
+import torch.distributed as dist
+
+
+class StaggeredCreation:
+    def __init__(self, local_rank, world_size):
+        self.local_rank = local_rank
+        self.world_size = world_size
+
+    def __enter__(self):
+        if self.world_size > 1 and self.local_rank % 2 == 0:
+            dist.barrier(){mark}
+        return self
+
+    def __exit__(self, *exc):
+        if self.world_size > 1:
+            if {exit_test}:
+                dist.barrier(){mark}
+            dist.barrier()
+
+
+def build(local_rank, world_size, make):
+    with StaggeredCreation(local_rank, world_size):
+        return make()
+"""
+
+
+@pytest.mark.parametrize(
+    "exit_test",
+    ["self.local_rank % 2 == 1", "self.local_rank % 2 == 0", "self.local_rank == 1"],
+    ids=["odd-on-exit", "even-on-both", "rank-one-on-exit"],
+)
+def test_barriers_split_across_enter_and_exit(tmp_path: Path, exit_test: str) -> None:
+    # Before (5719fad): odd-on-exit reported WB104 on both barriers (each method was
+    # judged alone, and each barrier has no twin in its own `if`'s other branch).
+    bad = exit_test != "self.local_rank % 2 == 1"
+    text = _STAGGERED.format(mark="  # expect: WB104" if bad else "", exit_test=exit_test)
+    _judge(tmp_path, {"ctx.py": text})

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from functools import partial
 
@@ -22,6 +23,7 @@ from wholebatch.lint.names import (
     is_on_replica_group,
     is_on_subgroup,
     is_rank_local_test,
+    is_rank_ref,
     is_rank_test,
     last_name,
     names_in,
@@ -103,6 +105,8 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
     out: list[Finding] = []
     if _calls_collective(ctx, scope):
+        if _in_agreeing_halves(ctx, scope):
+            return out
         if branches:
             out += _rank_branches(ctx, scope)
         if exits and scope.has_exit:
@@ -784,3 +788,179 @@ class _Paths:
                     return None
             return frozenset((*prefix, *q) for q in out)
         return frozenset({tuple(prefix)})
+
+
+# -- a context manager's two halves ------------------------------------------------------
+
+_HALVES = ("__enter__", "__exit__")
+_RANKS = (0, 1, 2, 3)  # enough to tell `== 0`, `!= 0`, `% 2 == 0` and `< 2` apart
+_MAX_ATOMS = 6  # conditions that do not read the rank, each given both values
+_MAX_REFS = 2  # rank references (`self.local_rank`, `dist.get_rank()`), by text
+
+
+class _GiveUp(Exception):
+    """A condition or a statement the walk through the two halves cannot judge."""
+
+
+def _in_agreeing_halves(ctx: FileContext, scope: Scope) -> bool:
+    """Is `scope` the `__enter__` or `__exit__` of a context manager through whose two
+    halves every rank makes the same collectives (`_halves_agree`)?"""
+    node = scope.node
+    return (
+        scope.cls is not None
+        and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.name in _HALVES
+        and _halves_agree(ctx, scope.cls)
+    )
+
+
+def _halves_agree(ctx: FileContext, cls: ast.ClassDef) -> bool:
+    """Does every rank make the same sequence of collectives through `cls.__enter__`
+    followed by `cls.__exit__`? A staggered context manager (even ranks barrier on the
+    way in, odd ones on the way out, issue 33) pairs its barriers by order across the
+    `with` block, and nobody hangs. Each condition that does not read the rank takes
+    both values, the same one in both methods; each rank reference (by its text) takes
+    the ranks 0..3, the same in both methods. False (judge each method alone, as
+    before) when a rank condition is not arithmetic on the rank and constants, or a
+    loop, `with`, `try` or `match` holds a collective, or any `raise` occurs."""
+    methods = {m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
+    halves: list[tuple[list[ast.stmt], Scope]] = []
+    atoms: set[str] = set()
+    refs: set[str] = set()
+    for name in _HALVES:
+        m = methods.get(name)
+        s = ctx.scope_of.get(id(m)) if m is not None else None
+        if m is None or s is None:
+            return False
+        halves.append((m.body, s))
+        for n in walk_local(m):
+            if isinstance(n, ast.If):
+                for a in _atoms(n.test):
+                    found = {ast.unparse(x) for x in ast.walk(a) if is_rank_ref(x)}
+                    refs |= found
+                    if not found:
+                        atoms.add(ast.unparse(a))
+    if len(atoms) > _MAX_ATOMS or len(refs) > _MAX_REFS or not refs:
+        return False
+    names, rank_names = sorted(atoms), sorted(refs)
+    try:
+        for values in itertools.product((False, True), repeat=len(names)):
+            env = dict(zip(names, values, strict=True))
+            seqs: set[tuple[str, ...]] = set()
+            for ranks in itertools.product(_RANKS, repeat=len(rank_names)):
+                rank = dict(zip(rank_names, ranks, strict=True))
+                seq: list[str] = []
+                for body, s in halves:
+                    _run(ctx, s, body, env, rank, seq)
+                seqs.add(tuple(seq))
+            if len(seqs) > 1:
+                return False
+    except _GiveUp:
+        return False
+    return True
+
+
+def _atoms(test: ast.expr) -> list[ast.expr]:
+    """The operands of `and`, `or` and `not` in a condition."""
+    if isinstance(test, ast.BoolOp):
+        return [a for v in test.values for a in _atoms(v)]
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _atoms(test.operand)
+    return [test]
+
+
+def _run(
+    ctx: FileContext,
+    scope: Scope,
+    stmts: list[ast.stmt],
+    env: dict[str, bool],
+    rank: dict[str, int],
+    out: list[str],
+) -> bool:
+    """Append to `out` the collectives one rank makes through `stmts`, its conditions
+    decided by `env` and `rank`; True when it returned."""
+    for st in stmts:
+        if isinstance(st, _DEFS):
+            continue
+        if isinstance(st, ast.If):
+            out += _in_order(ctx, [ast.Expr(st.test)], scope)
+            branch = st.body if _truth(st.test, env, rank) else st.orelse
+            if _run(ctx, scope, branch, env, rank, out):
+                return True
+        elif isinstance(st, ast.Return):
+            out += _in_order(ctx, [st], scope)
+            return True
+        elif isinstance(st, ast.Raise):
+            raise _GiveUp
+        elif isinstance(st, (*_LOOPS, ast.With, ast.AsyncWith, ast.Try, ast.TryStar, ast.Match)):
+            if _collectives(ctx, [st], scope):
+                raise _GiveUp
+        else:
+            out += _in_order(ctx, [st], scope)
+    return False
+
+
+def _in_order(ctx: FileContext, nodes: list[ast.stmt], scope: Scope) -> list[str]:
+    found = _collectives(ctx, nodes, scope)
+    found.sort(key=lambda c: (c[1].lineno, c[1].col_offset))
+    return [q for q, _, _ in found]
+
+
+def _truth(test: ast.expr, env: dict[str, bool], rank: dict[str, int]) -> bool:
+    if isinstance(test, ast.BoolOp):
+        values = [_truth(v, env, rank) for v in test.values]
+        return all(values) if isinstance(test.op, ast.And) else any(values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return not _truth(test.operand, env, rank)
+    text = ast.unparse(test)
+    if text in env:
+        return env[text]
+    v = _value(test, rank)
+    if v is None:
+        raise _GiveUp
+    return bool(v)
+
+
+_ARITH: dict[type[ast.operator], Callable[[int, int], int | None]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Mod: lambda a, b: a % b if b else None,
+    ast.FloorDiv: lambda a, b: a // b if b else None,
+}
+_COMPARE: dict[type[ast.cmpop], Callable[[int, int], bool]] = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+}
+
+
+def _value(node: ast.expr, rank: dict[str, int]) -> int | None:
+    """`node`'s value for the ranks `rank` (rank reference text -> rank): integer
+    arithmetic and comparisons on the rank and constants; None for anything else
+    (`is_main_process()`, `rank == args.src`)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return int(node.value)  # bool is an int
+    text = ast.unparse(node)
+    if text in rank:
+        return rank[text] if "rank" in text.lower() else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _value(node.operand, rank)
+        return None if v is None else -v
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        a, b = _value(node.left, rank), _value(node.right, rank)
+        return None if a is None or b is None else _ARITH[type(node.op)](a, b)
+    if isinstance(node, ast.Compare):
+        left = _value(node.left, rank)
+        for op, right_node in zip(node.ops, node.comparators, strict=True):
+            right = _value(right_node, rank)
+            if left is None or right is None or type(op) not in _COMPARE:
+                return None
+            if not _COMPARE[type(op)](left, right):
+                return 0
+            left = right
+        return 1
+    return None
