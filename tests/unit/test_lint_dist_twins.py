@@ -579,3 +579,37 @@ def test_barriers_split_across_enter_and_exit(tmp_path: Path, exit_test: str) ->
     bad = exit_test != "self.local_rank % 2 == 1"
     text = _STAGGERED.format(mark="  # expect: WB104" if bad else "", exit_test=exit_test)
     _judge(tmp_path, {"ctx.py": text})
+
+
+# The same through an early `return` (WB105): odd ranks leave `__enter__` before the
+# barrier and make it in `__exit__` instead, one barrier per rank (good); when the way
+# out barriers on even ranks, even ranks make two and odd ones none (bad).
+_LEAVE_EARLY = """
+import torch.distributed as dist
+
+
+class OddRanksLast:
+    def __init__(self, local_rank):
+        self.local_rank = local_rank
+
+    def __enter__(self):
+        if self.local_rank % 2 == 1:
+            return self{exit_mark}
+        dist.barrier()
+        return self
+
+    def __exit__(self, *exc):
+        if self.local_rank % 2 == {parity}:
+            dist.barrier(){mark}
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["even-on-exit", "odd-on-exit"])
+def test_early_return_from_enter_met_in_exit(tmp_path: Path, bad: bool) -> None:
+    # Before (5719fad): odd-on-exit reported WB105 on the return and WB104 on the barrier.
+    text = _LEAVE_EARLY.format(
+        exit_mark="  # expect: WB105" if bad else "",
+        mark="  # expect: WB104" if bad else "",
+        parity=0 if bad else 1,
+    )
+    _judge(tmp_path, {"ctx.py": text})
