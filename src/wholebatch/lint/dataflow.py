@@ -407,25 +407,7 @@ class Flow:
                 if _to_number(n.func) or last_name(n.func) in _FRESH:
                     continue  # `float(x)`, `x.item()`, `zeros(n)`: nothing of `x`'s or `n`'s
                 if self._forward_call(n.func):
-                    out.add("T")
-                    if _token_inputs(n):
-                        out.add("L")
-                        if _given_labels(n):
-                            out.add("Y")
-                    if _given_labels(n) or _given_mask(n):
-                        # a module of the run whose forward returns a mean over the items
-                        # its labels or loss mask select (`loss.sum() / mask.sum()`). A
-                        # loss module given bare targets (`loss_fn(logits, targets)`), or
-                        # a model given positions it ignores only out of range (a span's
-                        # `ignore_index=seq_len`), keeps a fixed count unless its targets
-                        # are masked, which the call does not show
-                        out |= self.resolver.forward_tags(n, self.scope)
-                    elif self.resolver.masks_labels():
-                        # labels given under another name or by position (`model(x, y)`,
-                        # `targets=y`): where the forward's own sentinel-ignoring loss
-                        # takes its target from the parameter the call binds, and labels
-                        # are masked in this file or one imported alongside it
-                        out |= self.resolver.forward_tags(n, self.scope, by_target=True)
+                    out |= self._forward_call_tags(n)
             if isinstance(n, ast.Attribute) and n.attr in _META_ATTRS:
                 continue  # `x.shape[0]`: a number, none of `x`'s tags
             stack.extend(ast.iter_child_nodes(n))
@@ -444,25 +426,8 @@ class Flow:
             elif isinstance(n, ast.Call):
                 name = last_name(n.func)
                 reducer = reducer or name in _REDUCERS
-                if name == "detach":
-                    out.add("D")
                 product = product or name in _PRODUCTS
-                ignore = _kwarg(n, ("ignore_index",))
-                if (
-                    ignore is not None
-                    and not _sum_reduction(n)
-                    and not self.resolver.own(n, self.scope)
-                ):
-                    out.add("V")
-                    if _sentinel(ignore):
-                        out |= self._targets(n)
-                d = dotted(n.func)
-                if (
-                    d is not None
-                    and ("C" in self.t.get(d, ()) or d in self.ctx.ignoring)
-                    and not _sum_reduction(n)
-                ):
-                    out.add("V")
+                out |= self._call_marks(n, name)
             elif isinstance(n, ast.Subscript):
                 s = n.slice
                 vt = self._tuple_tags(n)
@@ -503,6 +468,12 @@ class Flow:
                     and (dim := count_unless(n.right, self.scope)) is not None
                 ):
                     out.add(f"W:{dim}")
+        return self._finish(expr, out, rank=rank, reducer=reducer, product=product)
+
+    def _finish(
+        self, expr: ast.AST, out: set[str], *, rank: bool, reducer: bool, product: bool
+    ) -> set[str]:
+        """`tags`' last step: what the whole expression keeps of its parts' tags."""
         out.discard("C")
         if not isinstance(expr, ast.Name | ast.Call) and any(t[:1] == "@" for t in out):
             out = _whole(out)  # `f(x) * 2`, `out.sum()`: no longer the tuple itself
@@ -520,6 +491,50 @@ class Flow:
             out = {t for t in out if not t.startswith("g:")}
         if reducer:
             out = {t for t in out if not t.startswith(("q:", "qa:"))}
+        return out
+
+    def _call_marks(self, n: ast.Call, name: str) -> set[str]:
+        """The tags a call adds by what it is: `D` for a detach, `V` for a mean over the
+        items a sentinel-ignoring loss keeps (or a loss module built so), with its targets'
+        parameters (`t:`)."""
+        out: set[str] = set()
+        if name == "detach":
+            out.add("D")
+        ignore = _kwarg(n, ("ignore_index",))
+        if ignore is not None and not _sum_reduction(n) and not self.resolver.own(n, self.scope):
+            out.add("V")
+            if _sentinel(ignore):
+                out |= self._targets(n)
+        d = dotted(n.func)
+        if (
+            d is not None
+            and ("C" in self.t.get(d, ()) or d in self.ctx.ignoring)
+            and not _sum_reduction(n)
+        ):
+            out.add("V")
+        return out
+
+    def _forward_call_tags(self, n: ast.Call) -> set[str]:
+        """The tags of a module's forward call (`model(...)`): `T`, `L` for token inputs,
+        `Y` given labels, and what a forward of the run returns where the call shows it."""
+        out = {"T"}
+        if _token_inputs(n):
+            out.add("L")
+            if _given_labels(n):
+                out.add("Y")
+        if _given_labels(n) or _given_mask(n):
+            # a module of the run whose forward returns a mean over the items its labels
+            # or loss mask select (`loss.sum() / mask.sum()`). A loss module given bare
+            # targets (`loss_fn(logits, targets)`), or a model given positions it ignores
+            # only out of range (a span's `ignore_index=seq_len`), keeps a fixed count
+            # unless its targets are masked, which the call does not show
+            out |= self.resolver.forward_tags(n, self.scope)
+        elif self.resolver.masks_labels():
+            # labels given under another name or by position (`model(x, y)`, `targets=y`):
+            # where the forward's own sentinel-ignoring loss takes its target from the
+            # parameter the call binds, and labels are masked in this file or one
+            # imported alongside it
+            out |= self.resolver.forward_tags(n, self.scope, by_target=True)
         return out
 
     def fixed(self, expr: ast.expr) -> bool:

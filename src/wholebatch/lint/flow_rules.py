@@ -408,6 +408,16 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         found.extend(_mean_over_steps(ctx, flow, st, periods, steps, scope))
         if trips is not periods:
             found.extend(_count_and_steps(ctx, flow, scope, st, trips, steps))
+    found += _gather_findings(ctx, flow, to_loss, to_grad)
+    return found, returned_tags(flow.returns)
+
+
+def _gather_findings(
+    ctx: FileContext, flow: Flow, to_loss: dict[str, Hop], to_grad: dict[str, Hop]
+) -> list[Finding]:
+    """WB101 for each gradient-less gather that reaches the loss, WB103 for each gather of
+    gradients stored back as a gradient, reported at the gather with the path taken."""
+    found: list[Finding] = []
     origins = flow.origins
     for tag, hop in to_loss.items():
         o = origins.get(tag)
@@ -446,7 +456,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 trace=trace,
             )
         )
-    return found, returned_tags(flow.returns)
+    return found
 
 
 def _framework_divides(
