@@ -536,3 +536,18 @@ def test_no_sync_branches_stop_agreeing_once_the_tested_name_is_reassigned() -> 
     assert moved != good
     assert [f.code for f in lint_source(good)] == []
     assert [f.code for f in lint_source(moved)] == ["WB302"]
+
+
+def test_a_forward_under_a_conditional_no_sync_is_not_taken_as_unsynchronised() -> None:
+    """Mutation of the good `no-sync-forward-block` twin: the forward's context is
+    `model.no_sync() if c else nullcontext()`, which may synchronise after all."""
+    from wholebatch.lint import lint_source
+
+    good = _NO_SYNC.format(test="==", mark="")
+    block = "            with model.no_sync():\n                out = model(x)\n"
+    maybe = good.replace(
+        block,
+        "            with model.no_sync() if c else nullcontext():\n                out = model(x)\n",
+    )
+    assert maybe != good
+    assert [f.code for f in lint_source(maybe)] == ["WB302"]

@@ -519,14 +519,17 @@ def _forwards_unsynced(scope: Scope, model: ast.expr, back: Event) -> bool | Non
 
 
 def _no_sync_of(expr: ast.expr) -> str | None:
-    """The model whose `no_sync()` `expr` calls (as dotted text), else None."""
-    for n in ast.walk(expr):
-        if (
-            isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "no_sync"
-        ):
-            return dotted(n.func.value)
+    """The model (as dotted text) whose `no_sync()` `expr` is, else None.
+
+    Only the call itself: `model.no_sync() if c else nullcontext()` may not skip the
+    all-reduce, so a forward in it is not taken as unsynchronised.
+    """
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == "no_sync"
+    ):
+        return dotted(expr.func.value)
     return None
 
 
