@@ -31,6 +31,13 @@ Three more kinds (issue 33, METER and nanotron), each misjudged by the lint of 1
   model `loss` by the number of micro-batches, and the package's data module sets the
   label mask on each sample's completion tokens only (`label_mask[i, p:n] = True`).
 
+One more (issue 33, microsoft/ANCE), misjudged by the lint of 68aea82:
+
+- `no-sync-forward-block` (WB302, a false alarm): the forward runs in its own
+  `with model.no_sync():` under `if step % k == 0: ... else:`, the backward in a second
+  one under the same test: on the backward's path the forward skipped the all-reduce too.
+  The bad twin swaps the forward's branches (no_sync on the boundary step).
+
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus2_twins.py -q
 """
 
@@ -300,7 +307,30 @@ def _pipeline(mask: str, mark: str) -> Twin:
     }
 
 
+_NO_SYNC = """
+def train(model, loader, optimizer, k):
+    for step, x in enumerate(loader):
+        if step % k {test} 0:
+            out = model(x)
+        else:
+            with model.no_sync():
+                out = model(x)
+        loss = out.sum() / k
+        if step % k == 0:
+            loss.backward()
+        else:
+            with model.no_sync():{mark}
+                loss.backward()
+        if step % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
+    "no-sync-forward-block": (
+        {"train.py": _NO_SYNC.format(test="!=", mark="  # expect: WB302")},
+        {"train.py": _NO_SYNC.format(test="==", mark="")},
+    ),
     "amp-branch-clip": (
         {"train.py": _AMP.format(unscale="pass", mark="  # expect: WB303")},
         {"train.py": _AMP.format(unscale="scaler.unscale_(optimizer)", mark="")},
@@ -492,3 +522,32 @@ class Tokens(FairseqCriterion):
         findings, _ = lint_paths([root])
         got = sorted([Path(f.path).relative_to(root).as_posix(), f.line, f.code] for f in findings)
         assert got == expected(root), [f.message for f in findings]
+
+
+def test_no_sync_branches_stop_agreeing_once_the_tested_name_is_reassigned() -> None:
+    """Mutation of the good `no-sync-forward-block` twin: `step` changes between the two
+    tests, so the backward's branch no longer says which branch the forward took."""
+    from wholebatch.lint import lint_source
+
+    good = _NO_SYNC.format(test="==", mark="")
+    moved = good.replace(
+        "        loss = out.sum() / k\n", "        loss = out.sum() / k\n        step += 1\n"
+    )
+    assert moved != good
+    assert [f.code for f in lint_source(good)] == []
+    assert [f.code for f in lint_source(moved)] == ["WB302"]
+
+
+def test_a_forward_under_a_conditional_no_sync_is_not_taken_as_unsynchronised() -> None:
+    """Mutation of the good `no-sync-forward-block` twin: the forward's context is
+    `model.no_sync() if c else nullcontext()`, which may synchronise after all."""
+    from wholebatch.lint import lint_source
+
+    good = _NO_SYNC.format(test="==", mark="")
+    block = "            with model.no_sync():\n                out = model(x)\n"
+    maybe = good.replace(
+        block,
+        "            with model.no_sync() if c else nullcontext():\n                out = model(x)\n",
+    )
+    assert maybe != good
+    assert [f.code for f in lint_source(maybe)] == ["WB302"]

@@ -450,6 +450,8 @@ def _no_sync_without_forward(ctx: FileContext, scope: Scope) -> Iterator[Finding
         ]
         if not backs or _forward_inside(node, model, backs):
             continue
+        if all(_forwards_unsynced(scope, model, back) is False for back in backs):
+            continue
         yield _finding(
             ctx,
             node,
@@ -469,12 +471,8 @@ def _forward_inside(node: ast.With | ast.AsyncWith, model: ast.expr, backs: list
                 targets = n.targets if isinstance(n, ast.Assign) else [n.target]
                 for t in targets:
                     assigned |= names_in(t)
-            elif isinstance(n, ast.Call) and model_text is not None:
-                # `model(x)`, `model.forward(x)`, or `loss_fn(model, batch)`
-                if dotted(n.func) in (model_text, f"{model_text}.forward"):
-                    return True
-                if any(dotted(a) == model_text for a in n.args):
-                    return True
+            elif model_text is not None and _runs_forward(n, model_text):
+                return True
     for ev in backs:
         for loss in ev.losses:
             if names_in(loss) & assigned:
@@ -485,3 +483,117 @@ def _forward_inside(node: ast.With | ast.AsyncWith, model: ast.expr, backs: list
                 ):
                     return True
     return False
+
+
+def _forwards_unsynced(scope: Scope, model: ast.expr, back: Event) -> bool | None:
+    """Does a forward of `model` on the path of `back` run outside its `no_sync()`?
+
+    The forwards are those earlier in the same loop iteration (or, outside a loop,
+    earlier in the scope) that may run in the same pass as `back` (`_never_together`);
+    None when there are none to judge by. DDP decided at each forward's time: a backward
+    under `no_sync()` skips the all-reduce only if every forward that can feed it did too.
+    """
+    model_text = dotted(model)
+    if model_text is None:
+        return None
+    line = _line(back)
+    spans = [
+        (w.lineno, w.end_lineno or w.lineno)
+        for w in scope.withs
+        if any(_no_sync_of(i.context_expr) == model_text for i in w.items)
+    ]
+    ifs = {id(i): i for i in scope.ifs}
+    seen = False
+    for st in scope.stmts:
+        at = st.node.lineno
+        if at >= line or st.nograd or (back.loops and back.loops[-1] not in st.loops):
+            continue
+        if not any(_runs_forward(n, model_text) for n in st.walk()):
+            continue
+        if _never_together(st.path, back.path, ifs, scope):
+            continue
+        if not any(a <= at <= b for a, b in spans):
+            return True
+        seen = True
+    return False if seen else None
+
+
+def _no_sync_of(expr: ast.expr) -> str | None:
+    """The model (as dotted text) whose `no_sync()` `expr` is, else None.
+
+    Only the call itself: `model.no_sync() if c else nullcontext()` may not skip the
+    all-reduce, so a forward in it is not taken as unsynchronised.
+    """
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == "no_sync"
+    ):
+        return dotted(expr.func.value)
+    return None
+
+
+def _runs_forward(n: ast.AST, model_text: str) -> bool:
+    """`model(x)`, `model.forward(x)`, or `loss_fn(model, batch)`."""
+    if not isinstance(n, ast.Call):
+        return False
+    if dotted(n.func) in (model_text, f"{model_text}.forward"):
+        return True
+    return any(dotted(a) == model_text for a in n.args)
+
+
+def _never_together(
+    a: tuple[tuple[int, int], ...],
+    b: tuple[tuple[int, int], ...],
+    ifs: dict[int, ast.If],
+    scope: Scope,
+) -> bool:
+    """Can the statements at branch paths `a` and `b` never run in the same pass?
+
+    Either they sit in different branches of one `if`/`try`/`match`, or in opposite
+    branches of two `if`s that test the same call-free condition with none of its names
+    assigned in between (`if step % k == 0: out = model(x) ... if step % k == 0:
+    loss.backward() else: ...`): both tests then take the same branch.
+    """
+    for (sa, ba), (sb, bb) in zip(a, b, strict=False):
+        if sa != sb:
+            break
+        if ba != bb:
+            return True
+    return any(
+        sa != sb and ba != bb and sa in ifs and sb in ifs and _same_test(ifs[sa], ifs[sb], scope)
+        for sa, ba in a
+        for sb, bb in b
+    )
+
+
+def _same_test(x: ast.If, y: ast.If, scope: Scope) -> bool:
+    """Do `x` and `y` test the same value (same text, no call, nothing reassigned)?"""
+    if ast.dump(x.test) != ast.dump(y.test):
+        return False
+    if any(isinstance(n, ast.Call | ast.NamedExpr | ast.Await) for n in ast.walk(x.test)):
+        return False
+    read = names_in(x.test)
+    first, last = sorted((x.lineno, y.lineno))
+    for st in scope.stmts:
+        if first <= st.node.lineno <= last and _assigned(st.node) & read:
+            return False
+    return True
+
+
+def _assigned(st: ast.stmt) -> set[str]:
+    """The names and dotted chains `st` binds (`a`, `self.step`; `x[i]` binds `x`)."""
+    if isinstance(st, ast.Assign):
+        targets = st.targets
+    elif isinstance(st, ast.AugAssign | ast.AnnAssign | ast.For | ast.AsyncFor):
+        targets = [st.target]
+    else:
+        return set()
+    out: set[str] = set()
+    for t in targets:
+        for n in ast.walk(t):
+            d = dotted(n.value) if isinstance(n, ast.Subscript) else None
+            d = d or (dotted(n) if isinstance(n, ast.Name | ast.Attribute) else None)
+            if d is not None:
+                out.add(d)
+    return out
