@@ -260,17 +260,22 @@ def _criterion_divides(
     msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
     if not msg:
         return []
-    where: ast.AST = node
-    if isinstance(size, ast.Name):
-        for st in scope.stmts:
-            n = st.node
-            if (
-                isinstance(n, ast.Assign)
-                and n.lineno < node.lineno
-                and any(isinstance(t, ast.Name) and t.id == size.id for t in n.targets)
-            ):
-                where = n
-    return [_finding(ctx, where, "WB301", msg)]
+    where = _last_assignment(scope, size.id, node) if isinstance(size, ast.Name) else None
+    return [_finding(ctx, where or node, "WB301", msg)]
+
+
+def _last_assignment(scope: Scope, name: str, before: ast.stmt) -> ast.stmt | None:
+    """The scope's last plain assignment of `name` on a line before `before`'s, if any."""
+    where = None
+    for st in scope.stmts:
+        n = st.node
+        if (
+            isinstance(n, ast.Assign)
+            and n.lineno < before.lineno
+            and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+        ):
+            where = n
+    return where
 
 
 def _imports_deepspeed(ctx: FileContext) -> bool:
@@ -506,18 +511,12 @@ def _pipeline_divides(
     msg = _msg301(ctx, flow.tags(value), value, None, by=fact.says)
     if not msg:
         return []
-    where: ast.AST = node
-    if isinstance(value, ast.Name) and value is node.value:
-        name = value.id
-        for st in scope.stmts:
-            n = st.node
-            if (
-                isinstance(n, ast.Assign)
-                and n.lineno < node.lineno
-                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
-            ):
-                where = n
-    return [_finding(ctx, where, "WB301", msg)]
+    # a name returned as is (not the first of a tuple, which hands the loss over)
+    bare = isinstance(value, ast.Name) and value is node.value
+    where = (
+        _last_assignment(scope, value.id, node) if bare and isinstance(value, ast.Name) else None
+    )
+    return [_finding(ctx, where or node, "WB301", msg)]
 
 
 def _note_assigned(node: ast.stmt, assigned: dict[str, int]) -> None:
