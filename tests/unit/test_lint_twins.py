@@ -9,6 +9,7 @@ decided by a twin or a test here, and the run-wide evidence they read.
 
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 from pathlib import Path
@@ -19,7 +20,13 @@ from benchmarks.lint_twins import check_twin, write
 from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
 from wholebatch.lint import lint_paths, lint_source
-from wholebatch.lint.frameworks import FACTS, Evidence, masks_labels
+from wholebatch.lint.frameworks import (
+    FACTS,
+    Evidence,
+    hf_compute_loss,
+    hf_counting_off,
+    masks_labels,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lint.md"
 _CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
@@ -49,6 +56,7 @@ _DECIDED_BY = {
     "lightning-after-backward": "lightning-16-mixed-hook",
     "distributed-autograd": "distributed-autograd-context",
     "ddp-no-sync": "test_ddp_decides_at_forward_time",
+    "hf-trainer-compute-loss": "test_hf_trainer_divides_what_compute_loss_returns",
 }
 
 
@@ -79,6 +87,43 @@ def test_ddp_decides_at_forward_time() -> None:
     """
     assert lint_source(textwrap.dedent(forward_inside)) == []
     assert [f.code for f in lint_source(textwrap.dedent(forward_outside))] == ["WB302"]
+
+
+def test_hf_trainer_divides_what_compute_loss_returns(tmp_path: Path) -> None:
+    # HF's fact (transformers 5.23, Trainer.training_step): what an override of
+    # `compute_loss` returns is backpropagated once per micro-batch, divided by the steps
+    # unless the model was given `num_items_in_batch`; with `model_accepts_loss_kwargs =
+    # False` the Trainer's own `compute_loss` gives it none. The twins of
+    # tests/unit/test_lint_corpus3_twins_m1.py decide it on whole files; here, what the
+    # predicates read: the override by its signature, the flag only when set to False.
+    src = textwrap.dedent(
+        """
+        class T(Trainer):
+            def __init__(self):
+                self.model_accepts_loss_kwargs = False
+                self.model_accepts_loss_kwargs = True
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+            def compute_loss_terms(self, model, inputs):
+                return 0
+        """
+    )
+    cls = ast.parse(src).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    flags = hf_counting_off(cls)
+    assert [ast.unparse(f.value) for f in flags] == ["False"]
+    methods = [f for f in cls.body if isinstance(f, ast.FunctionDef)]
+    assert [hf_compute_loss(f) for f in methods] == [False, True, False]
+    # A trainer that is not Hugging Face's (no transformers base) is not this fact.
+    plain = src.replace("class T(Trainer):", "class T:").replace(
+        "return model(**inputs).loss",
+        "mask = inputs['labels'] != -100\n        return (model(**inputs).logits.sum(-1) * mask).sum() / mask.sum()",
+    )
+    write(tmp_path / "plain", {"t.py": plain})
+    assert lint_paths([tmp_path / "plain"])[0] == []
+    own = "from transformers import Trainer\n" + plain.replace("class T:", "class T(Trainer):")
+    write(tmp_path / "own", {"t.py": own})
+    assert [f.code for f in lint_paths([tmp_path / "own"])[0]] == ["WB301"]
 
 
 def test_evidence_of_the_run() -> None:

@@ -19,11 +19,14 @@ from wholebatch.lint.accum import accumulation_trips, count_over_steps, factors
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.frameworks import (
     FACTS,
+    HF_TRAINERS,
     Fact,
     deepspeed_divides,
     deepspeed_engines,
     divides_by_steps,
     fairseq_criterion,
+    hf_compute_loss,
+    hf_counting_off,
     lightning_class,
     masks_labels,
     megatron_losses,
@@ -113,6 +116,27 @@ def _modulo_denominators(scope: Scope) -> set[str]:
     }
 
 
+def _named_steps(
+    scope: Scope, periods: set[str], steps: Callable[[ast.Call], bool] | None = None
+) -> set[str]:
+    """Names the scope assigns the number of accumulation steps (`normalizer =
+    self.current_gradient_accumulation_steps if training else 1.0`: a choice between a
+    step count and a constant), so that `mean / normalizer` divides by the steps."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target, value = node.targets[0], node.value
+        if not isinstance(target, ast.Name):
+            continue
+        options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+        counts = [o for o in options if not isinstance(o, ast.Constant)]
+        if counts and all(_is_accum_count(o, periods, steps) for o in counts):
+            out.add(target.id)
+    return out
+
+
 def _is_accum_count(
     node: ast.expr, periods: set[str], steps: Callable[[ast.Call], bool] | None = None
 ) -> bool:
@@ -167,6 +191,8 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
         attach(resolver)
     results = ctx.flow_results
     assert results is not None  # attach() sets it
+    if "model_accepts_loss_kwargs" in ctx.source and ctx.scopes:
+        yield from ctx.guarded(ctx.scopes[0], partial(_hf_flag_findings, ctx, resolver))
     for scope in ctx.scopes:
         if scope.stmts:
             yield from ctx.guarded(scope, partial(_flow_scope, resolver, results, scope))
@@ -179,6 +205,7 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
     accum = False
     if scope.divs:
         steps, periods = _steps_calls(resolver, scope), _modulo_denominators(scope)
+        periods |= _named_steps(scope, periods, steps)
         accum = any(
             _is_accum_count(d.right if isinstance(d, ast.BinOp) else d.value, periods, steps)
             for d in scope.divs
@@ -201,11 +228,106 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
         accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and _criterion_forward(resolver.ctx, scope):
         accum = True  # fairseq's trainer divides by the summed sample sizes
+    if not accum and _hf_override(resolver, scope):
+        accum = True  # HF Trainer.training_step divides its return by the steps
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
         accum = _lightning(resolver, scope)
     if scope.has_grad or accum or resolver.scope_gathers(scope):
         return results.get(scope)[0]
     return []
+
+
+def _hf_trainer(resolver: Resolver | None, cls: ast.ClassDef) -> bool:
+    """Is `cls` a Hugging Face Trainer: a base that resolves into transformers or TRL, or
+    (through bases of this file or the run) one written with such a Trainer's name?"""
+    if resolver is None:
+        return False
+    for b in cls.bases:
+        q = resolver.ctx.imports.qualname(b) or ""
+        if q.partition(".")[0] in ("transformers", "trl") and q.endswith("Trainer"):
+            return True
+    return resolver.derives_from(cls, HF_TRAINERS)
+
+
+def _hf_override(resolver: Resolver | None, scope: Scope) -> bool:
+    """Is the scope an override of HF `Trainer.compute_loss` (`frameworks.hf_compute_loss`)
+    in a Trainer subclass?"""
+    node = scope.node
+    return (
+        scope.cls is not None
+        and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and hf_compute_loss(node)
+        and _hf_trainer(resolver, scope.cls)
+    )
+
+
+def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) -> list[Finding]:
+    """WB301 for an override of HF `Trainer.compute_loss` that returns a per-micro-batch
+    mean (`frameworks.FACTS["hf-trainer-compute-loss"]`): the Trainer backpropagates it
+    once per micro-batch, divided by the steps or not, so every micro-batch's mean weighs
+    the same. Its loss is the value returned, or the first of `(loss, outputs)` (also
+    under `if return_outputs`). Reported where a returned name is last assigned."""
+    assert node.value is not None
+    value = node.value
+    options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+    fact = FACTS["hf-trainer-compute-loss"]
+    for v in options:
+        loss = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
+        msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
+        if msg:
+            where = _last_assignment(scope, loss.id, node) if isinstance(loss, ast.Name) else None
+            return [_finding(ctx, where or node, "WB301", msg)]
+    return []
+
+
+def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
+    """WB301 at `self.model_accepts_loss_kwargs = False` in an HF Trainer subclass whose
+    loss is the model's (`compute_loss` not overridden, or returning
+    `super().compute_loss(...)`): the Trainer then gives the model no `num_items_in_batch`,
+    the model's `loss` is a mean over this micro-batch's labels, and `training_step`
+    divides it by the steps. Reported where labels are masked (`_msg301`'s evidence)."""
+    out: list[Finding] = []
+    if not (ctx.evidence.masks_labels or masks_labels(ctx.source)):
+        return out
+    for cls in ctx.class_by_name.values():
+        flags = hf_counting_off(cls)
+        # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
+        bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
+        if not flags or not any(q in _HF_DEFAULT_LOSS for q in bases):
+            continue
+        own = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+        override = next((f for f in own if hf_compute_loss(f)), None)
+        if override is not None and not any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "compute_loss"
+            and isinstance(n.func.value, ast.Call)
+            and last_name(n.func.value.func) == "super"
+            for r in ast.walk(override)
+            if isinstance(r, ast.Return) and r.value is not None
+            for n in ast.walk(r.value)
+        ):
+            continue
+        # Labels masked out of the loss: its count varies whatever the rows per batch.
+        msg = (
+            "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
+            "`num_items_in_batch`: its `loss` is a mean over this micro-batch's unmasked "
+            f"labels, and {FACTS['hf-trainer-compute-loss'].says}: micro-batches with "
+            "fewer tokens weigh more"
+        )
+        out += [_finding(ctx, f, "WB301", msg) for f in flags]
+    return out
+
+
+# The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).
+_HF_DEFAULT_LOSS = frozenset(
+    {
+        "transformers.Trainer",
+        "transformers.trainer.Trainer",
+        "transformers.Seq2SeqTrainer",
+        "transformers.trainer_seq2seq.Seq2SeqTrainer",
+    }
+)
 
 
 def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
@@ -362,13 +484,17 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         else None
     )
     criterion = _criterion_forward(ctx, scope)
+    hf_loss = _hf_override(ctx.resolver, scope)
     params = _param_vars(scope)
-    periods = _modulo_denominators(scope)
-    trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
     steps = _steps_calls(ctx.resolver, scope) if ctx.resolver is not None else None
+    periods = _modulo_denominators(scope)
+    if scope.divs:
+        periods |= _named_steps(scope, periods, steps)
+    trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
+    hf_found: list[Finding] = []  # `_hf_divides`, unless the scope divides by the steps
     # WB205: `.data` updates waiting for a backward that reuses a graph built before them
     pending: list[tuple[int, Finding]] = []
     assigned: dict[str, int] = {}  # name -> line of its latest assignment (this walk)
@@ -394,6 +520,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 found += _pipeline_divides(ctx, flow, scope, node, pipe_loss)
             if criterion:
                 found += _criterion_divides(ctx, flow, scope, node)
+            if hf_loss:
+                hf_found += _hf_divides(ctx, flow, scope, node)
             for value in _returned_losses(node.value, loss_fn):
                 tags = flow.tags(value)
                 if "p" in tags:  # combined with this rank's (differentiable) inputs
@@ -414,6 +542,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         if trips is not periods:
             found.extend(_count_and_steps(ctx, flow, scope, st, trips, steps))
     found += _gather_findings(ctx, flow, to_loss, to_grad)
+    if not any(f.code == "WB301" for f in found):  # a mean divided by the steps here
+        found += hf_found
     return found, returned_tags(flow.returns)
 
 

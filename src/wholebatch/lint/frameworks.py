@@ -21,12 +21,15 @@ from wholebatch.lint.names import dotted, last_name
 
 __all__ = [
     "FACTS",
+    "HF_TRAINERS",
     "Evidence",
     "Fact",
     "deepspeed_divides",
     "deepspeed_engines",
     "divides_by_steps",
     "fairseq_criterion",
+    "hf_compute_loss",
+    "hf_counting_off",
     "lightning_class",
     "masks_labels",
     "megatron_losses",
@@ -42,7 +45,7 @@ class Fact:
     Attributes:
         name: stable key, e.g. ``"accelerate-backward"``.
         framework: the library (``"accelerate"``, ``"deepspeed"``, ``"lightning"``,
-            ``"torch"``).
+            ``"torch"``, ``"transformers"``).
         says: what it does, as a message clause ("`accelerator.backward` divides ...").
         where: the framework's code that does it (checked against accelerate 1.15,
             lightning 2.6; torch 2.13; deepspeed as its runtime/engine.py and
@@ -104,6 +107,20 @@ _ALL = (
         "by it",
         where="fairseq/trainer.py: Trainer.train_step (`sample_size += sample_size_i` per "
         "micro-batch) -> `self.optimizer.multiply_grads(numer / (sample_size or 1.0))`",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="hf-trainer-compute-loss",
+        framework="transformers",
+        says="Hugging Face `Trainer.training_step` backpropagates what `compute_loss` returns "
+        "once per micro-batch and divides it by the accumulation steps unless the model "
+        "was given the step's `num_items_in_batch` (`model_accepts_loss_kwargs`)",
+        where="transformers/trainer.py: Trainer.training_step (`loss = self.compute_loss("
+        "model, inputs, num_items_in_batch=...)`; `if not loss_is_scaled_for_ga: loss = "
+        "loss / self.current_gradient_accumulation_steps`, scaled = "
+        "`self.model_accepts_loss_kwargs and num_items_in_batch is not None`); "
+        "Trainer.compute_loss passes `num_items_in_batch` to `model(**inputs)` only `if "
+        "self.model_accepts_loss_kwargs` and returns its `loss` (checked against 5.23)",
         rules=("WB301",),
     ),
     Fact(
@@ -409,3 +426,47 @@ def scaled_grads_hook(cls: ast.ClassDef | None, method: str, evidence: Evidence)
     if method == "on_after_backward" and evidence.fp16 and lightning_class(cls):
         return FACTS["lightning-after-backward"]
     return None
+
+
+# The Trainers of transformers and TRL (each a subclass of `transformers.Trainer`) by the
+# last name a subclass's base is written with.
+HF_TRAINERS = (
+    "Trainer",
+    "Seq2SeqTrainer",
+    "SFTTrainer",
+    "DPOTrainer",
+    "GRPOTrainer",
+    "KTOTrainer",
+    "ORPOTrainer",
+    "CPOTrainer",
+    "RewardTrainer",
+)
+
+
+def hf_compute_loss(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Is `fn` an override of Hugging Face `Trainer.compute_loss`: named so, with its
+    signature (`model, inputs, return_outputs=False, ...`, or `model, inputs, *args,
+    **kwargs`)? The caller checks the class."""
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
+    rest = "return_outputs" in names or fn.args.vararg is not None or fn.args.kwarg is not None
+    return fn.name == "compute_loss" and "inputs" in names and rest
+
+
+def hf_counting_off(cls: ast.ClassDef) -> list[ast.Assign]:
+    """The assignments `self.model_accepts_loss_kwargs = False` in the methods of `cls`:
+    the Trainer then neither counts the step's items nor gives the model their number,
+    and `training_step` divides the model's per-micro-batch mean by the steps
+    (`FACTS["hf-trainer-compute-loss"]`)."""
+    out: list[ast.Assign] = []
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and node.value.value is False
+                and any(dotted(t) == "self.model_accepts_loss_kwargs" for t in node.targets)
+            ):
+                out.append(node)
+    return out

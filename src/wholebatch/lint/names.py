@@ -359,9 +359,18 @@ def counts_items(node: ast.expr) -> bool:
                 return True
         elif isinstance(n, ast.Call) and last_name(n.func) == "count_nonzero":
             return True
-        if isinstance(n, ast.Name | ast.Attribute) and _COUNT_RE.search(last_name(n)):
+        # transformers' `num_items_in_batch` counts the whole step's items (all its
+        # micro-batches, Trainer._get_num_items_in_batch): dividing by it is exact
+        if (
+            isinstance(n, ast.Name | ast.Attribute)
+            and _COUNT_RE.search(last_name(n))
+            and last_name(n) != _STEP_ITEMS
+        ):
             return True
     return False
+
+
+_STEP_ITEMS = "num_items_in_batch"
 
 
 _MASK_METHODS = frozenset({"ne", "eq", "bool", "float", "long", "int", "to", "type", "sum"})
