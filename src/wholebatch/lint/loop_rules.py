@@ -414,6 +414,104 @@ def _zero_every_micro_batch(ctx: FileContext, scope: Scope) -> Iterator[Finding]
         )
 
 
+def _mod_if(step: Event) -> ast.If | None:
+    """The innermost `if` with a `%` test around `step` (`if (i + 1) % k == 0:`)."""
+    for c in reversed(step.conds):
+        if isinstance(c, ast.If) and _has_mod((c,)):
+            return c
+    return None
+
+
+def _within(node: ast.AST, outer: ast.AST) -> bool:
+    line = getattr(node, "lineno", 0)
+    start = getattr(outer, "lineno", 0)
+    return start <= line <= (getattr(outer, "end_lineno", None) or start)
+
+
+def _stays_true_after_step(test: ast.expr, loop: ast.stmt, step_ifs: list[ast.If]) -> bool:
+    """Does `test` read a count that changes in `loop` only inside the `if`s that step
+    (`step_ifs`: a step counter, `global_step`), and nothing else that changes in `loop`?
+    Then once true after a step it stays true for every micro-batch until the next one."""
+    assigned: dict[str, list[ast.AST]] = {}
+    for n in walk_local(loop):
+        targets = (
+            n.targets
+            if isinstance(n, ast.Assign)
+            else [n.target]
+            if isinstance(n, ast.AugAssign | ast.AnnAssign | ast.For)
+            else []
+        )
+        for t in targets:
+            for x in ast.walk(t):
+                if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+                    assigned.setdefault(d, []).append(n)
+    read = {
+        d
+        for x in ast.walk(test)
+        if isinstance(x, ast.Name | ast.Attribute)
+        if (d := dotted(x)) is not None and d in assigned
+    }
+    return bool(read) and all(
+        any(_within(a, s) for s in step_ifs) for d in read for a in assigned[d]
+    )
+
+
+def _zero_after_step(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    """WB304 for a zero_grad under a test that stays true for the micro-batches after a
+    step (an evaluation block, `if global_step % eval_steps == 0:`, with `global_step`
+    counted only at the step): every micro-batch accumulated after such a step is thrown
+    away until the next one (issue 33, SGPT's fit)."""
+    events = scope.events
+    for zero in events:
+        if zero.kind != ZERO or zero.synthetic or not zero.loops:
+            continue
+        for loop in reversed(zero.loops):
+            step = next((e for e in events if e.kind == STEP and _in(loop, e) and _mod_if(e)), None)
+            if step is not None and any(e.kind == BACKWARD and _in(loop, e) for e in events):
+                break
+        else:
+            continue
+        step_ifs = [
+            c for e in events if e.kind == STEP and _in(loop, e) and (c := _mod_if(e)) is not None
+        ]
+        if any(_within(zero.node, c) for c in step_ifs) or _reads_grad(loop):
+            continue
+        if (
+            zero.recv
+            and step.recv
+            and zero.recv != step.recv
+            and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body)
+        ):
+            continue
+        test = next(
+            (
+                n.test
+                for n in walk_local(loop)
+                if isinstance(n, ast.If)
+                and n is not loop
+                and _within(zero.node, n)
+                and _stays_true_after_step(n.test, loop, step_ifs)
+            ),
+            None,
+        )
+        if test is None:
+            continue
+        yield _finding(
+            ctx,
+            zero.node,
+            "WB304",
+            f"gradients are zeroed under `{ast.unparse(test)}`, which stays true for every "
+            f"micro-batch after `{step.recv}` steps at line {_line(step)} (its count grows "
+            "only at a step): the micro-batches accumulated until the next step are "
+            "thrown away",
+        )
+
+
+def _zero_every_or_after(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    yield from _zero_every_micro_batch(ctx, scope)
+    yield from _zero_after_step(ctx, scope)
+
+
 _ScopeCheck = Callable[[FileContext, Scope], Iterator[Finding]]
 # Rule code -> its check, for the rules that look at a scope's training events.
 _ON_EVENTS: dict[str, _ScopeCheck] = {
@@ -421,7 +519,7 @@ _ON_EVENTS: dict[str, _ScopeCheck] = {
     "WB202": _zero_between,
     "WB203": _step_without_backward,
     "WB303": _clip_before_unscale,
-    "WB304": _zero_every_micro_batch,
+    "WB304": _zero_every_or_after,
 }
 
 
