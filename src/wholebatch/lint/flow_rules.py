@@ -121,20 +121,25 @@ def _named_steps(
 ) -> set[str]:
     """Names the scope assigns the number of accumulation steps (`normalizer =
     self.current_gradient_accumulation_steps if training else 1.0`: a choice between a
-    step count and a constant), so that `mean / normalizer` divides by the steps."""
-    out: set[str] = set()
+    step count and a constant), so that `mean / normalizer` divides by the steps. A name
+    also assigned anything else (a global token count on another branch) is not one."""
+    counts: dict[str, bool] = {}
     for st in scope.stmts:
         node = st.node
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+        if isinstance(node, ast.AugAssign | ast.AnnAssign) and isinstance(node.target, ast.Name):
+            counts[node.target.id] = False
+        if not isinstance(node, ast.Assign):
             continue
-        target, value = node.targets[0], node.value
-        if not isinstance(target, ast.Name):
-            continue
+        value = node.value
         options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
-        counts = [o for o in options if not isinstance(o, ast.Constant)]
-        if counts and all(_is_accum_count(o, periods, steps) for o in counts):
-            out.add(target.id)
-    return out
+        parts = [o for o in options if not isinstance(o, ast.Constant)]
+        is_steps = bool(parts) and all(_is_accum_count(o, periods, steps) for o in parts)
+        for target in node.targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Name):
+                    single = t is target
+                    counts[t.id] = counts.get(t.id, True) and is_steps and single
+    return {name for name, ok in counts.items() if ok}
 
 
 def _is_accum_count(
@@ -268,16 +273,46 @@ def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) ->
     the same. Its loss is the value returned, or the first of `(loss, outputs)` (also
     under `if return_outputs`). Reported where a returned name is last assigned."""
     assert node.value is not None
+    if _reads_step_items(scope):
+        return []  # scaled by the step's count where the Trainer gives one
     value = node.value
     options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
     fact = FACTS["hf-trainer-compute-loss"]
     for v in options:
         loss = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
-        msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
+        # its own mean over a count it shows to vary; a model's `loss` (`v`) is the
+        # model's business: with `num_items_in_batch` given, the model divides by it
+        msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
         if msg:
             where = _last_assignment(scope, loss.id, node) if isinstance(loss, ast.Name) else None
             return [_finding(ctx, where or node, "WB301", msg)]
     return []
+
+
+def _reads_step_items(scope: Scope) -> bool:
+    """Does the override read `num_items_in_batch` (the step's item count), other than to
+    hand it to the Trainer's own `compute_loss`? Its mean is then one path of a loss
+    divided by the step's count when the Trainer counts, a choice the linter cannot see."""
+    return any(
+        isinstance(n, ast.Name) and n.id == "num_items_in_batch" and not _in_super_call(st.node, n)
+        for st in scope.stmts
+        for n in st.walk()
+    )
+
+
+def _in_super_call(stmt: ast.stmt, name: ast.Name) -> bool:
+    """Is `name` an argument of a `super().compute_loss(...)` call in `stmt`?"""
+    for n in ast.walk(stmt):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "compute_loss"
+            and isinstance(n.func.value, ast.Call)
+            and last_name(n.func.value.func) == "super"
+            and any(a is name for a in ast.walk(n))
+        ):
+            return True
+    return False
 
 
 def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
