@@ -16,6 +16,10 @@ bad twin of every kind:
 - `steps-in-a-name` (WB301): a token mean divided by a name assigned the step count
   (`normalizer = self.current_gradient_accumulation_steps if training else 1.0`) on one
   branch; the good twin's other branch (sequence means) is exact.
+- `count-off-zero` (WB301): a token count kept off zero and chosen on one branch
+  (`mask.sum().clamp_min(1) if mask is not None else n`) is a count (TRL's
+  `_reduce_divergence_loss`; found by 7431978 only through `num_items_in_batch` on
+  another branch, read as this micro-batch's count before this round).
 - `eval-block-zero` (WB304): `zero_grad` at the end of an evaluation block whose test
   (`global_step % eval_steps == 0`) reads a count that grows only at a step, so it stays
   true for every micro-batch after such a step. The good twin tests it in the step's block.
@@ -128,7 +132,29 @@ def fit(model, loader, optimizer, evaluate, accum, eval_steps):
                 model.train()
 """
 
+_OFF_ZERO = """
+def train(model, loader, optimizer, accum_steps):
+    for i, (x, mask) in enumerate(loader):
+        per_token = model(x)
+        denom = {denom}
+        loss = (per_token * mask).sum() / denom
+        (loss / accum_steps).backward(){mark}
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
+    "count-off-zero": (
+        {
+            "train.py": _OFF_ZERO.format(
+                denom="mask.sum().clamp_min(1) if mask is not None else max(x.size(0), 1)",
+                mark="  # expect: WB301",
+            )
+        },
+        # The rows of the micro-batch, the same number every time.
+        {"train.py": _OFF_ZERO.format(denom="max(x.size(0), 1)", mark="")},
+    ),
     "hf-trainer-flag-off": (
         {
             "pkg/__init__.py": "",

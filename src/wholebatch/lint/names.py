@@ -376,11 +376,25 @@ _STEP_ITEMS = "num_items_in_batch"
 _MASK_METHODS = frozenset({"ne", "eq", "bool", "float", "long", "int", "to", "type", "sum"})
 
 
+# Methods applied to a count that leave it a count: `.clamp(min=1)`, `.float()`.
+_KEEPS_COUNT = frozenset({"clamp", "clamp_min", "clamp_", "float", "double", "long", "int", "to"})
+
+
 def is_count_expr(node: ast.expr) -> bool:
     """Is `node` a whole count of a micro-batch's items: `mask.sum()`, `torch.sum(mask)`,
     `(labels != -100).sum()`, `mask.count_nonzero()` (of a mask, not of a product: a
     sum of `loss * mask` is a summed loss)? `counts_items` reads the division itself; this
-    reads an assignment (`n_valid = torch.sum(loss_mask)`, then `/ n_valid`)."""
+    reads an assignment (`n_valid = torch.sum(loss_mask)`, then `/ n_valid`), also kept
+    off zero (`mask.sum().clamp_min(1)`) or chosen on one branch (`mask.sum() if mask is
+    not None else n`)."""
+    if isinstance(node, ast.IfExp):
+        return is_count_expr(node.body) or is_count_expr(node.orelse)
+    while (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _KEEPS_COUNT
+    ):
+        node = node.func.value
     if not isinstance(node, ast.Call) or last_name(node.func) not in ("sum", "count_nonzero"):
         return False
     if any(k.arg in ("dim", "axis") and _is_set(k.value) for k in node.keywords):
