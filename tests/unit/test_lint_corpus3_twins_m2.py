@@ -11,6 +11,11 @@ code, and nothing else may be. The lint of 7431978 misjudges one twin of every k
   weights (a field of what `model(**batch)` is given) are gathered plainly and
   multiplied in, while the log-probs go through `torch.distributed.nn.all_gather`.
   The bad twin swaps the two gathers.
+- `mask-indexed-mean` (WB301, a miss; fairseq's nat_loss.py, tacotron2_loss.py): the
+  mean of `losses[mask]` (a boolean mask of the data) is a mean over the items the mask
+  keeps, a different count per micro-batch; returned with `sample_size = 1` the
+  trainer divides the micro-batch means' sum by the micro-batches. The good twin
+  returns the masked sum with the masked count.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m2.py -q
 """
@@ -72,6 +77,21 @@ def _gathers(plain: str, with_grad: str, mark: str) -> str:
     return "\n".join((_PLAIN.format(name=plain, mark=mark), _WITH_GRAD.format(name=with_grad)))
 
 
+_CRITERION = """
+import torch
+from fairseq.criterions import FairseqCriterion
+
+
+class FrameCriterion(FairseqCriterion):
+    def forward(self, model, sample, reduce=True):
+        out = model(**sample["net_input"])
+        losses = (out - sample["target"]).abs()
+        mask = sample["target_mask"]
+        {loss}
+        sample_size = {size}
+        return loss, sample_size, {{"loss": loss.data, "sample_size": sample_size}}
+"""
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "gathered-size": (
         {
@@ -88,6 +108,14 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "batch-weights": (
         {"sp.py": _WEIGHTS.format(gathers=_gathers("log_probs", "weights", "  # expect: WB101"))},
         {"sp.py": _WEIGHTS.format(gathers=_gathers("weights", "log_probs", ""))},
+    ),
+    "mask-indexed-mean": (
+        {
+            "criterion.py": _CRITERION.format(
+                loss="loss = losses[mask].mean()", size="1  # expect: WB301"
+            )
+        },
+        {"criterion.py": _CRITERION.format(loss="loss = losses[mask].sum()", size="mask.sum()")},
     ),
 }
 _CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]

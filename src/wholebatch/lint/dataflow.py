@@ -55,6 +55,8 @@ Tags:
                table normalised by its sum) is no mean over items;
     ``X``      compared with something not fixed (`torch.arange(T) < lengths[:, None]`):
                a mask of the data, no fixed table any more;
+    ``M``      items a boolean mask of the data selects (`losses[mask]`): their whole
+               `.mean()` is a mean over a varying count (``V``);
     ``T``      the output of a forward pass: a call of a module held in a variable or an
                attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
                (a batch's raw inputs, token ids and labels do not);
@@ -444,6 +446,8 @@ class Flow:
                     continue
                 if isinstance(s, ast.Constant) and s.value == "loss":
                     out.add("v")
+                elif self._mask_index(s):
+                    out.add("M")  # `losses[mask]`: the items a mask of the data keeps
                 elif (
                     isinstance(s, ast.Constant)
                     and s.value == 0
@@ -512,6 +516,8 @@ class Flow:
             out.add("V")
             if _sentinel(ignore):
                 out |= self._targets(n)
+        if name == "mean" and not n.keywords and "M" in self._mean_input(n):
+            out.add("V")  # `losses[mask].mean()`: over as many items as the mask keeps
         d = dotted(n.func)
         if (
             d is not None
@@ -520,6 +526,25 @@ class Flow:
         ):
             out.add("V")
         return out
+
+    def _mask_index(self, s: ast.expr) -> bool:
+        """Is the index `s` of `x[s]` a boolean mask of the data, which keeps a
+        different number of items on every micro-batch: a comparison with the data
+        (`x[target != pad]`) or a name of a mask (`masks`, `loss_mask`)?"""
+        if isinstance(s, ast.Compare):
+            return not all(_only_fixed(self.tags(x)) for x in (s.left, *s.comparators))
+        if isinstance(s, ast.Name | ast.Attribute):
+            return "mask" in last_name(s).lower()
+        return False
+
+    def _mean_input(self, n: ast.Call) -> set[str]:
+        """The tags of what a whole `.mean()` / `torch.mean(x)` averages (no `dim`)."""
+        func = n.func
+        if isinstance(func, ast.Attribute) and last_name(func.value) == "torch":
+            return self.tags(n.args[0]) if len(n.args) == 1 else set()
+        if isinstance(func, ast.Attribute) and not n.args:
+            return self.tags(func.value)
+        return set()
 
     def _forward_call_tags(self, n: ast.Call) -> set[str]:
         """The tags of a module's forward call (`model(...)`): `T`, `L` for token inputs,
