@@ -55,9 +55,14 @@ Tags:
                table normalised by its sum) is no mean over items;
     ``X``      compared with something not fixed (`torch.arange(T) < lengths[:, None]`):
                a mask of the data, no fixed table any more;
+    ``M``      items a boolean mask of the data selects (`losses[mask]`): their whole
+               `.mean()` is a mean over a varying count (``V``);
     ``T``      the output of a forward pass: a call of a module held in a variable or an
                attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
-               (a batch's raw inputs, token ids and labels do not).
+               (a batch's raw inputs, token ids and labels do not);
+    ``I``, ``B``  data (`data.DATA_TAGS`): an integer tensor, a field of a forward
+               pass's inputs (`batch["loss_weights"]` given `model(**batch)`); kept
+               through names only: a plain all_gather of one loses no gradient.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ import builtins
 from collections.abc import Iterator
 from dataclasses import replace
 
+from wholebatch.lint.data import DATA_TAGS, batch_field, forward_inputs, integer_valued
 from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import (
     counts_items,
@@ -357,6 +363,7 @@ class Flow:
         self._puts_back: bool | None = None  # computed on first need (`_restores_somewhere`)
         self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
         self._indices: set[str] | None = None  # computed on first need (`_held`)
+        self._inputs: set[str] | None = None  # computed on first need (`_data_tags`)
         # An autograd.Function's forward runs with gradient recording off (tested in
         # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
         # so nothing gathered there lacks one (WB102 judges that backward).
@@ -439,6 +446,8 @@ class Flow:
                     continue
                 if isinstance(s, ast.Constant) and s.value == "loss":
                     out.add("v")
+                elif self._mask_index(s):
+                    out.add("M")  # `losses[mask]`: the items a mask of the data keeps
                 elif (
                     isinstance(s, ast.Constant)
                     and s.value == 0
@@ -475,6 +484,8 @@ class Flow:
     ) -> set[str]:
         """`tags`' last step: what the whole expression keeps of its parts' tags."""
         out.discard("C")
+        if not isinstance(expr, ast.Name):
+            out -= DATA_TAGS  # `w * logp`: no longer the data itself
         if not isinstance(expr, ast.Name | ast.Call) and any(t[:1] == "@" for t in out):
             out = _whole(out)  # `f(x) * 2`, `out.sum()`: no longer the tuple itself
         if "Y" in out and not (isinstance(expr, ast.Name) or self._labelled_forward(expr)):
@@ -505,6 +516,8 @@ class Flow:
             out.add("V")
             if _sentinel(ignore):
                 out |= self._targets(n)
+        if name == "mean" and not n.keywords and "M" in self._mean_input(n):
+            out.add("V")  # `losses[mask].mean()`: over as many items as the mask keeps
         d = dotted(n.func)
         if (
             d is not None
@@ -513,6 +526,25 @@ class Flow:
         ):
             out.add("V")
         return out
+
+    def _mask_index(self, s: ast.expr) -> bool:
+        """Is the index `s` of `x[s]` a boolean mask of the data, which keeps a
+        different number of items on every micro-batch: a comparison with the data
+        (`x[target != pad]`) or a name of a mask (`masks`, `loss_mask`)?"""
+        if isinstance(s, ast.Compare):
+            return not all(_only_fixed(self.tags(x)) for x in (s.left, *s.comparators))
+        if isinstance(s, ast.Name | ast.Attribute):
+            return "mask" in last_name(s).lower()
+        return False
+
+    def _mean_input(self, n: ast.Call) -> set[str]:
+        """The tags of what a whole `.mean()` / `torch.mean(x)` averages (no `dim`)."""
+        func = n.func
+        if isinstance(func, ast.Attribute) and last_name(func.value) == "torch":
+            return self.tags(n.args[0]) if len(n.args) == 1 else set()
+        if isinstance(func, ast.Attribute) and not n.args:
+            return self.tags(func.value)
+        return set()
 
     def _forward_call_tags(self, n: ast.Call) -> set[str]:
         """The tags of a module's forward call (`model(...)`): `T`, `L` for token inputs,
@@ -873,6 +905,9 @@ class Flow:
         out: set[str] = set()
         for _, tg in kept:
             out |= tg
+        for t in DATA_TAGS & out:
+            if not all(t in tg for _, tg in kept):
+                out.discard(t)  # data on some paths only
         self.t[key] = out
 
     def _restored(self, tag: str) -> bool:
@@ -989,8 +1024,21 @@ class Flow:
         for i, e in enumerate(value.elts):
             self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
 
+    def _data_tags(self, value: ast.expr, tags: set[str]) -> set[str]:
+        """`I` for an integer tensor, `B` for a field of a forward pass's inputs
+        (`data`); none for a value computed from a forward pass's output (`T`)."""
+        if "T" in tags:
+            return set()
+        if integer_valued(value):
+            return {"I"}
+        if self._inputs is None:
+            calls = [n for st in self.scope.stmts for n in st.walk() if isinstance(n, ast.Call)]
+            self._inputs = forward_inputs(calls, self._forward_call)
+        return {"B"} if self._inputs and batch_field(value, self._inputs) else set()
+
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
+        tags |= self._data_tags(value, tags)
         if is_count_expr(value) and not _only_fixed(tags):
             tags.add("K")  # a count of items: a division by this value is a mean over them
         if self._st is not None and self._st.nograd:
@@ -1042,6 +1090,11 @@ class Flow:
             short = q.replace("torch.distributed.distributed_c10d.", "torch.distributed.")
             out_tags: set[str] = set()
             in_tags = self.tags(inp) if inp is not None else set()
+            if inp is not None and not isinstance(inp, ast.Name):
+                in_tags |= self._data_tags(inp, in_tags)
+            if in_tags & DATA_TAGS:
+                self.t[key] = set()  # an integer tensor, the batch's own field: data
+                return
             # Under no_grad the missing gradient is what the author asked for (MoCo keys,
             # memory banks, metrics): no `g` tag there. A `@torch.no_grad()` helper that
             # gathers its argument leaves it to the callers: harmless for momentum keys,

@@ -1,0 +1,142 @@
+"""Values that are data, not a function of the model's parameters, for WB101: a plain
+`torch.distributed.all_gather` of one loses no gradient, because none is wanted.
+
+Two kinds, both read from the expression a name is assigned (`dataflow.Flow`):
+
+- an **integer tensor** (tag ``I``): a dtype that autograd refuses to record
+  (`torch.tensor(n, dtype=torch.int64)`, `x.long()`, `x.to(torch.bool)`; "only
+  Tensors of floating point and complex dtype can require gradients", tested in
+  tests/unit/test_lint_corpus3_twins_m2.py), or `torch.tensor` of sizes and integer
+  literals only (`torch.tensor(x.shape[-1])`: an int64 tensor);
+- a **field of a forward pass's inputs** (tag ``B``): `batch["loss_weights"]` where the
+  same `batch` is given to a module (`model(**batch)`, `model(batch)`,
+  `model(input_ids=batch["input_ids"])`): the inputs of the model, not its outputs.
+
+    sizes = [torch.empty_like(n) for _ in range(W)]
+    dist.all_gather(sizes, torch.tensor(ids.shape[-1], dtype=torch.int64))  # I: a pad size
+    dist.all_gather(weights_W, batch["loss_weights"])     # B: weights multiplied in as data
+    log_probs_W = torch.distributed.nn.all_gather(log_probs)  # the gradient goes here
+
+Issue 33, hiyouga/LLaMA-Factory's sequence_parallel.py (benchmarks/lint_corpus2.toml).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from wholebatch.lint.names import dotted, last_name
+
+__all__ = ["DATA_TAGS", "batch_field", "forward_inputs", "integer_valued"]
+
+# The tags of a value that is data; kept through names only, and only while every
+# assignment that may reach a read gives it (`Flow._assign`).
+DATA_TAGS = frozenset({"I", "B"})
+
+_INT_DTYPES = frozenset(
+    {"int8", "int16", "int32", "int64", "uint8", "long", "int", "short", "bool", "byte"}
+)
+_INT_CASTS = frozenset({"long", "int", "short", "bool", "byte"})
+# Methods that keep a tensor's dtype and values (moved, laid out, viewed).
+_KEEPS = frozenset(
+    {"to", "cuda", "cpu", "contiguous", "view", "reshape", "clone", "flatten", "squeeze",
+     "unsqueeze", "expand", "repeat", "chunk", "split", "narrow", "transpose", "permute"}
+)  # fmt: skip
+# What `torch.tensor(...)` may be given for an integer tensor: sizes and integer literals.
+_SIZE_ATTRS = frozenset({"shape"})
+_SIZE_CALLS = frozenset({"size", "numel", "dim", "len"})
+
+
+def _int_dtype(node: ast.expr | None) -> bool:
+    if node is None:
+        return False
+    if isinstance(node, ast.Name):
+        return node.id == "int" or node.id == "bool"
+    return isinstance(node, ast.Attribute) and node.attr in _INT_DTYPES
+
+
+def _sizes_only(node: ast.expr) -> bool:
+    """An expression of sizes (`x.shape[-1]`, `x.size(0)`, `len(x)`) and integer
+    literals, with integer arithmetic: its value is a Python int."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.value, ast.Attribute) and node.value.attr in _SIZE_ATTRS
+    if isinstance(node, ast.Attribute):
+        return node.attr in _SIZE_ATTRS
+    if isinstance(node, ast.Call):
+        return last_name(node.func) in _SIZE_CALLS
+    if isinstance(node, ast.BinOp):
+        return (
+            isinstance(node.op, ast.Add | ast.Sub | ast.Mult | ast.FloorDiv | ast.Mod)
+            and _sizes_only(node.left)
+            and _sizes_only(node.right)
+        )
+    if isinstance(node, ast.List | ast.Tuple):
+        return all(_sizes_only(e) for e in node.elts)
+    return False
+
+
+def integer_valued(node: ast.expr) -> bool:
+    """Is `node` an integer (or boolean) tensor, which autograd never records: a cast
+    (`x.long()`, `x.to(torch.int64)`), a factory given an integer `dtype=`, or
+    `torch.tensor` of sizes and integer literals? Methods that keep the dtype
+    (`.to(device)`, `.view(-1)`) are looked through."""
+    while isinstance(node, ast.Call):
+        func = node.func
+        dtype = next((k.value for k in node.keywords if k.arg == "dtype"), None)
+        if dtype is not None:
+            return _int_dtype(dtype)
+        name = last_name(func)
+        if isinstance(func, ast.Attribute) and name in _INT_CASTS and not node.args:
+            return True
+        if name == "to" and any(_int_dtype(a) for a in node.args):
+            return True
+        if name in ("tensor", "as_tensor", "LongTensor", "IntTensor", "BoolTensor"):
+            if name != "tensor" and name != "as_tensor":
+                return True
+            return bool(node.args) and _sizes_only(node.args[0])
+        if not (isinstance(func, ast.Attribute) and name in _KEEPS):
+            return False
+        node = func.value
+    return False
+
+
+def forward_inputs(calls: list[ast.Call], is_forward: Callable[[ast.expr], bool]) -> set[str]:
+    """The names given whole to a forward pass among `calls` (`model(**batch)`,
+    `model(batch)`), and those whose fields are (`model(input_ids=batch["ids"])`)."""
+    out: set[str] = set()
+    for call in calls:
+        if not is_forward(call.func):
+            continue
+        for value in (*call.args, *(k.value for k in call.keywords)):
+            if isinstance(value, ast.Starred):
+                value = value.value
+            while isinstance(value, ast.Subscript | ast.Attribute):
+                value = value.value
+            d = dotted(value)
+            if d is not None:
+                out.add(d)
+    return out
+
+
+def batch_field(node: ast.expr, inputs: set[str]) -> bool:
+    """Is `node` a field of a forward pass's inputs, read by a string key or an
+    attribute (`batch["loss_weights"]`, `batch.loss_mask.float()`)?"""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr not in _KEEPS and node.func.attr not in ("float", "half", "get"):
+            return False
+        if node.func.attr == "get":
+            key = node.args[0] if node.args else None
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                return False
+            return dotted(node.func.value) in inputs
+        node = node.func.value
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            return False
+        return dotted(node.value) in inputs
+    if isinstance(node, ast.Attribute):
+        return dotted(node.value) in inputs
+    return False
