@@ -250,11 +250,21 @@ def _deduplicated(found: list[Finding], path: str) -> list[Finding]:
 
 def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
     """The enabled rules whose gate `source` opens (`every`: all enabled rules)."""
-    return frozenset(
-        c
-        for c in enabled
-        if c in RULES and RULES[c].check and (every or RULES[c].gate_open(source))
-    )
+    # The rules of one family share their words: each set is tested on the text once.
+    gates: dict[tuple[str, ...], bool] = {}
+    out: set[str] = set()
+    for c in enabled:
+        rule = RULES.get(c)
+        if rule is None or not rule.check:
+            continue
+        if not every:
+            gate = gates.get(rule.words)
+            if gate is None:
+                gate = gates[rule.words] = rule.gate_open(source)
+            if not gate:
+                continue
+        out.add(c)
+    return frozenset(out)
 
 
 def _family(name: str) -> frozenset[str]:

@@ -602,7 +602,7 @@ class FileContext:
         scope.value_gathers = any(
             self.value_gather(c, nograd=off) is not None for c, off in scope.gather_calls
         )
-        if not self.source or "all_gather" in self.source:
+        if not self.source or self.mentions("all_gather"):
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`
             scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]
         else:
