@@ -126,7 +126,7 @@ def _gather_layers(ctx: FileContext) -> Iterator[Finding]:
 
 def _layer(ctx: FileContext, cls: ast.ClassDef) -> list[Finding]:
     """WB102 for one autograd.Function class."""
-    text = "all_gather" in ctx.source  # else only a helper of another file can gather
+    text = ctx.mentions("all_gather")  # else only a helper of another file can gather
     methods = {m.name: m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)}
     fwd, bwd = methods.get("forward"), methods.get("backward")
     if fwd is None or bwd is None:

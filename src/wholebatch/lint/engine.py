@@ -250,11 +250,21 @@ def _deduplicated(found: list[Finding], path: str) -> list[Finding]:
 
 def _open_codes(enabled: frozenset[str], source: str, every: bool) -> frozenset[str]:
     """The enabled rules whose gate `source` opens (`every`: all enabled rules)."""
-    return frozenset(
-        c
-        for c in enabled
-        if c in RULES and RULES[c].check and (every or RULES[c].gate_open(source))
-    )
+    # The rules of one family share their words: each set is tested on the text once.
+    gates: dict[tuple[str, ...], bool] = {}
+    out: set[str] = set()
+    for c in enabled:
+        rule = RULES.get(c)
+        if rule is None or not rule.check:
+            continue
+        if not every:
+            gate = gates.get(rule.words)
+            if gate is None:
+                gate = gates[rule.words] = rule.gate_open(source)
+            if not gate:
+                continue
+        out.add(c)
+    return frozenset(out)
 
 
 def _family(name: str) -> frozenset[str]:
@@ -566,8 +576,12 @@ def lint_run(
     program.evidence = Evidence.of(sources.values())
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
-    program.masked = _masked(sources, deps, modules)
-    program.masked_values = _masked(sources, deps, modules, writes_masked_labels)
+    marked = {f for f, text in sources.items() if masks_labels(text)}
+    program.masked = _masked(sources, deps, modules, marked)
+    # `writes_masked_labels` tests less of the text than `masks_labels`, so only a file
+    # `masks_labels` marks can pass it (each reads the whole text of every file)
+    written = {f for f in marked if writes_masked_labels(sources[f])}
+    program.masked_values = _masked(sources, deps, modules, written)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -609,9 +623,10 @@ def _masked(
     sources: dict[Path, str],
     deps: dict[Path, list[Path]],
     modules: ModuleMap,
-    test: Callable[[str], bool] = masks_labels,
+    shown: set[Path],
 ) -> set[str]:
-    """The files for which labels are masked out of a token loss (`test`) in a file imported
+    """The files for which labels are masked out of a token loss (`shown`: the files whose
+    text shows it, `frameworks.masks_labels` or `writes_masked_labels`) in a file imported
     alongside them (`program.co_imported`) of their own code: the same top-level package,
     or for a script the same folder. (A vendored library's collator is not evidence about
     the scripts that import it: its -100 is for the tasks that use it.) A package beside
@@ -625,8 +640,8 @@ def _masked(
 
     groups: dict[str, set[Path]] = {}
     beside: dict[str, str] = {}  # a package's key -> the folder that holds it
-    for f, text in sources.items():
-        if test(text):
+    for f in sources:
+        if f in shown:
             key = own(f)
             groups.setdefault(key, set()).add(f)
             name = modules.own.get(f, "")

@@ -371,8 +371,8 @@ def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
         scope.cls is None
         and not isinstance(scope.node, ast.Module)
         and _imports_deepspeed(ctx)
-        and "PipelineModule" in ctx.source
-        and scope.name in pipeline_losses(ctx.tree, ctx.imports.qualname)
+        and ctx.mentions("PipelineModule")
+        and scope.name in _framework_names(ctx, pipeline_losses)
     )
 
 
@@ -381,17 +381,29 @@ def _megatron_loss(ctx: FileContext, scope: Scope) -> bool:
     (`frameworks.megatron_losses`), in a file that imports megatron?"""
     return (
         not isinstance(scope.node, ast.Module)
-        and "forward_step" in ctx.source
-        and any(q.partition(".")[0] == "megatron" for q in ctx.imports.aliases.values())
-        and scope.name in megatron_losses(ctx.tree, ctx.imports.qualname)
+        and ctx.mentions("forward_step")
+        and "megatron" in ctx.imports.roots
+        and scope.name in _framework_names(ctx, megatron_losses)
     )
+
+
+def _framework_names(
+    ctx: FileContext, reader: Callable[[ast.Module, Callable[[ast.expr], str | None]], set[str]]
+) -> set[str]:
+    """`reader(ctx.tree, ctx.imports.qualname)` (`frameworks.pipeline_losses`, ...), read
+    once per file: each walks the whole tree, and the rules ask for every scope."""
+    key = reader.__name__
+    names = ctx.framework_names.get(key)
+    if names is None:
+        names = ctx.framework_names[key] = reader(ctx.tree, ctx.imports.qualname)
+    return names
 
 
 def _criterion_forward(ctx: FileContext, scope: Scope) -> bool:
     """Is the scope the `forward` of a fairseq criterion (`frameworks.fairseq_criterion`,
     here or through a base class of the run), which returns `(loss, sample_size, log)`?"""
     cls = scope.cls
-    if cls is None or scope.name != "forward" or "sample_size" not in ctx.source:
+    if cls is None or scope.name != "forward" or not ctx.mentions("sample_size"):
         return False
     return fairseq_criterion(cls) or (
         ctx.resolver is not None
@@ -437,7 +449,7 @@ def _last_assignment(scope: Scope, name: str, before: ast.stmt) -> ast.stmt | No
 
 def _imports_deepspeed(ctx: FileContext) -> bool:
     """Does the file import deepspeed (or a name from it)? The facts of DeepSpeed ask."""
-    return any(q.partition(".")[0] == "deepspeed" for q in ctx.imports.aliases.values())
+    return "deepspeed" in ctx.imports.roots
 
 
 def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
@@ -449,7 +461,7 @@ def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
     ]
     if not calls or not _imports_deepspeed(ctx):
         return False
-    engines = deepspeed_engines(ctx.tree, ctx.imports.qualname)
+    engines = _framework_names(ctx, deepspeed_engines)
     return any(deepspeed_divides(c, engines) is not None for c in calls if isinstance(c, ast.Call))
 
 
@@ -639,7 +651,7 @@ def _framework_divides(
     fact = divides_by_steps(call, scope.withs)
     loss = ev.losses[0] if ev.losses else None
     if fact is None and call.args and _imports_deepspeed(ctx):
-        fact = deepspeed_divides(call, deepspeed_engines(ctx.tree, ctx.imports.qualname))
+        fact = deepspeed_divides(call, _framework_names(ctx, deepspeed_engines))
         loss = call.args[0]
     if fact is None or loss is None:
         return []

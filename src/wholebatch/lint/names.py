@@ -242,6 +242,9 @@ class Imports:
     relative: dict[str, tuple[int, str]] = field(default_factory=dict)
     # module-level `name = a.b.c` assignments, resolved by `finish` once every import is known
     _bound: list[tuple[str, ast.expr]] = field(default_factory=list)
+    # the top-level packages the aliases name (`deepspeed`, `megatron`), set by `finish`:
+    # rules ask once per scope whether the file imports a framework
+    roots: frozenset[str] = frozenset()
 
     def bind(self, name: str, value: ast.expr) -> None:
         """`name = torch.distributed.all_gather` at module level: `name` is another name
@@ -282,6 +285,7 @@ class Imports:
                 meant = self.qualname(value)
                 if meant is not None:
                     self.aliases[name] = meant
+        self.roots = frozenset(q.partition(".")[0] for q in self.aliases.values())
 
     def qualname(self, node: ast.expr) -> str | None:
         """The fully qualified dotted name of `node`, resolving the root through imports."""

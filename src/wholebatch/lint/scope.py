@@ -326,6 +326,10 @@ class FileContext:
         # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
         self.apply_aliases: dict[str, str] = {}
         self.layers: dict[int, str] = {}
+        # what the frameworks' readers (`frameworks.pipeline_losses`, ...) found in the
+        # tree, by reader: each walks the whole tree, and rules ask once per scope
+        self.framework_names: dict[str, set[str]] = {}
+        self._mentions: dict[str, bool] = {}
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
@@ -348,6 +352,14 @@ class FileContext:
     @evidence.setter
     def evidence(self, value: Evidence) -> None:
         self._evidence = value
+
+    def mentions(self, word: str) -> bool:
+        """Does the file's text hold `word`? Kept per word: rules ask once per scope, and
+        each test reads the whole text."""
+        hit = self._mentions.get(word)
+        if hit is None:
+            hit = self._mentions[word] = word in self.source
+        return hit
 
     def runs(self, code: str) -> bool:
         """Is rule `code` to be checked in this file?"""
@@ -590,7 +602,7 @@ class FileContext:
         scope.value_gathers = any(
             self.value_gather(c, nograd=off) is not None for c, off in scope.gather_calls
         )
-        if not self.source or "all_gather" in self.source:
+        if not self.source or self.mentions("all_gather"):
             # by qualified name: `from torch.distributed import all_gather as c10d_gather`
             scope.plain_gathers = [c for c in scope.calls if self.imports.plain_gather(c)]
         else:
