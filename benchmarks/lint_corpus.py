@@ -9,6 +9,8 @@ half (tuning, evaluation), per finding and on code the repository reaches.
     .venv/bin/python -m benchmarks.lint_corpus --root . --markdown    # docs/lint.md's tables
     .venv/bin/python -m benchmarks.lint_corpus --manifest benchmarks/lint_heldout.toml \
         --root /tmp/heldout                                          # the held-out set
+    .venv/bin/python -m benchmarks.lint_corpus --manifest benchmarks/lint_corpus3.toml \
+        --root /tmp/c3 --half tuning --record abc1234        # add abc1234 to `found_by`
 
 `--root DIR` holds one folder per repository, `DIR/<owner>+<name>/`, with the files of
 its snapshot at the manifest's commit (e.g. `git --git-dir=<mirror> archive <commit> |
@@ -19,6 +21,8 @@ first. `--baseline REV` lints with this repository's `src/` at revision REV inst
 same verdicts. `--manifest PATH` reads another manifest of the same form (the held-out
 set of benchmarks/lint_heldout.toml: every repository in the half "heldout", judged once,
 never tuned on); its `[revisions]` table names the linters its `found_by` lists.
+`--record REV` (REV named in that table) adds REV to the `found_by` of every judged entry
+this run reports, in the manifest's text; unjudged findings are printed, never added.
 
 Counts: a finding judged "true" is a true positive, "false" a false positive, one not
 in the manifest is "unjudged" (printed, so it gets a verdict before any number is
@@ -228,6 +232,29 @@ def markdown(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def record(path: Path, rev: str, reported: set[_Key]) -> int:
+    """Add `rev` to the `found_by` of the manifest's entries whose (repo, file, line,
+    code) is in `reported`, editing the text in place; returns how many were added."""
+    text = path.read_text()
+    if rev not in tomllib.loads(text).get("revisions", {}):
+        raise SystemExit(f"--record {rev}: name it in {path}'s [revisions] table first")
+    blocks = text.split("\n[[finding]]\n")
+    added = 0
+    for i, block in enumerate(blocks[1:], 1):
+        f = tomllib.loads(block.split("\n\n[[", 1)[0])
+        key = (f["repo"], f["file"], int(f["line"]), f["code"])
+        if key not in reported or rev in f.get("found_by", []):
+            continue
+        old = "found_by = " + json.dumps(f.get("found_by", []), separators=(", ", ":"))
+        new = "found_by = " + json.dumps([*f.get("found_by", []), rev], separators=(", ", ":"))
+        if old not in block:
+            raise SystemExit(f"--record: cannot find {old!r} in the entry {key}")
+        blocks[i] = block.replace(old, new, 1)
+        added += 1
+    path.write_text("\n[[finding]]\n".join(blocks))
+    return added
+
+
 def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
     for r in repos:
         name = r["repo"].replace("/", "+")
@@ -268,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", action="append", help="only these repositories")
     parser.add_argument("--baseline", default="", help="lint with src/ at this git revision")
     parser.add_argument("--json", type=Path, help="write every finding here")
+    parser.add_argument("--record", default="", help="add this revision to `found_by`")
     parser.add_argument(
         "--markdown", action="store_true", help="print docs/lint.md's tables from the manifest"
     )
@@ -304,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t0
     if args.json is not None:
         args.json.write_text(json.dumps(dump, indent=1))
+    if args.record:
+        reported = {
+            (repo, f["file"], int(f["line"]), f["code"])
+            for repo, found in dump.items()
+            for f in found["findings"]
+        }
+        print(f"recorded {args.record} on {record(args.manifest, args.record, reported)} entries")
     for half, t in halves.items():
         print(f"\n{half}: {t.files} files, {t.crashes} crashes, {dt:.0f} s")
         print(
