@@ -216,6 +216,24 @@ def _only_fixed(tags: set[str]) -> bool:
     return "F" in tags and all(t in ("F", "D", "p") or t.startswith("a:") for t in tags)
 
 
+def _stored_into(scope: Scope) -> set[str]:
+    """The names (`out`) whose entries this scope stores into under a constant key
+    (`out["entropy"] = x`): the only ones whose entries `Flow` tells apart."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if (
+                    isinstance(t, ast.Subscript)
+                    and isinstance(t.slice, ast.Constant)
+                    and (d := dotted(t.value)) is not None
+                ):
+                    out.add(d)
+    return out
+
+
 def _real_weights(value: ast.expr, tags: set[str]) -> bool:
     """Is `value` (a whole sum, `torch.sum(w)`) a sum of real-valued weights rather than
     an item count: what it sums is computed from a forward pass's output or a gradient
@@ -386,6 +404,7 @@ class Flow:
         self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
         self._indices: set[str] | None = None  # computed on first need (`_held`)
         self._inputs: set[str] | None = None  # computed on first need (`_data_tags`)
+        self._stored: set[str] | None = None  # computed on first need (`_assign`)
         # An autograd.Function's forward runs with gradient recording off (tested in
         # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
         # so nothing gathered there lacks one (WB102 judges that backward).
@@ -459,7 +478,7 @@ class Flow:
                 out |= self._call_marks(n, name)
             elif isinstance(n, ast.Subscript):
                 s = n.slice
-                entry = self._entry(n)
+                entry = self._entry(n) if self.entries else None
                 if entry is not None:  # `out["logprobs"]`: that entry's tags only
                     del stack[len(stack) - len(list(ast.iter_child_nodes(n))) :]  # read above
                     out |= entry
@@ -940,8 +959,11 @@ class Flow:
 
     def _assign(self, key: str, tags: set[str]) -> None:
         self._bound(key, tags)
-        # a new value: its entries (`out["k"]`) hold its own tags until one is stored
-        self.entries[key] = (self._st.path if self._st else (), set(tags), {})
+        if self._stored is None:
+            self._stored = _stored_into(self.scope)
+        if key in self._stored:
+            # a new value: its entries (`out["k"]`) hold its own tags until one is stored
+            self.entries[key] = (self._st.path if self._st else (), self.t[key], {})
 
     def _bound(self, key: str, tags: set[str]) -> None:
         """`key = value`. Under an `if`, the value from before (or from a sibling branch)
