@@ -19,6 +19,7 @@ import pytest
 from benchmarks.lint_twins import check_twin, write
 from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
+from tests.unit.test_lint_corpus3_twins_m3 import TWINS as M3_TWINS
 from wholebatch.lint import lint_paths, lint_source
 from wholebatch.lint.frameworks import (
     FACTS,
@@ -56,6 +57,7 @@ _DECIDED_BY = {
     "lightning-after-backward": "lightning-16-mixed-hook",
     "distributed-autograd": "distributed-autograd-context",
     "ddp-no-sync": "test_ddp_decides_at_forward_time",
+    "fsdp-no-sync": "fsdp-no-sync",  # tests/unit/test_lint_corpus3_twins_m3.py
     "hf-trainer-compute-loss": "test_hf_trainer_divides_what_compute_loss_returns",
 }
 
@@ -67,7 +69,7 @@ def test_every_fact_is_documented_and_decided() -> None:
     assert rows == set(FACTS)
     assert set(_DECIDED_BY) == set(FACTS)
     for name, by in _DECIDED_BY.items():
-        assert by in TWINS or by in CORPUS2_TWINS or by in globals(), name
+        assert by in TWINS or by in CORPUS2_TWINS or by in M3_TWINS or by in globals(), name
 
 
 def test_ddp_decides_at_forward_time() -> None:

@@ -87,6 +87,8 @@ from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
 from wholebatch.lint.summaries import Resolver, count_unless, none_default, param_default
 
+# The entries of one value stored under constant keys (`out["entropy"]`) -> their tags.
+_Entries = dict[str, set[str]]
 # The tags of a mean over a micro-batch's items, which a module's own `forward` passes on.
 _MEAN_TAGS = frozenset({"V", "v", "L"})
 
@@ -212,6 +214,39 @@ def _only_fixed(tags: set[str]) -> bool:
     compared with anything else (`X`: `torch.arange(T) < lengths[:, None]` is a mask of
     the batch's lengths)."""
     return "F" in tags and all(t in ("F", "D", "p") or t.startswith("a:") for t in tags)
+
+
+def _stored_into(scope: Scope) -> set[str]:
+    """The names (`out`) whose entries this scope stores into under a constant key
+    (`out["entropy"] = x`): the only ones whose entries `Flow` tells apart."""
+    out: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if (
+                    isinstance(t, ast.Subscript)
+                    and isinstance(t.slice, ast.Constant)
+                    and (d := dotted(t.value)) is not None
+                ):
+                    out.add(d)
+    return out
+
+
+def _real_weights(value: ast.expr, tags: set[str]) -> bool:
+    """Is `value` (a whole sum, `torch.sum(w)`) a sum of real-valued weights rather than
+    an item count: what it sums is computed from a forward pass's output or a gradient
+    (`T`, `G:`) and is no mask (no comparison, `X`; no `mask` in a name)? Dividing by it
+    normalises the weights to sum to one (`w = w_t / w_t.sum()`), and `(l * w).sum()` is
+    a weighted sum, no mean over a varying count (issue 33: OpenMatch's meta-weights)."""
+    if "X" in tags or not ("T" in tags or any(t[:2] == "G:" for t in tags)):
+        return False
+    return not any(
+        isinstance(x, ast.Compare)
+        or (isinstance(x, ast.Name | ast.Attribute) and "mask" in last_name(x).lower())
+        for x in ast.walk(value)
+    )
 
 
 def _true(node: ast.expr) -> bool:
@@ -351,6 +386,11 @@ class Flow:
         self.t: dict[str, set[str]] = {}
         # name -> (branch path, tags) of the assignments that may still hold (see _assign)
         self.at: dict[str, list[tuple[tuple[tuple[int, int], ...], frozenset[str]]]] = {}
+        # `out["entropy"] = x`: the entries stored under a constant key of a value bound
+        # here (`out = forward(...)`), read back one at a time (`out["logprobs"]` gets
+        # none of `out["entropy"]`'s tags); `self.t` keeps the whole value's union. Per
+        # name: (the branch path of its binding, the bound value's tags, entry -> tags).
+        self.entries: dict[str, tuple[tuple[tuple[int, int], ...], set[str], _Entries]] = {}
         self.returns: set[str] = set()
         # the length of every tuple returned so far (None: none yet; -1: not all tuples
         # of one length, so no element-wise tags, `@`)
@@ -364,6 +404,7 @@ class Flow:
         self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
         self._indices: set[str] | None = None  # computed on first need (`_held`)
         self._inputs: set[str] | None = None  # computed on first need (`_data_tags`)
+        self._stored: set[str] | None = None  # computed on first need (`_assign`)
         # An autograd.Function's forward runs with gradient recording off (tested in
         # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
         # so nothing gathered there lacks one (WB102 judges that backward).
@@ -437,6 +478,11 @@ class Flow:
                 out |= self._call_marks(n, name)
             elif isinstance(n, ast.Subscript):
                 s = n.slice
+                entry = self._entry(n) if self.entries else None
+                if entry is not None:  # `out["logprobs"]`: that entry's tags only
+                    del stack[len(stack) - len(list(ast.iter_child_nodes(n))) :]  # read above
+                    out |= entry
+                    continue
                 vt = self._tuple_tags(n)
                 if vt is not None:
                     # `f(x)[1]` of a tuple with element-wise tags: that element's only
@@ -597,6 +643,21 @@ class Flow:
         else:
             return None
         return vt if any(t[:1] == "@" for t in vt) else None
+
+    def _entry(self, n: ast.Subscript) -> set[str] | None:
+        """The tags of `out["k"]` where entry "k" of `out` was stored since `out` was
+        bound here (`self.entries`); None where it was not."""
+        s = n.slice
+        if not (isinstance(s, ast.Constant) and isinstance(s.value, str)):
+            return None
+        key = dotted(n.value)
+        held = self.entries.get(key) if key is not None else None
+        if held is None or s.value not in held[2]:
+            return None
+        tags = set(held[2][s.value])
+        if s.value == "loss":
+            tags.add("v")  # `out["loss"]`: a model's mean loss, as below in `tags`
+        return tags
 
     def _held(self, key: str) -> set[str]:
         """The tags of the value bound to `key`. A value this scope uses as an index
@@ -870,6 +931,7 @@ class Flow:
             key = dotted(target.value)
             if key is None:
                 return
+            self._store_entry(key, target.slice, tags)
             cur = self.t.get(key, set())
             if not any(t.startswith("g:") for t in tags):
                 # `gathered[rank] = local`: this rank's slice keeps its gradient again,
@@ -878,7 +940,32 @@ class Flow:
             self.t[key] = cur | tags
             self.at.pop(key, None)
 
+    def _store_entry(self, key: str, index: ast.expr, tags: set[str]) -> None:
+        """`key["k"] = value`: entry "k" holds `tags`; under a condition the store may not
+        run, so it adds to what "k" held (the whole value's tags before any store), as
+        `+=` does. Any other index (`out[i]`, `out[name]`) may be any entry: `key`'s
+        entries are no longer told apart."""
+        held = self.entries.get(key)
+        if held is None:
+            return
+        if not (isinstance(index, ast.Constant) and isinstance(index.value, str)):
+            del self.entries[key]
+            return
+        path, whole, stored = held
+        here = self._st.path if self._st else ()
+        if here != path or (self._st is not None and isinstance(self._st.node, ast.AugAssign)):
+            tags = stored.get(index.value, whole) | tags
+        stored[index.value] = set(tags)
+
     def _assign(self, key: str, tags: set[str]) -> None:
+        self._bound(key, tags)
+        if self._stored is None:
+            self._stored = _stored_into(self.scope)
+        if key in self._stored:
+            # a new value: its entries (`out["k"]`) hold its own tags until one is stored
+            self.entries[key] = (self._st.path if self._st else (), self.t[key], {})
+
+    def _bound(self, key: str, tags: set[str]) -> None:
         """`key = value`. Under an `if`, the value from before (or from a sibling branch)
         may still be the one read later: keep what an assignment on this path does not
         overwrite for certain (a may-analysis; branches join by union)."""
@@ -967,6 +1054,7 @@ class Flow:
     def _add(self, target: ast.expr, tags: set[str]) -> None:
         key = dotted(target)
         if key is not None:
+            self.entries.pop(key, None)
             self.t.setdefault(key, set()).update(tags)
             self.at.pop(key, None)
 
@@ -1000,6 +1088,10 @@ class Flow:
             else:
                 self.bind(node.target, self.tags(node.value))
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            if self.entries:  # a call may change any entry of what it is given
+                for x in ast.walk(node.value):
+                    if isinstance(x, ast.Name | ast.Attribute) and (d := dotted(x)) is not None:
+                        self.entries.pop(d, None)
             self._apply_call(node.value)
 
     def _return(self, value: ast.expr) -> None:
@@ -1039,7 +1131,7 @@ class Flow:
     def _value_tags(self, value: ast.expr) -> set[str]:
         tags = self.tags(value)
         tags |= self._data_tags(value, tags)
-        if is_count_expr(value) and not _only_fixed(tags):
+        if is_count_expr(value) and not _only_fixed(tags) and not _real_weights(value, tags):
             tags.add("K")  # a count of items: a division by this value is a mean over them
         if self._st is not None and self._st.nograd:
             tags.add("D")  # computed with gradient recording off

@@ -25,7 +25,7 @@ from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
-from wholebatch.lint.frameworks import Evidence, masks_labels
+from wholebatch.lint.frameworks import Evidence, builds_ddp, builds_fsdp, masks_labels
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
@@ -201,8 +201,11 @@ def _analyse(
 ) -> ModuleFacts | None:
     """Run the enabled rules over one file into `out`; its summaries for other files."""
     if program is not None:
-        ev = program.evidence
-        ctx.evidence = replace(ev, masks_labels=True) if ctx.path in program.masked else ev
+        ctx.evidence = replace(
+            program.evidence,
+            masks_labels=program.evidence.masks_labels or ctx.path in program.masked,
+            fsdp_models=ctx.path in program.fsdp_built and ctx.path not in program.ddp_built,
+        )
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -582,6 +585,9 @@ def lint_run(
     # `masks_labels` marks can pass it (each reads the whole text of every file)
     written = {f for f in marked if writes_masked_labels(sources[f])}
     program.masked_values = _masked(sources, deps, modules, written)
+    # WB302: whose `no_sync()` a file calls, by the wrappers built alongside it.
+    program.fsdp_built = _alongside(sources, deps, builds_fsdp)
+    program.ddp_built = _alongside(sources, deps, builds_ddp)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -656,6 +662,16 @@ def _masked(
             if own(f) == key or (near is not None and own(f) == near)
         )
     return out
+
+
+def _alongside(
+    sources: dict[Path, str], deps: dict[Path, list[Path]], test: Callable[[str], bool]
+) -> set[str]:
+    """The files imported alongside one whose text passes `test` (`program.co_imported`),
+    of any package: the helper module that gets the model a script wrapped (a helper's
+    `no_sync()` is the wrapper's, wherever the helper lives)."""
+    marked = {f for f, text in sources.items() if test(text)}
+    return {str(f) for f in co_imported(deps, marked)}
 
 
 def _read_all(files: list[Path], codes: frozenset[str], out: list[Finding]) -> dict[Path, str]:

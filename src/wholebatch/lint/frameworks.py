@@ -24,6 +24,8 @@ __all__ = [
     "HF_TRAINERS",
     "Evidence",
     "Fact",
+    "builds_ddp",
+    "builds_fsdp",
     "deepspeed_divides",
     "deepspeed_engines",
     "divides_by_steps",
@@ -160,6 +162,17 @@ _ALL = (
         "(`require_backward_grad_sync` -> reducer.prepare_for_backward)",
         rules=("WB302",),
     ),
+    Fact(
+        name="fsdp-no-sync",
+        framework="torch",
+        says="FSDP decides in its post-backward hook whether to reduce-scatter: a "
+        "backward inside `no_sync()` keeps its gradients local whatever the forward ran "
+        "under",
+        where="torch/distributed/fsdp/_runtime_utils.py: _post_backward_hook (`if not "
+        "state._sync_gradients: return` before the reduce-scatter); "
+        "FullyShardedDataParallel.no_sync sets `_sync_gradients = False`",
+        rules=("WB302",),
+    ),
 )
 FACTS: dict[str, Fact] = {f.name: f for f in _ALL}
 
@@ -180,6 +193,22 @@ def masks_labels(text: str) -> bool:
     collator)? Then a token mean's count varies between micro-batches: grouped blocks of
     a fixed length (labels = input_ids) and one label per sequence do not."""
     return any(w in text for w in _MASKED_WORDS) and _MASKED_RE.search(text) is not None
+
+
+# A model wrapped for data parallelism: `FSDP(model, ...)`, `DDP(model)` (a call of the
+# class, not `FSDP.state_dict_type(...)`).
+_FSDP_RE = re.compile(r"\b(?:FullyShardedDataParallel|FSDP)\s*\(")
+_DDP_RE = re.compile(r"\b(?:DistributedDataParallel|DDP)\s*\(")
+
+
+def builds_fsdp(text: str) -> bool:
+    """Does this source wrap a model in FSDP (`FullyShardedDataParallel(model)`)?"""
+    return ("FSDP" in text or "FullySharded" in text) and _FSDP_RE.search(text) is not None
+
+
+def builds_ddp(text: str) -> bool:
+    """Does this source wrap a model in DDP (`DistributedDataParallel(model)`)?"""
+    return ("DDP" in text or "DistributedData" in text) and _DDP_RE.search(text) is not None
 
 
 # `Trainer(precision=16)`, `precision="16-mixed"`, `precision: "16"`, a "16-mixed"
@@ -205,11 +234,15 @@ class Evidence:
         masks_labels: for one file, a file imported alongside it (`engine`: both within
             three imports of one file of the run) masks labels out of a token loss
             (`masks_labels`): the dataset module of the script that runs its loop.
+        fsdp_models: for one file, the models its `no_sync()` acts on are FSDP's
+            (fact `fsdp-no-sync`): a file imported alongside it wraps a model in FSDP
+            and none wraps one in DDP (`builds_fsdp`, `builds_ddp`); unknown is False.
     """
 
     fp16: bool = False
     lightning_accumulates: bool = False
     masks_labels: bool = False
+    fsdp_models: bool = False
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:

@@ -181,6 +181,8 @@ def _zero_between(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
         )
         if after is None or after.kind != STEP or not after.certain or after.node is zero.node:
             continue
+        if _zeroes_a_part(ctx, scope, zero, after.recv):
+            continue
         same = zero.recv == after.recv or (
             not (zero.recv and _is_optimizer_text(ctx, zero.recv)) and len(stepped) == 1
         )
@@ -206,6 +208,90 @@ def _selective(ev: Event) -> bool:
     `if "prototypes" in name: p.grad = None`): some parameters are held still for this
     step, the others keep their gradients; that is not zeroing before the step."""
     return not isinstance(ev.node, ast.Call) and bool(ev.loops) and bool(ev.conds)
+
+
+def _zeroes_a_part(ctx: FileContext, scope: Scope, zero: Event, opt: str) -> bool:
+    """`for p in part: p.grad = None` where `part` may be less than what optimizer `opt`
+    steps (RL4LMs' TRPO drops the actor's gradients, the critic's stay for the step):
+    only a loop over the optimised parameters as a whole zeroes before the step, that is
+    over `opt.param_groups`, or over `m.parameters()` of the model `opt` was built on
+    (any model, where its construction is not in the file)."""
+    node = zero.node
+    loop = zero.loops[-1] if zero.loops else None
+    if not isinstance(node, ast.Assign | ast.Delete) or not isinstance(loop, ast.For):
+        return False
+    store = node.targets[0]
+    if not (
+        isinstance(store, ast.Attribute)
+        and isinstance(store.value, ast.Name)
+        and store.value.id in names_in(loop.target)
+    ):
+        return False
+    params = _bound_value(scope, loop.iter, loop.lineno)
+    if params is None:
+        return True  # a parameter of the function, unpacked, built by appends: a part
+    if any(
+        (isinstance(x, ast.Attribute) and x.attr == "param_groups")
+        or (isinstance(x, ast.Constant) and x.value == "params")
+        for x in ast.walk(params)
+    ):
+        return False
+    if not (isinstance(params, ast.Call) and isinstance(params.func, ast.Attribute)):
+        return True
+    if params.func.attr not in ("parameters", "named_parameters"):
+        return True
+    built = _built_on(ctx, opt)
+    return built is not None and last_name(params.func.value) != built
+
+
+def _bound_value(scope: Scope, expr: ast.expr, line: int) -> ast.expr | None:
+    """`expr` without `list(...)`/`tuple(...)`, through the last `name = value` before
+    `line` where it is a name; None where that name has no such binding here."""
+    for _ in range(3):
+        if isinstance(expr, ast.Call) and last_name(expr.func) in ("list", "tuple") and expr.args:
+            expr = expr.args[0]
+        elif isinstance(expr, ast.Name):
+            name = expr.id
+            value = None
+            for st in scope.stmts:
+                n = st.node
+                if n.lineno >= line:
+                    break
+                if isinstance(n, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == name for t in n.targets
+                ):
+                    value = n.value
+            if value is None:
+                return None
+            expr = value
+        else:
+            break
+    return expr
+
+
+def _built_on(ctx: FileContext, opt: str) -> str | None:
+    """The model (its last name) whose `.parameters()` optimizer `opt` was built on in
+    this file (`self.opt = Adam(self.policy.parameters())` -> "policy"); None where that
+    is not seen."""
+    if not opt:
+        return None
+    for n in ast.walk(ctx.tree):
+        if not (
+            isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Call)
+            and any(dotted(t) == opt for t in n.targets)
+        ):
+            continue
+        call = n.value
+        first = call.args[0] if call.args else None
+        first = next((k.value for k in call.keywords if k.arg == "params"), first)
+        if (
+            isinstance(first, ast.Call)
+            and isinstance(first.func, ast.Attribute)
+            and first.func.attr == "parameters"
+        ):
+            return last_name(first.func.value)
+    return None
 
 
 def _callee(ev: Event) -> str:
@@ -527,6 +613,8 @@ _ON_EVENTS: dict[str, _ScopeCheck] = {
 
 
 def _no_sync_without_forward(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+    if ctx.evidence.fsdp_models:
+        return  # FSDP's `no_sync()` acts at backward time (fact `fsdp-no-sync`)
     for node in scope.withs:
         model: ast.expr | None = None
         for item in node.items:
