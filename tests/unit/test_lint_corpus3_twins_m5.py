@@ -10,6 +10,15 @@ code, and nothing else may be. The lint of fbad846 misses the bad twin of every 
   (`frameworks.FACTS["hf-trainer-before-4-46"]`). The good twin pins 4.46, which gives the
   model the step's item count; a plain modern Trainer is never reported.
 
+- `zero-labels-ignored` (WB301; LLaMA-Adapter's gorilla/finetune, here in one file): a
+  model whose forward returns `self.criterion(...)`, a `CrossEntropyLoss(ignore_index=0)`
+  built in `__init__`, called through an FSDP wrapper by position (`model(examples,
+  labels)`), in a script whose dataset writes 0 into the prompt's and padding's labels:
+  the loss is a mean over this micro-batch's answer tokens, divided by the steps. The
+  good twin writes no 0 into labels (fixed-length blocks): its `ignore_index=0` masks
+  nothing the file shows. (Across files, the loop's module linted before the script that
+  gives it the model, the real case is still missed.)
+
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m5.py -q
 """
 
@@ -74,7 +83,66 @@ def _pinned(pin: str, mark: str) -> Twin:
     }
 
 
+_FINETUNE = """
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.data import Dataset
+
+
+class MetaModel(nn.Module):
+    def __init__(self, dim, vocab):
+        super().__init__()
+        self.head = nn.Linear(dim, vocab)
+        self.criterion = torch.nn.CrossEntropyLoss(ignore_index=0)
+
+    def forward(self, examples, labels):
+        logits_BTV = self.head(examples)[:, :-1, :]
+        labels = labels[:, 1:]
+        c_loss = self.criterion(logits_BTV.reshape(-1, logits_BTV.shape[-1]), labels.flatten())
+        return c_loss, c_loss * 0
+
+
+class FinetuneDataset(Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        prompt, answer = self.items[i]
+        example = torch.cat([prompt, answer])
+        labels = example.clone()
+        {labels}
+        return example, labels
+
+
+def train_one_epoch(model, data_loader, optimizer, accum_iter):
+    for step, (examples, labels) in enumerate(data_loader):
+        c_loss, m_loss = model(examples, labels)
+        loss = c_loss + m_loss * 0
+        loss /= accum_iter{mark}
+        loss.backward()
+        if (step + 1) % accum_iter == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def main(items, dim, vocab, accum_iter):
+    model = MetaModel(dim, vocab)
+    model = FSDP(model, use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loader = torch.utils.data.DataLoader(FinetuneDataset(items), batch_size=4)
+    train_one_epoch(model, loader, optimizer, accum_iter)
+"""
+_ZEROED = "labels[: len(prompt)] = -1\n        labels[~labels.ge(0)] = 0"
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
+    "zero-labels-ignored": (
+        {"finetune.py": _FINETUNE.format(labels=_ZEROED, mark="  # expect: WB301")},
+        {"finetune.py": _FINETUNE.format(labels="labels = labels.long()", mark="")},
+    ),
     "hf-trainer-pinned-before-4-46": (
         _pinned("transformers==4.37.2", "  # expect: WB301"),
         _pinned("transformers==4.46.0", ""),
