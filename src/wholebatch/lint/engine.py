@@ -202,7 +202,11 @@ def _analyse(
     """Run the enabled rules over one file into `out`; its summaries for other files."""
     if program is not None:
         ev = program.evidence
-        ctx.evidence = replace(ev, masks_labels=True) if ctx.path in program.masked else ev
+        ctx.evidence = replace(
+            ev,
+            masks_labels=ctx.path in program.masked,
+            package_masks_labels=ctx.path in program.masked_wide,
+        )
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -571,6 +575,7 @@ def lint_run(
     # imported alongside it (`frameworks.Evidence.masks_labels`).
     program.masked = _masked(sources, deps, modules)
     program.masked_values = _masked(sources, deps, modules, writes_masked_labels)
+    program.masked_wide = _masked(sources, deps, modules, wide=True)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -641,6 +646,8 @@ def _masked(
     deps: dict[Path, list[Path]],
     modules: ModuleMap,
     test: Callable[[str], bool] = masks_labels,
+    *,
+    wide: bool = False,
 ) -> set[str]:
     """The files for which labels are masked out of a token loss (`test`) in a file imported
     alongside them (`program.co_imported`) of their own code: the same top-level package,
@@ -668,7 +675,8 @@ def _masked(
         near = beside.get(key)
         # a script in a folder of the package without `__init__.py` (`llava/train/`,
         # imported as `llava.train.train`) is the package's own code too
-        inside = os.path.join(near, *key.split("."), "") if near is not None else None
+        # (`wide` only: the HF Trainer pinned below 4.46, `Evidence.package_masks_labels`)
+        inside = os.path.join(near, key, "") if near is not None and wide else None
         out.update(
             str(f)
             for f in co_imported(deps, marked)

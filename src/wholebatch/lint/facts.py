@@ -210,6 +210,9 @@ class Program:
         # those imported alongside one that writes masked label values, `-100` (not only
         # a loss's `ignore_index=`: `summaries.writes_masked_labels`)
         self.masked_values: set[str] = set()
+        # `masked` and the files of a folder of the same package without `__init__.py`
+        # (`llava/train/`), for `Evidence.package_masks_labels`
+        self.masked_wide: set[str] = set()
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

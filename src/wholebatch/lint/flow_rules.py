@@ -327,15 +327,23 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     hf_before_446`) every such subclass does so, reported at its `class` line. Reported
     where labels are masked (`_msg301`'s evidence)."""
     out: list[Finding] = []
-    if not (ctx.evidence.masks_labels or masks_labels(ctx.source)):
+    ev = ctx.evidence
+    masked = ev.masks_labels or masks_labels(ctx.source)
+    if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
         return out
     for cls in ctx.class_by_name.values():
-        flags: list[ast.stmt] = [*hf_counting_off(cls)]
+        flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
         bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
         if not any(q in _HF_DEFAULT_LOSS for q in bases):
             continue
-        old = not flags and ctx.evidence.hf_before_446
+        # (a subclass that replaces the step or the loop, `training_step`,
+        # `_inner_training_loop`, divides, or not, by its own code)
+        old = (
+            not flags
+            and ctx.evidence.hf_before_446
+            and not any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS))
+        )
         if old:
             flags = [cls]
         if not flags:
@@ -366,6 +374,9 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         out += [_finding(ctx, f, "WB301", msg) for f in flags]
     return out
 
+
+_HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).
 _HF_DEFAULT_LOSS = frozenset(

@@ -221,12 +221,16 @@ class Evidence:
         hf_before_446: the project pins transformers below 4.46 (`hf_pinned_before_446`
             of its pyproject.toml, setup.py, setup.cfg or requirements files, read by
             `engine`), whose Trainer divides the model's mean by the steps.
+        package_masks_labels: `masks_labels`, or labels are masked in the file's package
+            while the file sits in a folder of it without `__init__.py` (read for
+            `hf_before_446` only).
     """
 
     fp16: bool = False
     lightning_accumulates: bool = False
     masks_labels: bool = False
     hf_before_446: bool = False
+    package_masks_labels: bool = False
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:
