@@ -560,7 +560,7 @@ class Flow:
         ignore = _kwarg(n, ("ignore_index",))
         if ignore is not None and not _sum_reduction(n) and not self.resolver.own(n, self.scope):
             out.add("V")
-            if _sentinel(ignore):
+            if self._ignores_masked(ignore):
                 out |= self._targets(n)
         if name == "mean" and not n.keywords and "M" in self._mean_input(n):
             out.add("V")  # `losses[mask].mean()`: over as many items as the mask keeps
@@ -571,7 +571,20 @@ class Flow:
             and not _sum_reduction(n)
         ):
             out.add("V")
+            value = self.ctx.ignore_values.get(d)
+            if value is not None and self._ignores_masked(value):
+                out |= self._targets(n)  # `self.criterion(logits, labels)`, built so
         return out
+
+    def _ignores_masked(self, ignore: ast.expr) -> bool:
+        """Is `ignore` (an `ignore_index`) a value set on purpose where the loss must not
+        count: a negative literal (`_sentinel`), or a literal this file writes into
+        labels (`labels[~label_mask] = 0` with `ignore_index=0`)?"""
+        return _sentinel(ignore) or (
+            isinstance(ignore, ast.Constant)
+            and type(ignore.value) is int
+            and ignore.value in self.ctx.label_writes()
+        )
 
     def _mask_index(self, s: ast.expr) -> bool:
         """Is the index `s` of `x[s]` a boolean mask of the data, which keeps a
@@ -607,7 +620,7 @@ class Flow:
             # only out of range (a span's `ignore_index=seq_len`), keeps a fixed count
             # unless its targets are masked, which the call does not show
             out |= self.resolver.forward_tags(n, self.scope)
-        elif self.resolver.masks_labels():
+        elif self.resolver.masks_labels() or self.ctx.writes_ignored_labels():
             # labels given under another name or by position (`model(x, y)`, `targets=y`):
             # where the forward's own sentinel-ignoring loss takes its target from the
             # parameter the call binds, and labels are masked in this file or one

@@ -25,7 +25,13 @@ from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
 from wholebatch.lint.flow_rules import attach, check_flow
-from wholebatch.lint.frameworks import Evidence, builds_ddp, builds_fsdp, masks_labels
+from wholebatch.lint.frameworks import (
+    Evidence,
+    builds_ddp,
+    builds_fsdp,
+    hf_pinned_before_446,
+    masks_labels,
+)
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
 from wholebatch.lint.program import (
@@ -205,6 +211,7 @@ def _analyse(
             program.evidence,
             masks_labels=program.evidence.masks_labels or ctx.path in program.masked,
             fsdp_models=ctx.path in program.fsdp_built and ctx.path not in program.ddp_built,
+            package_masks_labels=ctx.path in program.masked_wide,
         )
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
@@ -562,7 +569,8 @@ def lint_run(
     # summary follows first, never depend on it. (The paths sorted, each walked as the
     # folders come: files before sub-folders, which lets imports meet their modules
     # first more often than a plain sort of all the files does.)
-    walked = {w.path: w for w in walk(sorted((os.fspath(x) for x in paths), key=str))}
+    given = sorted((os.fspath(x) for x in paths), key=str)
+    walked = {w.path: w for w in walk(given)}
     files = list(walked)
     out: list[Finding] = []
     sources = _read_all(files, codes, out)
@@ -576,7 +584,9 @@ def lint_run(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.evidence = Evidence.of(sources.values())
+    program.evidence = replace(
+        Evidence.of(sources.values()), hf_before_446=_pins_old_transformers(given)
+    )
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
     marked = {f for f, text in sources.items() if masks_labels(text)}
@@ -588,6 +598,7 @@ def lint_run(
     # WB302: whose `no_sync()` a file calls, by the wrappers built alongside it.
     program.fsdp_built = _alongside(sources, deps, builds_fsdp)
     program.ddp_built = _alongside(sources, deps, builds_ddp)
+    program.masked_wide = _masked(sources, deps, modules, marked, wide=True)
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}
@@ -625,11 +636,41 @@ def lint_run(
     return Report(findings=kept, files=len(files), hidden=hidden)
 
 
+# The files where a project pins its dependencies, beside the folder it is linted from.
+_PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg")
+
+
+def _pins_old_transformers(given: list[str]) -> bool:
+    """Does a project linted here pin transformers below 4.46 (`frameworks.
+    hf_pinned_before_446`) in its own pin files (`_PIN_FILES`, `requirements*.txt`) at the
+    top of a folder given (for a file given, its folder)? A few files read, no walk."""
+    for g in given:
+        folder = Path(g) if os.path.isdir(g) else Path(g).parent
+        try:
+            names = [n for n in os.listdir(folder) if n in _PIN_FILES or _is_requirements(n)]
+        except OSError:
+            continue
+        for n in sorted(names):
+            try:
+                text = (folder / n).read_text(errors="replace")
+            except OSError:
+                continue
+            if hf_pinned_before_446(text):
+                return True
+    return False
+
+
+def _is_requirements(name: str) -> bool:
+    return name.startswith("requirements") and name.endswith((".txt", ".in"))
+
+
 def _masked(
     sources: dict[Path, str],
     deps: dict[Path, list[Path]],
     modules: ModuleMap,
     shown: set[Path],
+    *,
+    wide: bool = False,
 ) -> set[str]:
     """The files for which labels are masked out of a token loss (`shown`: the files whose
     text shows it, `frameworks.masks_labels` or `writes_masked_labels`) in a file imported
@@ -656,10 +697,16 @@ def _masked(
     out: set[str] = set()
     for key, marked in groups.items():
         near = beside.get(key)
+        # a script in a folder of the package without `__init__.py` (`llava/train/`,
+        # imported as `llava.train.train`) is the package's own code too
+        # (`wide` only: the HF Trainer pinned below 4.46, `Evidence.package_masks_labels`)
+        inside = os.path.join(near, key, "") if near is not None and wide else None
         out.update(
             str(f)
             for f in co_imported(deps, marked)
-            if own(f) == key or (near is not None and own(f) == near)
+            if own(f) == key
+            or (near is not None and own(f) == near)
+            or (inside is not None and str(f).startswith(inside))
         )
     return out
 

@@ -213,6 +213,9 @@ class Program:
         # files imported alongside one that wraps a model in FSDP, and in DDP (WB302)
         self.fsdp_built: set[str] = set()
         self.ddp_built: set[str] = set()
+        # `masked` and the files of a folder of the same package without `__init__.py`
+        # (`llava/train/`), for `Evidence.package_masks_labels`
+        self.masked_wide: set[str] = set()
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

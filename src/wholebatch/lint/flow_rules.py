@@ -196,7 +196,10 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
         attach(resolver)
     results = ctx.flow_results
     assert results is not None  # attach() sets it
-    if "model_accepts_loss_kwargs" in ctx.source and ctx.scopes:
+    if ctx.scopes and (
+        "model_accepts_loss_kwargs" in ctx.source
+        or (ctx.evidence.hf_before_446 and "Trainer" in ctx.source)
+    ):
         yield from ctx.guarded(ctx.scopes[0], partial(_hf_flag_findings, ctx, resolver))
     for scope in ctx.scopes:
         if scope.stmts:
@@ -320,15 +323,30 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     loss is the model's (`compute_loss` not overridden, or returning
     `super().compute_loss(...)`): the Trainer then gives the model no `num_items_in_batch`,
     the model's `loss` is a mean over this micro-batch's labels, and `training_step`
-    divides it by the steps. Reported where labels are masked (`_msg301`'s evidence)."""
+    divides it by the steps. Under a transformers pinned below 4.46 (`Evidence.
+    hf_before_446`) every such subclass does so, reported at its `class` line. Reported
+    where labels are masked (`_msg301`'s evidence)."""
     out: list[Finding] = []
-    if not (ctx.evidence.masks_labels or masks_labels(ctx.source)):
+    ev = ctx.evidence
+    masked = ev.masks_labels or masks_labels(ctx.source)
+    if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
         return out
     for cls in ctx.class_by_name.values():
-        flags = hf_counting_off(cls)
+        flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
         bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
-        if not flags or not any(q in _HF_DEFAULT_LOSS for q in bases):
+        if not any(q in _HF_DEFAULT_LOSS for q in bases):
+            continue
+        # (a subclass that replaces the step or the loop, `training_step`,
+        # `_inner_training_loop`, divides, or not, by its own code)
+        old = (
+            not flags
+            and ctx.evidence.hf_before_446
+            and not any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS))
+        )
+        if old:
+            flags = [cls]
+        if not flags:
             continue
         own = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
         override = next((f for f in own if hf_compute_loss(f)), None)
@@ -345,7 +363,10 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             continue
         # Labels masked out of the loss: its count varies whatever the rows per batch.
         msg = (
-            "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
+            f"{FACTS['hf-trainer-before-4-46'].says}: micro-batches with fewer unmasked "
+            "labels weigh more (4.46 gives the model the step's `num_items_in_batch`)"
+            if old
+            else "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
             "`num_items_in_batch`: its `loss` is a mean over this micro-batch's unmasked "
             f"labels, and {FACTS['hf-trainer-compute-loss'].says}: micro-batches with "
             "fewer tokens weigh more"
@@ -353,6 +374,9 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         out += [_finding(ctx, f, "WB301", msg) for f in flags]
     return out
 
+
+_HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).
 _HF_DEFAULT_LOSS = frozenset(

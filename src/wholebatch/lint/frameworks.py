@@ -32,6 +32,7 @@ __all__ = [
     "fairseq_criterion",
     "hf_compute_loss",
     "hf_counting_off",
+    "hf_pinned_before_446",
     "lightning_class",
     "masks_labels",
     "megatron_losses",
@@ -123,6 +124,18 @@ _ALL = (
         "`self.model_accepts_loss_kwargs and num_items_in_batch is not None`); "
         "Trainer.compute_loss passes `num_items_in_batch` to `model(**inputs)` only `if "
         "self.model_accepts_loss_kwargs` and returns its `loss` (checked against 5.23)",
+        rules=("WB301",),
+    ),
+    Fact(
+        name="hf-trainer-before-4-46",
+        framework="transformers",
+        says="a transformers Trainer below 4.46 (pinned by the project) divides the model's "
+        "own `loss`, a mean over this micro-batch's labels, by the accumulation steps",
+        where="transformers/trainer.py before 4.46 (read in 4.37.2): Trainer.training_step "
+        "(`loss = self.compute_loss(model, inputs)`; `if self.args.gradient_accumulation_steps "
+        "> 1 ...: loss = loss / self.args.gradient_accumulation_steps`), Trainer.compute_loss "
+        "(`outputs = model(**inputs)`, no item count given); 4.46 added "
+        "`num_items_in_batch`",
         rules=("WB301",),
     ),
     Fact(
@@ -237,12 +250,20 @@ class Evidence:
         fsdp_models: for one file, the models its `no_sync()` acts on are FSDP's
             (fact `fsdp-no-sync`): a file imported alongside it wraps a model in FSDP
             and none wraps one in DDP (`builds_fsdp`, `builds_ddp`); unknown is False.
+        hf_before_446: the project pins transformers below 4.46 (`hf_pinned_before_446`
+            of its pyproject.toml, setup.py, setup.cfg or requirements files, read by
+            `engine`), whose Trainer divides the model's mean by the steps.
+        package_masks_labels: `masks_labels`, or labels are masked in the file's package
+            while the file sits in a folder of it without `__init__.py` (read for
+            `hf_before_446` only).
     """
 
     fp16: bool = False
     lightning_accumulates: bool = False
     masks_labels: bool = False
     fsdp_models: bool = False
+    hf_before_446: bool = False
+    package_masks_labels: bool = False
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:
@@ -503,3 +524,28 @@ def hf_counting_off(cls: ast.ClassDef) -> list[ast.Assign]:
             ):
                 out.append(node)
     return out
+
+
+# A pin of transformers in a requirements line, pyproject.toml or setup.py: `transformers==
+# 4.37.2`, `"transformers>=4.30,<4.46"`, `transformers[torch]~=4.40.0` (not
+# `sentence-transformers`), with its comma-separated specifiers.
+_HF_PIN_RE = re.compile(
+    r"(?<![\w.-])transformers\s*(?:\[[^\]\n]*\])?\s*"
+    r"((?:(?:==|~=|<=|>=|!=|<|>)\s*[\d.*]+\s*,?\s*)+)"
+)
+_HF_SPEC_RE = re.compile(r"(==|~=|<=|<)\s*(\d+)\.(\d+)")
+
+
+def hf_pinned_before_446(text: str) -> bool:
+    """Does this project file (requirements, pyproject.toml, setup.py, setup.cfg) pin
+    transformers below 4.46, by an exact version (`==`, `~=`) or an upper bound under it
+    (`<4.46`, `<=4.45`)? Its Trainer then divides the model's own per-micro-batch mean by
+    the steps (`FACTS["hf-trainer-before-4-46"]`). A lower bound alone is no pin."""
+    if "transformers" not in text:
+        return False
+    for m in _HF_PIN_RE.finditer(text):
+        for op, major, minor in _HF_SPEC_RE.findall(m[1]):
+            version = (int(major), int(minor))
+            if version < (4, 46) or (op == "<" and version == (4, 46)):
+                return True
+    return False

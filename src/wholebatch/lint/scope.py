@@ -12,6 +12,7 @@ known to step (and, if that helper zeroes, to zero).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -278,6 +279,15 @@ _WRAPPERS = frozenset(
 )
 
 
+# An integer written into labels at chosen places: `labels[~mask] = 0`, `tgt_labels[:n] =
+# -1`, `labels.masked_fill_(pad, 0)`, `labels = labels.masked_fill(m, 0)`.
+_LABEL_WRITE_RE = re.compile(
+    r"\b\w*labels?\w*(?:\[[^\]\n]*\]\s*=(?!=)|\.masked_fill_?\([^\n]*?,)\s*(-?\d+)\b(?![.\w])"
+)
+
+_IGNORE_LITERAL_RE = re.compile(r"\bignore_index\s*=\s*(-?\d+)\b(?![.\w])")
+
+
 class FileContext:
     """Everything the rules need to know about one parsed file.
 
@@ -321,6 +331,9 @@ class FileContext:
         # names assigned a loss module built with `ignore_index` (`self.lm_loss =
         # nn.CrossEntropyLoss(ignore_index=-100)`): calling one gives a token mean (WB301)
         self.ignoring: set[str] = set()
+        # their `ignore_index=` values as written (`0`, `-100`, `pad_id`)
+        self.ignore_values: dict[str, ast.expr] = {}
+        self._label_writes: frozenset[int] | None = None
         # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
         self.applies: list[tuple[str, bool]] | None = None
         # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
@@ -380,9 +393,11 @@ class FileContext:
                     k.arg == "reduction" and is_sum_reduction(k.value) for k in call.keywords
                 )
             ):
-                self.ignoring.update(
-                    d for t in targets if isinstance(t, ast.Attribute) and (d := dotted(t))
-                )
+                value = next(k.value for k in call.keywords if k.arg == "ignore_index")
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and (d := dotted(t)):
+                        self.ignoring.add(d)
+                        self.ignore_values[d] = value
             ctor = dotted(func)
             if ctor is not None and last_name(func)[:1].isupper():
                 for target in targets:
@@ -406,6 +421,28 @@ class FileContext:
                 d = dotted(target)
                 if d is not None:
                     bucket.add(d)
+
+    def label_writes(self) -> frozenset[int]:
+        """The integer literals this file writes into labels at masked places
+        (`labels[~label_mask] = 0`, `labels.masked_fill_(pad, 0)`): a loss whose
+        `ignore_index` is one of them ignores those places, whatever the value. Read once."""
+        if self._label_writes is None:
+            found = (
+                {int(v) for v in _LABEL_WRITE_RE.findall(self.source)}
+                if "label" in self.source
+                else set()
+            )
+            self._label_writes = frozenset(found)
+        return self._label_writes
+
+    def writes_ignored_labels(self) -> bool:
+        """Does this file write into labels a value that a loss of it ignores
+        (`ignore_index=0` and `labels[~label_mask] = 0`)? Then labels are masked out of
+        that loss, as a -100 would show (`frameworks.masks_labels`)."""
+        if "ignore_index" not in self.source or not self.label_writes():
+            return False
+        ignored = {int(v) for v in _IGNORE_LITERAL_RE.findall(self.source)}
+        return bool(ignored & self.label_writes())
 
     def is_optimizer(self, node: ast.expr) -> bool:
         """Does `node` name an optimizer (by assignment, else by its name)?"""

@@ -573,7 +573,9 @@ class Resolver:
                     collective = (f.collective[0], (hop, *f.collective[1]))
         tagged = gathers or nograd_gathers  # its return value may carry a gather's tags
         mean = not tagged and (
-            (calls_mean and _returns_value(scope)) or _may_return_mean(scope, self._hints)
+            (calls_mean and _returns_value(scope))
+            or _may_return_mean(scope, self._hints)
+            or _calls_ignoring_loss(scope, ctx.ignoring)
         )
         steps = _returns_step_count(scope)
         if not (effects or collective or reduces or tagged or mean or steps):
@@ -713,6 +715,17 @@ class _MeanHints:
     counts: bool  # an item count to divide by (`names.counts_items`)
     ignore_index: bool
     loss: bool  # a `loss` field
+
+
+def _calls_ignoring_loss(scope: Scope, ignoring: set[str]) -> bool:
+    """Does the scope call a loss module built with `ignore_index` (`self.criterion(...)`
+    after `self.criterion = nn.CrossEntropyLoss(ignore_index=0)`) and return a value? It
+    may return that module's mean over the labels it keeps."""
+    return (
+        bool(ignoring)
+        and any(dotted(c.func) in ignoring for c in scope.calls)
+        and _returns_value(scope)
+    )
 
 
 def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
