@@ -57,6 +57,8 @@ Tags:
                a mask of the data, no fixed table any more;
     ``M``      items a boolean mask of the data selects (`losses[mask]`): their whole
                `.mean()` is a mean over a varying count (``V``);
+    ``S``      with ``V``: that mean (`losses[mask].mean()`), whose count varies whatever
+               a caller passes (a forward's loss over its own random span mask);
     ``T``      the output of a forward pass: a call of a module held in a variable or an
                attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
                (a batch's raw inputs, token ids and labels do not);
@@ -349,7 +351,7 @@ def _sentinel(node: ast.expr) -> bool:
 
 def _is_mean(tag: str) -> bool:
     """A tag of a mean over a micro-batch's items, followed element-wise in tuples."""
-    return tag in ("V", "v") or tag.startswith("W:")
+    return tag in ("V", "v", "S") or tag.startswith("W:")
 
 
 def _whole(tags: set[str]) -> set[str]:
@@ -372,7 +374,7 @@ def _element(tags: set[str], i: int) -> set[str]:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvTLW@t" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvSTLW@t" and not t.startswith("G:"))
 
 
 class Flow:
@@ -563,7 +565,7 @@ class Flow:
             if self._ignores_masked(ignore):
                 out |= self._targets(n)
         if name == "mean" and not n.keywords and "M" in self._mean_input(n):
-            out.add("V")  # `losses[mask].mean()`: over as many items as the mask keeps
+            out |= {"V", "S"}  # `losses[mask].mean()`: over as many items as the mask keeps
         d = dotted(n.func)
         if (
             d is not None
@@ -620,11 +622,12 @@ class Flow:
             # only out of range (a span's `ignore_index=seq_len`), keeps a fixed count
             # unless its targets are masked, which the call does not show
             out |= self.resolver.forward_tags(n, self.scope)
-        elif self.resolver.masks_labels() or self.ctx.writes_ignored_labels():
+        else:
             # labels given under another name or by position (`model(x, y)`, `targets=y`):
             # where the forward's own sentinel-ignoring loss takes its target from the
             # parameter the call binds, and labels are masked in this file or one
-            # imported alongside it
+            # imported alongside it; or where its mean is over items it selects itself
+            # (`loss[rand_span_mask].mean()`: no such loss, `summaries.Resolver`)
             out |= self.resolver.forward_tags(n, self.scope, by_target=True)
         return out
 

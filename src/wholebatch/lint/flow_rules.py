@@ -21,6 +21,8 @@ from wholebatch.lint.frameworks import (
     FACTS,
     HF_TRAINERS,
     Fact,
+    accelerate_backward,
+    accumulate_block,
     deepspeed_divides,
     deepspeed_engines,
     divides_by_steps,
@@ -228,6 +230,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
             )
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
+    if not accum and _accelerate_helper(resolver, scope):
+        accum = True  # the same, in a helper called inside `accelerator.accumulate()`
     if not accum and _pipeline_loss(resolver.ctx, scope):
         accum = True  # DeepSpeed's PipelineEngine divides its return by the steps
     if not accum and _megatron_loss(resolver.ctx, scope):
@@ -519,6 +523,22 @@ def _steps_calls(resolver: Resolver, scope: Scope) -> Callable[[ast.Call], bool]
     return steps
 
 
+def _called_in_accumulate(resolver: Resolver | None, scope: Scope) -> bool:
+    """Does a function of this file call the scope's function inside `with
+    accelerator.accumulate(...):` (a helper that runs one micro-batch, its backward
+    divided by the steps as if written in the block)?"""
+    if resolver is None or not scope.name:
+        return False
+    return any(accumulate_block(c.withs, call) for c, call, _, _ in resolver.call_sites(scope))
+
+
+def _accelerate_helper(resolver: Resolver | None, scope: Scope) -> bool:
+    """Does the scope call `accelerator.backward` and is it called inside accumulate?"""
+    return any(
+        e.kind == BACKWARD and accelerate_backward(e.node) for e in scope.events
+    ) and _called_in_accumulate(resolver, scope)
+
+
 def _accumulates(node: ast.With | ast.AsyncWith) -> bool:
     return any(
         isinstance(i.context_expr, ast.Call) and last_name(i.context_expr.func) == "accumulate"
@@ -673,6 +693,8 @@ def _framework_divides(
     `accelerator.accumulate()` (`frameworks.divides_by_steps`), or by the `backward` of
     the engine `deepspeed.initialize` returns (`frameworks.deepspeed_divides`)."""
     fact = divides_by_steps(call, scope.withs)
+    if fact is None and accelerate_backward(call) and _called_in_accumulate(ctx.resolver, scope):
+        fact = divides_by_steps(call, scope.withs, called_in_accumulate=True)
     loss = ev.losses[0] if ev.losses else None
     if fact is None and call.args and _imports_deepspeed(ctx):
         fact = deepspeed_divides(call, _framework_names(ctx, deepspeed_engines))

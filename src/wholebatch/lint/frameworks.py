@@ -24,6 +24,8 @@ __all__ = [
     "HF_TRAINERS",
     "Evidence",
     "Fact",
+    "accelerate_backward",
+    "accumulate_block",
     "builds_ddp",
     "builds_fsdp",
     "deepspeed_divides",
@@ -321,7 +323,8 @@ def fairseq_criterion(cls: ast.ClassDef | None) -> bool:
     )
 
 
-def _accumulate_block(withs: Iterable[ast.With | ast.AsyncWith], node: ast.AST) -> bool:
+def accumulate_block(withs: Iterable[ast.With | ast.AsyncWith], node: ast.AST) -> bool:
+    """Is `node` inside one of `withs` that is `with accelerator.accumulate(...):`?"""
     line = getattr(node, "lineno", 0)
     for w in withs:
         if not (w.lineno <= line <= (w.end_lineno or w.lineno)):
@@ -338,20 +341,27 @@ def _accumulate_block(withs: Iterable[ast.With | ast.AsyncWith], node: ast.AST) 
     return False
 
 
+def accelerate_backward(node: ast.AST) -> bool:
+    """Is `node` a call `accelerator.backward(...)` (any receiver named for accelerate)?"""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "backward"
+        and "accelerat" in last_name(node.func.value)
+    )
+
+
 def divides_by_steps(
     call: ast.Call,
     withs: Iterable[ast.With | ast.AsyncWith],
+    *,
+    called_in_accumulate: bool = False,
 ) -> Fact | None:
     """The fact by which this backward call divides its loss by the accumulation
     steps itself, with no `/ k` in the source: `accelerator.backward(loss)` inside
-    `with accelerator.accumulate(model):`."""
-    func = call.func
-    if (
-        isinstance(func, ast.Attribute)
-        and func.attr == "backward"
-        and "accelerat" in last_name(func.value)
-        and _accumulate_block(withs, call)
-    ):
+    `with accelerator.accumulate(model):`, or in a function that a caller calls inside
+    one (`called_in_accumulate`: a helper that runs one micro-batch)."""
+    if accelerate_backward(call) and (called_in_accumulate or accumulate_block(withs, call)):
         return FACTS["accelerate-backward"]
     return None
 

@@ -346,6 +346,7 @@ class FileContext:
         self._scope(tree, None, nograd=False)
         self.imports.finish()
         self._known_objects()
+        self._annotated_members()
         for scope in self.scopes:
             self._classify_scope(scope)
         # Synthetic events (what called functions do) are added by `summaries.Resolver.link`.
@@ -443,6 +444,33 @@ class FileContext:
             return False
         ignored = {int(v) for v in _IGNORE_LITERAL_RE.findall(self.source)}
         return bool(ignored & self.label_writes())
+
+    def _annotated_members(self) -> None:
+        """`self.model = model` in an `__init__` whose parameter is annotated with a class
+        (`model: CFM`): a call of `self.model` runs that class's `forward`, as if the
+        instance were built here (`constructed`)."""
+        for cls in self.classes:
+            for fn in cls.body:
+                if not isinstance(fn, ast.FunctionDef) or fn.name != "__init__":
+                    continue
+                a = fn.args
+                typed = {
+                    x.arg: d
+                    for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)
+                    if x.annotation is not None
+                    and (d := dotted(x.annotation)) is not None
+                    and last_name(x.annotation)[:1].isupper()
+                }
+                for st in fn.body if typed else ():
+                    if (
+                        isinstance(st, ast.Assign)
+                        and len(st.targets) == 1
+                        and isinstance(st.value, ast.Name)
+                        and st.value.id in typed
+                        and (d := dotted(st.targets[0])) is not None
+                        and d.startswith("self.")
+                    ):
+                        self.constructed.setdefault(d, typed[st.value.id])
 
     def is_optimizer(self, node: ast.expr) -> bool:
         """Does `node` name an optimizer (by assignment, else by its name)?"""

@@ -146,6 +146,7 @@ class Resolver:
             counts=not src or any(w in src for w in _COUNT_WORDS),
             ignore_index=not src or "ignore_index" in src,
             loss=not src or "loss" in src,
+            selects=not src or "mask]" in src,
         )
         ctx.resolver = self
 
@@ -405,7 +406,9 @@ class Resolver:
         file calls the function. nn.Module's `__call__` runs `forward`. `by_target`: the
         call names no labels, so the forward's mean counts only where its
         sentinel-ignoring loss takes its target from a parameter the call binds (`t:`
-        tags, `dataflow`)."""
+        tags, `dataflow`) and labels are masked in the run (`masks_labels`), or where its
+        mean is over items a mask selects (`loss[mask].mean()`, `S`): a count that varies
+        whatever the call passes."""
         key = id(call)
         hit = self._forward.get(key)
         if hit is None:
@@ -434,7 +437,11 @@ class Resolver:
             fw = self._forward_of(c)
             if by_target and fw is not None and fw.returns:
                 binds = {p for p, _ in fw.bind(call, True)}
-                if not any(t[:2] == "t:" and t[2:] in binds for t in fw.returns):
+                own = any(t == "S" or t.endswith(":S") for t in fw.returns)
+                if not own and not (
+                    (self.masks_labels() or self.ctx.writes_ignored_labels())
+                    and any(t[:2] == "t:" and t[2:] in binds for t in fw.returns)
+                ):
                     continue
             if fw is not None and fw.returns:
                 # with a tuple's element-wise mean tags (`return logits, loss`)
@@ -715,6 +722,7 @@ class _MeanHints:
     counts: bool  # an item count to divide by (`names.counts_items`)
     ignore_index: bool
     loss: bool  # a `loss` field
+    selects: bool  # a boolean-mask selection (`loss[mask]`)
 
 
 def _calls_ignoring_loss(scope: Scope, ignoring: set[str]) -> bool:
@@ -756,6 +764,8 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
         and _returns_value(scope)
     ):
         return True
+    if hints.selects and _returns_value(scope) and _selects_by_mask(scope):
+        return True
     if not hints.loss or not _returns_value(scope):
         return False
     for st in scope.stmts:
@@ -770,6 +780,18 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
             ):
                 return True
     return False
+
+
+def _selects_by_mask(scope: Scope) -> bool:
+    """Does the scope select items by a mask (`loss[rand_span_mask]`), whose `.mean()`
+    is a mean over a varying count (`M`, `dataflow`)?"""
+    return any(
+        isinstance(x, ast.Subscript)
+        and isinstance(x.slice, ast.Name | ast.Attribute)
+        and "mask" in last_name(x.slice).lower()
+        for st in scope.stmts
+        for x in st.walk()
+    )
 
 
 def writes_masked_labels(text: str) -> bool:
