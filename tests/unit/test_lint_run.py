@@ -13,6 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import tomllib
+
 from wholebatch.lint import lint_paths, lint_run, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +156,53 @@ def test_the_held_out_manifest_and_its_judgment_in_the_docs() -> None:
             assert f"`{f['file']}:{f['line']}` | {f['code']} |" in section, f
     c = score(manifest, "ab6ca31", "heldout")
     assert f"| {c['tp']} | {c['fp']} | {c['fn']} |" in section
+
+
+@pytest.mark.parametrize("name", ["lint_corpus2.toml", "lint_corpus3.toml"])
+def test_the_later_corpora_split_by_their_rule_and_judged_in_the_docs(name: str) -> None:
+    # The second and third corpora: disjoint from every earlier set, split by the rule
+    # written in them, every entry judged with a why, and docs/lint.md's section shows
+    # its tables as `--markdown` prints them.
+    import hashlib
+
+    from benchmarks.lint_corpus import MANIFEST, load, markdown
+
+    manifest = load(ROOT / "benchmarks" / name)
+    repos = manifest["repo"]
+    assert len(repos) >= 40 and manifest["split"]["rule"].startswith("last byte of sha256")
+    earlier = {"lint_corpus.toml", "lint_heldout.toml", "lint_corpus2.toml", "lint_corpus3.toml"}
+    others = set().union(
+        *({r["repo"] for r in load(ROOT / "benchmarks" / e)["repo"]} for e in earlier - {name})
+    )
+    names = {r["repo"] for r in repos}
+    assert not names & _KEPT_ASIDE and not names & others and MANIFEST.name in earlier
+    for r in repos:
+        parity = hashlib.sha256(r["repo"].encode()).digest()[-1] & 1
+        assert r["half"] == ("tuning" if parity == 0 else "evaluation"), r["repo"]
+        assert len(r["commit"]) == 40 or r.get("fetched") is False, r["repo"]
+    revisions = set(manifest["revisions"])
+    for f in manifest["finding"]:
+        assert f["repo"] in names and f["verdict"] in ("true", "false", "expected") and f["why"]
+        assert set(f["found_by"]) <= revisions, f
+    doc = (ROOT / "docs" / "lint.md").read_text()
+    command = f"python -m benchmarks.lint_corpus --manifest benchmarks/{name} --root . --markdown"
+    assert markdown(manifest) in doc, f"run `{command}`"
+
+
+def test_record_adds_the_revision_to_what_a_run_reported(tmp_path: Path) -> None:
+    from benchmarks.lint_corpus import record
+
+    entry = 'repo = "a/b"\nfile = "t.py"\nline = {}\ncode = "WB301"\nverdict = "true"\n'
+    text = '[revisions]\nr1 = "x"\nr2 = "y"\n\n[[repo]]\nrepo = "a/b"\n'
+    text += f'\n[[finding]]\n{entry.format(3)}found_by = ["r1"]\nwhy = "w"\n'
+    text += f'\n[[finding]]\n{entry.format(9)}found_by = []\nwhy = "w"\n'
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    assert record(path, "r2", {("a/b", "t.py", 3, "WB301"), ("a/b", "t.py", 5, "WB301")}) == 1
+    assert [f["found_by"] for f in tomllib.loads(path.read_text())["finding"]] == [["r1", "r2"], []]
+    assert record(path, "r2", {("a/b", "t.py", 3, "WB301")}) == 0
+    with pytest.raises(SystemExit, match="revisions"):
+        record(path, "r3", set())
 
 
 # Issue 26's 17 repositories (tuned on) and issue 33's 18 (kept for an independent judgment).
