@@ -20,6 +20,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from benchmarks.bench_lint import _export
 from tests.support.lint_twins import TWINS, Twin
@@ -72,6 +73,27 @@ def check_twin(root: Path, files: Twin, bad: bool) -> None:
     )
     assert got == expected(root), [f.message for f in findings]
     assert got or not bad, "a bad twin must be flagged somewhere"
+
+
+def twin_tests(twins: dict[str, tuple[Twin, Twin]]) -> tuple[Any, Any]:
+    """The two tests a file of twins runs: each twin judged as its marks say, and each
+    kind with a marked bad twin and an unmarked good one. Assign them to `test_*` names:
+    `test_twin_is_judged_as_marked, test_each_kind_has_both = twin_tests(TWINS)`."""
+    import pytest
+
+    cases = [(kind, side) for kind in twins for side in ("bad", "good")]
+
+    @pytest.mark.parametrize(("kind", "side"), cases, ids=[f"{k}-{s}" for k, s in cases])
+    def judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
+        bad, good = twins[kind]
+        check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
+
+    def both_sides() -> None:
+        for kind, (bad, good) in twins.items():
+            assert sum(t.count("# expect:") for t in bad.values()), kind
+            assert not sum(t.count("# expect:") for t in good.values()), kind
+
+    return judged_as_marked, both_sides
 
 
 def judge_tree(root: Path, src: Path | None) -> dict[str, list[list[object]]]:

@@ -46,9 +46,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
-from benchmarks.lint_twins import check_twin, expected, write
+from benchmarks.lint_twins import expected, twin_tests, write
 from wholebatch.lint import lint_paths
 from wholebatch.lint.frameworks import (
     FACTS,
@@ -408,19 +406,7 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         {"train.py": _WEIGHTS.format(table=_BELL, mark="")},
     ),
 }
-_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
-
-
-@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
-def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
-    bad, good = TWINS[kind]
-    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
-
-
-def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
-    for kind, (bad, good) in TWINS.items():
-        assert sum(t.count("# expect:") for t in bad.values()), kind
-        assert not sum(t.count("# expect:") for t in good.values()), kind
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
 
 
 def test_deepspeed_engine_is_the_one_initialize_returned() -> None:

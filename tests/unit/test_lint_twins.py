@@ -19,8 +19,8 @@ import pytest
 from benchmarks.lint_twins import check_twin, write
 from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
-from tests.unit.test_lint_corpus3_twins_m3 import TWINS as M3_TWINS
-from tests.unit.test_lint_corpus3_twins_m5 import TWINS as CORPUS3_M5_TWINS
+from tests.unit.test_lint_false_alarm_twins import TWINS as FALSE_ALARM_TWINS
+from tests.unit.test_lint_pinned_trainer_twins import TWINS as PINNED_TWINS
 from wholebatch.lint import lint_paths, lint_source
 from wholebatch.lint.frameworks import (
     FACTS,
@@ -58,9 +58,9 @@ _DECIDED_BY = {
     "lightning-after-backward": "lightning-16-mixed-hook",
     "distributed-autograd": "distributed-autograd-context",
     "ddp-no-sync": "test_ddp_decides_at_forward_time",
-    "fsdp-no-sync": "fsdp-no-sync",  # tests/unit/test_lint_corpus3_twins_m3.py
+    "fsdp-no-sync": "fsdp-no-sync",  # tests/unit/test_lint_false_alarm_twins.py
     "hf-trainer-compute-loss": "test_hf_trainer_divides_what_compute_loss_returns",
-    # tests/unit/test_lint_corpus3_twins_m5.py
+    # tests/unit/test_lint_pinned_trainer_twins.py
     "hf-trainer-before-4-46": "hf-trainer-pinned-before-4-46",
 }
 
@@ -72,7 +72,7 @@ def test_every_fact_is_documented_and_decided() -> None:
     assert rows == set(FACTS)
     assert set(_DECIDED_BY) == set(FACTS)
     for name, by in _DECIDED_BY.items():
-        twins = (TWINS, CORPUS2_TWINS, M3_TWINS, CORPUS3_M5_TWINS)
+        twins = (TWINS, CORPUS2_TWINS, FALSE_ALARM_TWINS, PINNED_TWINS)
         assert any(by in t for t in twins) or by in globals(), name
 
 
@@ -100,7 +100,7 @@ def test_hf_trainer_divides_what_compute_loss_returns(tmp_path: Path) -> None:
     # `compute_loss` returns is backpropagated once per micro-batch, divided by the steps
     # unless the model was given `num_items_in_batch`; with `model_accepts_loss_kwargs =
     # False` the Trainer's own `compute_loss` gives it none. The twins of
-    # tests/unit/test_lint_corpus3_twins_m1.py decide it on whole files; here, what the
+    # tests/unit/test_lint_hf_trainer_twins.py decide it on whole files; here, what the
     # predicates read: the override by its signature, the flag only when set to False.
     src = textwrap.dedent(
         """

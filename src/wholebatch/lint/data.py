@@ -6,7 +6,7 @@ Two kinds, both read from the expression a name is assigned (`dataflow.Flow`):
 - an **integer tensor** (tag ``I``): a dtype that autograd refuses to record
   (`torch.tensor(n, dtype=torch.int64)`, `x.long()`, `x.to(torch.bool)`; "only
   Tensors of floating point and complex dtype can require gradients", tested in
-  tests/unit/test_lint_corpus3_twins_m2.py), or `torch.tensor` of sizes and integer
+  tests/unit/test_lint_data_gather_twins.py), or `torch.tensor` of sizes and integer
   literals only (`torch.tensor(x.shape[-1])`: an int64 tensor);
 - a **field of a forward pass's inputs** (tag ``B``): `batch["loss_weights"]` where the
   same `batch` is given to a module (`model(**batch)`, `model(batch)`,

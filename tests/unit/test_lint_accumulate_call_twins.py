@@ -16,16 +16,12 @@ lint of fbad846 misses the bad twin of every kind:
   attribute set from a parameter annotated with the model's class) and backpropagates
   it inside `accumulate`. The good twin's forward returns `loss.mean()` of every element.
 
-    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m4.py -q
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_accumulate_call_twins.py -q
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from benchmarks.lint_twins import check_twin
+from benchmarks.lint_twins import twin_tests
 
 Twin = dict[str, str]
 
@@ -109,16 +105,4 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         },
     ),
 }
-_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
-
-
-@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
-def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
-    bad, good = TWINS[kind]
-    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
-
-
-def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
-    for kind, (bad, good) in TWINS.items():
-        assert sum(t.count("# expect:") for t in bad.values()), kind
-        assert not sum(t.count("# expect:") for t in good.values()), kind
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

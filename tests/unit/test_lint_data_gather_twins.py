@@ -17,17 +17,15 @@ code, and nothing else may be. The lint of 7431978 misjudges one twin of every k
   trainer divides the micro-batch means' sum by the micro-batches. The good twin
   returns the masked sum with the masked count.
 
-    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m2.py -q
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_data_gather_twins.py -q
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from benchmarks.lint_twins import check_twin
+from benchmarks.lint_twins import twin_tests
 
 Twin = dict[str, str]
 
@@ -118,19 +116,7 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         {"criterion.py": _CRITERION.format(loss="loss = losses[mask].sum()", size="mask.sum()")},
     ),
 }
-_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
-
-
-@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
-def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
-    bad, good = TWINS[kind]
-    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
-
-
-def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
-    for kind, (bad, good) in TWINS.items():
-        assert sum(t.count("# expect:") for t in bad.values()), kind
-        assert not sum(t.count("# expect:") for t in good.values()), kind
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8])

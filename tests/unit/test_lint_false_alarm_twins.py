@@ -18,19 +18,17 @@ lint of fbad846 flags the good twin of every kind:
   from the model's output, normalised by their own sum, make a weighted sum, not a mean
   over a varying count. The bad twin divides by the count of a mask of the data.
 
-    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m3.py -q
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_false_alarm_twins.py -q
 """
 
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
-import pytest
 from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.lint_twins import check_twin
+from benchmarks.lint_twins import twin_tests
 
 Twin = dict[str, str]
 
@@ -183,19 +181,7 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         },
     ),
 }
-_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
-
-
-@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
-def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
-    bad, good = TWINS[kind]
-    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
-
-
-def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
-    for kind, (bad, good) in TWINS.items():
-        assert sum(t.count("# expect:") for t in bad.values()), kind
-        assert not sum(t.count("# expect:") for t in good.values()), kind
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
 
 
 def test_fsdp_decides_after_backward_and_ddp_at_forward() -> None:

@@ -19,16 +19,14 @@ code, and nothing else may be. The lint of fbad846 misses the bad twin of every 
   nothing the file shows. (Across files, the loop's module linted before the script that
   gives it the model, the real case is still missed.)
 
-    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus3_twins_m5.py -q
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_pinned_trainer_twins.py -q
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from benchmarks.lint_twins import check_twin
+from benchmarks.lint_twins import check_twin, twin_tests
 from wholebatch.lint.frameworks import hf_pinned_before_446
 
 Twin = dict[str, str]
@@ -148,19 +146,7 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         _pinned("transformers==4.46.0", ""),
     ),
 }
-_CASES = [(kind, side) for kind in TWINS for side in ("bad", "good")]
-
-
-@pytest.mark.parametrize(("kind", "side"), _CASES, ids=[f"{k}-{s}" for k, s in _CASES])
-def test_twin_is_judged_as_marked(tmp_path: Path, kind: str, side: str) -> None:
-    bad, good = TWINS[kind]
-    check_twin(tmp_path, bad if side == "bad" else good, bad=side == "bad")
-
-
-def test_each_kind_has_a_bad_twin_that_is_flagged_and_a_good_one_that_is_not() -> None:
-    for kind, (bad, good) in TWINS.items():
-        assert sum(t.count("# expect:") for t in bad.values()), kind
-        assert not sum(t.count("# expect:") for t in good.values()), kind
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
 
 
 def test_a_modern_trainer_is_not_reported(tmp_path: Path) -> None:
