@@ -291,7 +291,9 @@ def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) ->
         # model's business: with `num_items_in_batch` given, the model divides by it
         msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
         if msg:
-            where = _last_assignment(scope, loss.id, node) if isinstance(loss, ast.Name) else None
+            where = (
+                scope.last_assignment(loss.id, node.lineno) if isinstance(loss, ast.Name) else None
+            )
             return [_finding(ctx, where or node, "WB301", msg)]
     return []
 
@@ -457,22 +459,8 @@ def _criterion_divides(
     msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
     if not msg:
         return []
-    where = _last_assignment(scope, size.id, node) if isinstance(size, ast.Name) else None
+    where = scope.last_assignment(size.id, node.lineno) if isinstance(size, ast.Name) else None
     return [_finding(ctx, where or node, "WB301", msg)]
-
-
-def _last_assignment(scope: Scope, name: str, before: ast.stmt) -> ast.stmt | None:
-    """The scope's last plain assignment of `name` on a line before `before`'s, if any."""
-    where = None
-    for st in scope.stmts:
-        n = st.node
-        if (
-            isinstance(n, ast.Assign)
-            and n.lineno < before.lineno
-            and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
-        ):
-            where = n
-    return where
 
 
 def _imports_deepspeed(ctx: FileContext) -> bool:
@@ -737,7 +725,9 @@ def _pipeline_divides(
     # a name returned as is (not the first of a tuple, which hands the loss over)
     bare = isinstance(value, ast.Name) and value is node.value
     where = (
-        _last_assignment(scope, value.id, node) if bare and isinstance(value, ast.Name) else None
+        scope.last_assignment(value.id, node.lineno)
+        if bare and isinstance(value, ast.Name)
+        else None
     )
     return [_finding(ctx, where or node, "WB301", msg)]
 

@@ -251,19 +251,10 @@ def _bound_value(scope: Scope, expr: ast.expr, line: int) -> ast.expr | None:
         if isinstance(expr, ast.Call) and last_name(expr.func) in ("list", "tuple") and expr.args:
             expr = expr.args[0]
         elif isinstance(expr, ast.Name):
-            name = expr.id
-            value = None
-            for st in scope.stmts:
-                n = st.node
-                if n.lineno >= line:
-                    break
-                if isinstance(n, ast.Assign) and any(
-                    isinstance(t, ast.Name) and t.id == name for t in n.targets
-                ):
-                    value = n.value
-            if value is None:
+            where = scope.last_assignment(expr.id, line)
+            if where is None:
                 return None
-            expr = value
+            expr = where.value
         else:
             break
     return expr
@@ -483,12 +474,7 @@ def _zero_every_micro_batch(ctx: FileContext, scope: Scope) -> Iterator[Finding]
         step = mod_step or after
         if step is None or step.synthetic:
             continue
-        if (
-            zero.recv
-            and step.recv
-            and zero.recv != step.recv
-            and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body)
-        ):
+        if _zeroes_another_optimizer(ctx, zero, step):
             continue
         yield _finding(
             ctx,
@@ -498,6 +484,16 @@ def _zero_every_micro_batch(ctx: FileContext, scope: Scope) -> Iterator[Finding]
             f"`{step.recv}` steps only at line {_line(step)}: all micro-batches but the last "
             "are thrown away",
         )
+
+
+def _zeroes_another_optimizer(ctx: FileContext, zero: Event, step: Event) -> bool:
+    """Is `zero` the `zero_grad` of an optimizer other than the one `step` steps?"""
+    return bool(
+        zero.recv
+        and step.recv
+        and zero.recv != step.recv
+        and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body)
+    )
 
 
 def _mod_if(step: Event) -> ast.If | None:
@@ -562,12 +558,7 @@ def _zero_after_step(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
         ]
         if any(_within(zero.node, c) for c in step_ifs) or _reads_grad(loop):
             continue
-        if (
-            zero.recv
-            and step.recv
-            and zero.recv != step.recv
-            and ctx.is_optimizer(ast.parse(zero.recv, mode="eval").body)
-        ):
+        if _zeroes_another_optimizer(ctx, zero, step):
             continue
         test = next(
             (

@@ -256,6 +256,20 @@ class Scope:
         """The line of the function's `def` (1 for the module)."""
         return 1 if isinstance(self.node, ast.Module) else self.node.lineno
 
+    def last_assignment(self, name: str, line: int) -> ast.Assign | None:
+        """The scope's last plain assignment of `name` (`name = value`) on a line before
+        `line`, if any."""
+        where = None
+        for st in self.stmts:
+            n = st.node
+            if (
+                isinstance(n, ast.Assign)
+                and n.lineno < line
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+            ):
+                where = n
+        return where
+
     def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
         """(qualified name, call) of every collective called in this scope."""
         if self._collectives is None:
