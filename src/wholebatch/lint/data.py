@@ -1,7 +1,7 @@
-"""Values that are data, not a function of the model's parameters, for WB101: a plain
-`torch.distributed.all_gather` of one loses no gradient, because none is wanted.
+"""Values with no gradient to lose, for WB101: a plain `torch.distributed.all_gather` of
+one loses nothing, because it never had a gradient or none is wanted.
 
-Two kinds, both read from the expression a name is assigned (`dataflow.Flow`):
+Three kinds, all read from the expression a name is assigned (`dataflow.Flow`):
 
 - an **integer tensor** (tag ``I``): a dtype that autograd refuses to record
   (`torch.tensor(n, dtype=torch.int64)`, `x.long()`, `x.to(torch.bool)`; "only
@@ -10,14 +10,20 @@ Two kinds, both read from the expression a name is assigned (`dataflow.Flow`):
   literals only (`torch.tensor(x.shape[-1])`: an int64 tensor);
 - a **field of a forward pass's inputs** (tag ``B``): `batch["loss_weights"]` where the
   same `batch` is given to a module (`model(**batch)`, `model(batch)`,
-  `model(input_ids=batch["input_ids"])`): the inputs of the model, not its outputs.
+  `model(input_ids=batch["input_ids"])`): the inputs of the model, not its outputs;
+- a value with **no gradient path** (tag ``Z``): assigned whole under `torch.no_grad()`
+  (a frozen encoder's features, `with torch.no_grad(): feats = encoder(x)`), or a
+  detach of a value (`x.detach()`, `x.detach().float()`): autograd recorded nothing
+  that leads to a parameter, so a gather of it cannot cut a gradient off.
 
     sizes = [torch.empty_like(n) for _ in range(W)]
     dist.all_gather(sizes, torch.tensor(ids.shape[-1], dtype=torch.int64))  # I: a pad size
     dist.all_gather(weights_W, batch["loss_weights"])     # B: weights multiplied in as data
+    dist.all_gather_into_tensor(cap_WBD, cap_feats_BD)    # Z: computed under no_grad
     log_probs_W = torch.distributed.nn.all_gather(log_probs)  # the gradient goes here
 
-Issue 33, hiyouga/LLaMA-Factory's sequence_parallel.py (benchmarks/lint_corpus2.toml).
+Issue 33, hiyouga/LLaMA-Factory's sequence_parallel.py (benchmarks/lint_corpus2.toml);
+``Z``: Alpha-VLLM/LLaMA2-Accessory's Large-DiT-T2I/train.py (benchmarks/lint_corpus3.toml).
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ from collections.abc import Callable
 
 from wholebatch.lint.names import dotted, last_name
 
-__all__ = ["DATA_TAGS", "batch_field", "forward_inputs", "integer_valued"]
+__all__ = ["DATA_TAGS", "batch_field", "detached", "forward_inputs", "integer_valued"]
 
-# The tags of a value that is data; kept through names only, and only while every
-# assignment that may reach a read gives it (`Flow._assign`).
-DATA_TAGS = frozenset({"I", "B"})
+# The tags of a value with no gradient to lose; kept through names only, and only while
+# every assignment that may reach a read gives it (`Flow._assign`).
+DATA_TAGS = frozenset({"I", "B", "Z"})
 
 _INT_DTYPES = frozenset(
     {"int8", "int16", "int32", "int64", "uint8", "long", "int", "short", "bool", "byte"}
@@ -99,6 +105,19 @@ def integer_valued(node: ast.expr) -> bool:
         if not (isinstance(func, ast.Attribute) and name in _KEEPS):
             return False
         node = func.value
+    return False
+
+
+def detached(node: ast.expr) -> bool:
+    """Is `node` a detach of a value (`x.detach()`), perhaps moved, viewed or cast
+    after it (`x.detach().float().view(-1)`)? Its result has no gradient path."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        name = node.func.attr
+        if name == "detach" and not node.args:
+            return True
+        if name not in _KEEPS and name not in ("float", "half", "bfloat16", "double"):
+            return False
+        node = node.func.value
     return False
 
 

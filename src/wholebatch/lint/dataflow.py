@@ -62,9 +62,12 @@ Tags:
     ``T``      the output of a forward pass: a call of a module held in a variable or an
                attribute (`model(x)`, `self.encoder(x)`), so it carries a gradient
                (a batch's raw inputs, token ids and labels do not);
-    ``I``, ``B``  data (`data.DATA_TAGS`): an integer tensor, a field of a forward
-               pass's inputs (`batch["loss_weights"]` given `model(**batch)`); kept
-               through names only: a plain all_gather of one loses no gradient.
+    ``I``, ``B``, ``Z``  no gradient to lose (`data.DATA_TAGS`): an integer tensor, a
+               field of a forward pass's inputs (`batch["loss_weights"]` given
+               `model(**batch)`), a value with no gradient path (assigned whole under
+               `torch.no_grad()`, or detached); kept through names only, and only
+               where every assignment that may reach the read gives it: a plain
+               all_gather of one loses no gradient.
 """
 
 from __future__ import annotations
@@ -74,7 +77,13 @@ import builtins
 from collections.abc import Iterator
 from dataclasses import replace
 
-from wholebatch.lint.data import DATA_TAGS, batch_field, forward_inputs, integer_valued
+from wholebatch.lint.data import (
+    DATA_TAGS,
+    batch_field,
+    detached,
+    forward_inputs,
+    integer_valued,
+)
 from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import (
     counts_items,
@@ -1068,10 +1077,14 @@ class Flow:
         return {t for t in tags if not t.startswith("g:")}
 
     def _add(self, target: ast.expr, tags: set[str]) -> None:
+        """`key += value`, `key.append(value)`: `key` holds both; it stays data (no
+        gradient to lose) only where the value added is data too."""
         key = dotted(target)
         if key is not None:
             self.entries.pop(key, None)
-            self.t.setdefault(key, set()).update(tags)
+            cur = self.t.setdefault(key, set())
+            cur -= DATA_TAGS - tags
+            cur |= tags
             self.at.pop(key, None)
 
     def apply(self, st: Stmt) -> None:
@@ -1133,8 +1146,11 @@ class Flow:
             self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
 
     def _data_tags(self, value: ast.expr, tags: set[str]) -> set[str]:
-        """`I` for an integer tensor, `B` for a field of a forward pass's inputs
-        (`data`); none for a value computed from a forward pass's output (`T`)."""
+        """`Z` for a value with no gradient path (computed here under `torch.no_grad()`,
+        or detached), `I` for an integer tensor, `B` for a field of a forward pass's
+        inputs (`data`); none of the last two for a forward pass's output (`T`)."""
+        if (self._st is not None and self._st.nograd) or detached(value):
+            return {"Z"}
         if "T" in tags:
             return set()
         if integer_valued(value):

@@ -43,6 +43,7 @@ def _short(q: str) -> str:
 
 
 _Coll = tuple[str, ast.Call, tuple[Hop, ...]]
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
 
 
 def _collectives(
@@ -111,6 +112,8 @@ def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> 
             out += _rank_branches(ctx, scope)
         if exits and scope.has_exit:
             out += _early_exits(ctx, scope)
+            seen = {(f.line, f.col) for f in out if f.code == "WB105"}
+            out += [f for f in _exit_between_halves(ctx, scope) if (f.line, f.col) not in seen]
     return out
 
 
@@ -474,7 +477,7 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             continue
         if id(node) not in agree:
             agree[id(node)] = _one_sequence(ctx, scope, node)
-        if agree[id(node)]:
+        if agree[id(node)] or _served_by_callback(ctx, scope, node, call):
             continue
         seen.add(id(call))
         f = _finding(
@@ -486,6 +489,59 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             f"{_path(trace, ctx.path)}",
         )
         yield replace(f, trace=trace)
+
+
+def _served_by_callback(ctx: FileContext, scope: Scope, the_if: ast.If, call: ast.Call) -> bool:
+    """Is the branch of `the_if` that makes `call` a worker loop that a callback of the
+    other branch's ranks matches (a leader/worker server: rank 0 registers a request
+    handler, `button.click(fn=generate)`, whose every call makes the collectives the
+    workers wait for in a loop, `while True: barrier(); broadcast_object_list(args)`)?
+    Only when the callback's collectives are one sequence and the worker's branch (or
+    the one function it calls) makes exactly that sequence, once or as a loop of it."""
+    side, other = the_if.body, the_if.orelse
+    if not any(n is call for st in side for n in ast.walk(st)):
+        side, other = other, side
+    worker = _one_path(ctx, scope, side)
+    if worker is None or not worker:
+        return False
+    for f in _callbacks(ctx, other):
+        served = _one_path(ctx, ctx.scope_of[id(f)], f.body)
+        if served and worker in (served, (f"loop({', '.join(served)})",)):
+            return True
+    return False
+
+
+def _one_path(ctx: FileContext, scope: Scope, stmts: list[ast.stmt]) -> tuple[str, ...] | None:
+    """The one sequence of collectives every path through `stmts` makes (through the
+    body of a module function that `stmts` only calls, `worker_func()`); None if more."""
+    if (
+        len(stmts) == 1
+        and isinstance(st := stmts[0], ast.Expr)
+        and isinstance(st.value, ast.Call)
+        and isinstance(st.value.func, ast.Name)
+        and (f := ctx.module_functions.get(st.value.func.id)) is not None
+    ):
+        scope, stmts = ctx.scope_of[id(f)], f.body
+    paths = _Paths(ctx, scope, False).of(stmts)
+    return next(iter(paths)) if paths is not None and len(paths) == 1 else None
+
+
+def _callbacks(ctx: FileContext, stmts: list[ast.stmt], depth: int = 2) -> list[_Def]:
+    """The module functions `stmts` hands over as values (`click(fn=generate)`), not
+    calls, there or in the module functions they call (`depth` calls down)."""
+    out: list[_Def] = []
+    called: set[int] = set()
+    for n in (x for st in stmts for x in ast.walk(st)):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            called.add(id(n.func))
+            f = ctx.module_functions.get(n.func.id)
+            if f is not None and depth > 0:
+                out += _callbacks(ctx, f.body, depth - 1)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in called:
+            f = ctx.module_functions.get(n.id)
+            if f is not None:
+                out.append(f)
+    return out
 
 
 def _membership_rank(test: ast.expr) -> bool:
@@ -860,6 +916,83 @@ def _halves_agree(ctx: FileContext, cls: ast.ClassDef) -> bool:
     return True
 
 
+def _exit_between_halves(ctx: FileContext, scope: Scope) -> list[Finding]:
+    """WB105 for a `return` under a condition that does not read the rank (the same on
+    every rank, say) between two halves of a rank-split pair: `if rank != 0: barrier()`
+    ... `if dataset is None: return` ... `if rank == 0: barrier()` (main process
+    first). Every rank takes the `return`, but only some have made their half of the
+    pair by then, so the ranks leave with different collective sequences and hang.
+
+    Judged by walking the function once per rank (0..3) for each value of the
+    conditions that do not read the rank, the same on every rank (`_run`): reported
+    only where the walks that take no `return` agree on every rank (a matched pair)
+    and the ranks that take one same `return` do not. Silent (judged as before) where
+    the walk cannot decide (a loop, `with` or `try` holding a collective, a `raise`,
+    a rank condition that is not arithmetic on the rank)."""
+    node = scope.node
+    if isinstance(node, ast.Module):
+        return []
+    split = [n for n in scope.ifs if is_rank_test(n.test) and _collectives(ctx, n.body, scope)]
+    if len(split) < 2:
+        return []
+    atoms: set[str] = set()
+    refs: set[str] = set()
+    for n in walk_local(node):
+        if isinstance(n, ast.If):
+            for a in _atoms(n.test):
+                found = {ast.unparse(x) for x in ast.walk(a) if is_rank_ref(x)}
+                refs |= found
+                if not found:
+                    atoms.add(ast.unparse(a))
+    if len(atoms) > _MAX_ATOMS or len(refs) > _MAX_REFS or not refs:
+        return []
+    names, rank_names = sorted(atoms), sorted(refs)
+    # `return` -> the `if` (not reading the rank) it is the last statement of a branch of
+    owner = {
+        id(b[-1]): n
+        for n in walk_local(node)
+        if isinstance(n, ast.If) and not is_rank_test(n.test)
+        for b in (n.body, n.orelse)
+        if b and isinstance(b[-1], ast.Return)
+    }
+    apart: dict[int, tuple[ast.Return, dict[int, tuple[str, ...]]]] = {}
+    walks = len(_RANKS) ** len(rank_names)
+    try:
+        for values in itertools.product((False, True), repeat=len(names)):
+            env = dict(zip(names, values, strict=True))
+            seqs: dict[tuple[str, ...], int] = {}  # sequence -> a rank (of the first ref)
+            took: list[ast.stmt] = []
+            for ranks in itertools.product(_RANKS, repeat=len(rank_names)):
+                seq: list[str] = []
+                rank = dict(zip(rank_names, ranks, strict=True))
+                _run(ctx, scope, node.body, env, rank, seq, took)
+                seqs.setdefault(tuple(seq), ranks[0])
+            if len(seqs) == 1:
+                continue
+            ret = took[0] if len(took) == walks and all(t is took[0] for t in took) else None
+            if not isinstance(ret, ast.Return) or id(ret) not in owner:
+                return []  # the ranks differ on another path: WB104's question
+            apart.setdefault(id(ret), (ret, {r: q for q, r in seqs.items()}))
+    except _GiveUp:
+        return []
+    out: list[Finding] = []
+    for ret, by_rank in apart.values():
+        (r0, s0), (r1, s1) = sorted(by_rank.items())[:2]
+        made = ", ".join(f"`{_short(q)}`" for q in s0) or "nothing"
+        other = ", ".join(f"`{_short(q)}`" for q in s1) or "nothing"
+        out.append(
+            _finding(
+                ctx,
+                ret,
+                "WB105",
+                f"`return` under `{ast.unparse(owner[id(ret)].test)}` leaves between the two "
+                f"halves of a rank-split pair: rank {r0} has made {made} by then, rank {r1} "
+                f"{other}, so the ranks' collectives no longer pair up and they hang",
+            )
+        )
+    return out
+
+
 def _atoms(test: ast.expr) -> list[ast.expr]:
     """The operands of `and`, `or` and `not` in a condition."""
     if isinstance(test, ast.BoolOp):
@@ -876,19 +1009,23 @@ def _run(
     env: dict[str, bool],
     rank: dict[str, int],
     out: list[str],
+    took: list[ast.stmt] | None = None,
 ) -> bool:
     """Append to `out` the collectives one rank makes through `stmts`, its conditions
-    decided by `env` and `rank`; True when it returned."""
+    decided by `env` and `rank` (and to `took` the `return` it leaves by); True when it
+    returned."""
     for st in stmts:
         if isinstance(st, _DEFS):
             continue
         if isinstance(st, ast.If):
             out += _in_order(ctx, [ast.Expr(st.test)], scope)
             branch = st.body if _truth(st.test, env, rank) else st.orelse
-            if _run(ctx, scope, branch, env, rank, out):
+            if _run(ctx, scope, branch, env, rank, out, took):
                 return True
         elif isinstance(st, ast.Return):
             out += _in_order(ctx, [st], scope)
+            if took is not None:
+                took.append(st)
             return True
         elif isinstance(st, ast.Raise):
             raise _GiveUp
