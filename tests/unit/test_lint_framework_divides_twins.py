@@ -18,7 +18,8 @@ twin of every kind:
   pins 4.34, with -100 labels written by a collator in a folder beside the script that
   has no `__init__.py` (`component/collator.py`, imported as `component.collator`): that
   Trainer divides the model's own mean by the steps
-  (`frameworks.FACTS["hf-trainer-before-4-46"]`). The good twin pins 4.46.
+  (`frameworks.FACTS["hf-trainer-before-4-46"]`). The good twin pins 4.46; a Trainer
+  whose `TrainingArguments(...)` above it leave the steps at 1 divides nothing.
 
 - `sub-project-pin` (starcoder's chat/, its own requirements.txt): the pin that governs a
   script is the nearest folder's above it that names transformers. The bad twin pins
@@ -197,6 +198,18 @@ def test_an_unpinned_plain_trainer_is_not_reported(tmp_path: Path) -> None:
     unpinned = {k: v.replace("  # expect: WB301", "") for k, v in bad.items()}
     del unpinned["requirements.txt"]
     check_twin(tmp_path, unpinned, bad=False)
+
+
+def test_a_plain_trainer_of_one_micro_batch_is_not_reported(tmp_path: Path) -> None:
+    # `TrainingArguments(gradient_accumulation_steps=1)` (or none given) built above the
+    # Trainer: nothing is divided by the steps (Open-Sora-Plan's prompt_refiner/train.py)
+    bad, _ = TWINS["plain-trainer-pinned-before-4-46"]
+    for steps in ("gradient_accumulation_steps=1", "logging_steps=1"):
+        one = {
+            k: v.replace("  # expect: WB301", "").replace("gradient_accumulation_steps=16", steps)
+            for k, v in bad.items()
+        }
+        check_twin(tmp_path / steps, one, bad=False)
 
 
 def test_mmengine_accumulation_read_from_the_config() -> None:

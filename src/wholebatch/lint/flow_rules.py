@@ -395,11 +395,50 @@ def _plain_trainers(ctx: FileContext) -> list[ast.Call]:
     """The calls of the Trainer class itself (`Trainer(model=model, ...)`, through any
     import or alias: `frameworks.FACTS["hf-trainer-before-4-46"]`), whose `compute_loss`
     is the model's own `loss`. A subclass of the run is judged at its `class` line."""
-    return [
+    calls = [
         n
         for n in ast.walk(ctx.tree)
         if isinstance(n, ast.Call) and (ctx.imports.qualname(n.func) or "") in _HF_DEFAULT_LOSS
     ]
+    return [c for c in calls if not _one_micro_batch(ctx, c)]
+
+
+def _one_micro_batch(ctx: FileContext, trainer: ast.Call) -> bool:
+    """Are the Trainer's `args` (`args=`, or the second argument) built in this file by a
+    `TrainingArguments(...)` call (the name's last assignment above the Trainer) that
+    leaves `gradient_accumulation_steps` at 1 (a literal 1, or not given and no
+    `**kwargs`)? Then nothing is accumulated or divided. Arguments parsed from the
+    command line or a config may accumulate."""
+    given = next((k.value for k in trainer.keywords if k.arg == "args"), None)
+    if given is None and len(trainer.args) > 1:
+        given = trainer.args[1]
+    if isinstance(given, ast.Name):
+        # its last assignment above the call (`args = parser.parse_args()` may come first)
+        before = [
+            n
+            for n in ast.walk(ctx.tree)
+            if isinstance(n, ast.Assign)
+            and n.lineno < trainer.lineno
+            and any(isinstance(t, ast.Name) and t.id == given.id for t in n.targets)
+        ]
+        given = max(before, key=lambda n: n.lineno).value if before else None
+    return given is not None and _training_args_of_one(ctx, given)
+
+
+def _training_args_of_one(ctx: FileContext, value: ast.expr) -> bool:
+    if not (
+        isinstance(value, ast.Call)
+        and (ctx.imports.qualname(value.func) or "").rpartition(".")[2]
+        in ("TrainingArguments", "Seq2SeqTrainingArguments")
+    ):
+        return False
+    steps = None
+    for k in value.keywords:
+        if k.arg is None:
+            return False  # `**kwargs`: may set it
+        if k.arg == "gradient_accumulation_steps":
+            steps = k.value
+    return steps is None or (isinstance(steps, ast.Constant) and steps.value == 1)
 
 
 _HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
