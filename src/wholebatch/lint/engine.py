@@ -31,6 +31,7 @@ from wholebatch.lint.frameworks import (
     builds_fsdp,
     hf_pinned_before_446,
     masks_labels,
+    names_transformers,
 )
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
@@ -212,6 +213,7 @@ def _analyse(
             masks_labels=program.evidence.masks_labels or ctx.path in program.masked,
             fsdp_models=ctx.path in program.fsdp_built and ctx.path not in program.ddp_built,
             package_masks_labels=ctx.path in program.masked_wide,
+            hf_before_446=ctx.path in program.hf_old,
         )
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
@@ -584,9 +586,8 @@ def lint_run(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.evidence = replace(
-        Evidence.of(sources.values()), hf_before_446=_pins_old_transformers(given)
-    )
+    program.evidence = Evidence.of(sources.values())
+    program.hf_old = _pins_old_transformers(given, sources)
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
     marked = {f for f, text in sources.items() if masks_labels(text)}
@@ -640,24 +641,49 @@ def lint_run(
 _PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg")
 
 
-def _pins_old_transformers(given: list[str]) -> bool:
-    """Does a project linted here pin transformers below 4.46 (`frameworks.
-    hf_pinned_before_446`) in its own pin files (`_PIN_FILES`, `requirements*.txt`) at the
-    top of a folder given (for a file given, its folder)? A few files read, no walk."""
-    for g in given:
-        folder = Path(g) if os.path.isdir(g) else Path(g).parent
+def _pins_old_transformers(given: list[str], files: Iterable[Path]) -> set[str]:
+    """The files whose project pins transformers below 4.46 (`frameworks.
+    hf_pinned_before_446`): the nearest folder, from the file's own up to the folder given
+    that holds it (for a file given, its own folder only), whose pin files (`_PIN_FILES`,
+    `requirements*.txt`) name transformers decides. A sub-project's own requirements
+    (`chat/requirements.txt`) govern its scripts, whatever the top of the tree pins; a
+    folder whose pin files do not name transformers leaves it to the folder above."""
+    roots = [Path(g) for g in given if os.path.isdir(g)]
+    verdicts: dict[Path, bool | None] = {}
+    out: set[str] = set()
+    for f in files:
+        top = max((r for r in roots if r in f.parents), key=lambda r: len(r.parts), default=None)
+        folder = f.parent
+        while True:
+            if folder not in verdicts:
+                verdicts[folder] = _folder_pin(folder)
+            verdict = verdicts[folder]
+            if verdict is not None or top is None or folder == top or folder == folder.parent:
+                break
+            folder = folder.parent
+        if verdict:
+            out.add(str(f))
+    return out
+
+
+def _folder_pin(folder: Path) -> bool | None:
+    """Do the pin files of `folder` pin transformers below 4.46 (True), name it otherwise
+    (False), or not name it at all (None)? A few files read, no walk."""
+    try:
+        names = [n for n in os.listdir(folder) if n in _PIN_FILES or _is_requirements(n)]
+    except OSError:
+        return None
+    verdict: bool | None = None
+    for n in sorted(names):
         try:
-            names = [n for n in os.listdir(folder) if n in _PIN_FILES or _is_requirements(n)]
+            text = (folder / n).read_text(errors="replace")
         except OSError:
             continue
-        for n in sorted(names):
-            try:
-                text = (folder / n).read_text(errors="replace")
-            except OSError:
-                continue
-            if hf_pinned_before_446(text):
-                return True
-    return False
+        if hf_pinned_before_446(text):
+            return True
+        if names_transformers(text):
+            verdict = False
+    return verdict
 
 
 def _is_requirements(name: str) -> bool:
@@ -699,7 +725,9 @@ def _masked(
         near = beside.get(key)
         # a script in a folder of the package without `__init__.py` (`llava/train/`,
         # imported as `llava.train.train`) is the package's own code too
-        # (`wide` only: the HF Trainer pinned below 4.46, `Evidence.package_masks_labels`)
+        # (`wide` only: the HF Trainer pinned below 4.46, `Evidence.package_masks_labels`);
+        # so is, for a script, a folder beneath its own without `__init__.py`
+        # (`component/collator.py` beside `train.py`, imported as `component.collator`)
         inside = os.path.join(near, key, "") if near is not None and wide else None
         out.update(
             str(f)
@@ -707,6 +735,7 @@ def _masked(
             if own(f) == key
             or (near is not None and own(f) == near)
             or (inside is not None and str(f).startswith(inside))
+            or (wide and key.startswith(os.path.join(own(f), "")))
         )
     return out
 

@@ -216,6 +216,8 @@ class Program:
         # `masked` and the files of a folder of the same package without `__init__.py`
         # (`llava/train/`), for `Evidence.package_masks_labels`
         self.masked_wide: set[str] = set()
+        # files whose project pins transformers below 4.46 (`Evidence.hf_before_446`)
+        self.hf_old: set[str] = set()
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

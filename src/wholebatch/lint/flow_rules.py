@@ -30,6 +30,7 @@ from wholebatch.lint.frameworks import (
     hf_compute_loss,
     hf_counting_off,
     lightning_class,
+    loss_entries,
     masks_labels,
     megatron_losses,
     pipeline_losses,
@@ -240,6 +241,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
         accum = True  # DeepSpeed's engine divides by the steps in its backward
     if not accum and _criterion_forward(resolver.ctx, scope):
         accum = True  # fairseq's trainer divides by the summed sample sizes
+    if not accum and _mmengine_model(resolver.ctx, scope):
+        accum = True  # mmengine's OptimWrapper divides its loss dict by the steps
     if not accum and _hf_override(resolver, scope):
         accum = True  # HF Trainer.training_step divides its return by the steps
     if not accum and scope.name == "training_step" and resolver.ctx.evidence.lightning_accumulates:
@@ -337,6 +340,8 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     masked = ev.masks_labels or masks_labels(ctx.source)
     if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
         return out
+    if ev.hf_before_446:
+        out += [_finding(ctx, c, "WB301", _OLD_TRAINER) for c in _plain_trainers(ctx)]
     for cls in ctx.class_by_name.values():
         flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
@@ -369,8 +374,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             continue
         # Labels masked out of the loss: its count varies whatever the rows per batch.
         msg = (
-            f"{FACTS['hf-trainer-before-4-46'].says}: micro-batches with fewer unmasked "
-            "labels weigh more (4.46 gives the model the step's `num_items_in_batch`)"
+            _OLD_TRAINER
             if old
             else "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
             "`num_items_in_batch`: its `loss` is a mean over this micro-batch's unmasked "
@@ -379,6 +383,62 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         )
         out += [_finding(ctx, f, "WB301", msg) for f in flags]
     return out
+
+
+_OLD_TRAINER = (
+    f"{FACTS['hf-trainer-before-4-46'].says}: micro-batches with fewer unmasked labels "
+    "weigh more (4.46 gives the model the step's `num_items_in_batch`)"
+)
+
+
+def _plain_trainers(ctx: FileContext) -> list[ast.Call]:
+    """The calls of the Trainer class itself (`Trainer(model=model, ...)`, through any
+    import or alias: `frameworks.FACTS["hf-trainer-before-4-46"]`), whose `compute_loss`
+    is the model's own `loss`. A subclass of the run is judged at its `class` line."""
+    calls = [
+        n
+        for n in ast.walk(ctx.tree)
+        if isinstance(n, ast.Call) and (ctx.imports.qualname(n.func) or "") in _HF_DEFAULT_LOSS
+    ]
+    return [c for c in calls if not _one_micro_batch(ctx, c)]
+
+
+def _one_micro_batch(ctx: FileContext, trainer: ast.Call) -> bool:
+    """Are the Trainer's `args` (`args=`, or the second argument) built in this file by a
+    `TrainingArguments(...)` call (the name's last assignment above the Trainer) that
+    leaves `gradient_accumulation_steps` at 1 (a literal 1, or not given and no
+    `**kwargs`)? Then nothing is accumulated or divided. Arguments parsed from the
+    command line or a config may accumulate."""
+    given = next((k.value for k in trainer.keywords if k.arg == "args"), None)
+    if given is None and len(trainer.args) > 1:
+        given = trainer.args[1]
+    if isinstance(given, ast.Name):
+        # its last assignment above the call (`args = parser.parse_args()` may come first)
+        before = [
+            n
+            for n in ast.walk(ctx.tree)
+            if isinstance(n, ast.Assign)
+            and n.lineno < trainer.lineno
+            and any(isinstance(t, ast.Name) and t.id == given.id for t in n.targets)
+        ]
+        given = max(before, key=lambda n: n.lineno).value if before else None
+    return given is not None and _training_args_of_one(ctx, given)
+
+
+def _training_args_of_one(ctx: FileContext, value: ast.expr) -> bool:
+    if not (
+        isinstance(value, ast.Call)
+        and (ctx.imports.qualname(value.func) or "").rpartition(".")[2]
+        in ("TrainingArguments", "Seq2SeqTrainingArguments")
+    ):
+        return False
+    steps = None
+    for k in value.keywords:
+        if k.arg is None:
+            return False  # `**kwargs`: may set it
+        if k.arg == "gradient_accumulation_steps":
+            steps = k.value
+    return steps is None or (isinstance(steps, ast.Constant) and steps.value == 1)
 
 
 _HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
@@ -461,6 +521,52 @@ def _criterion_divides(
         return []
     where = scope.last_assignment(size.id, node.lineno) if isinstance(size, ast.Name) else None
     return [_finding(ctx, where or node, "WB301", msg)]
+
+
+def _mmengine_model(ctx: FileContext, scope: Scope) -> bool:
+    """Is the scope a method of an mmengine model, a class derived from `BaseModel` (here
+    or through the run's bases), in a run whose OptimWrapper accumulates
+    (`Evidence.mmengine_accumulates`, which also keeps pydantic's `BaseModel` out)? What
+    its `forward(mode='loss')` returns, or a method returns to it, is a dict of losses."""
+    cls = scope.cls
+    return (
+        cls is not None
+        and ctx.evidence.mmengine_accumulates
+        and ctx.resolver is not None
+        and ctx.resolver.derives_from(cls, ("BaseModel",))
+    )
+
+
+def _mmengine_divides(
+    ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return
+) -> list[Finding]:
+    """WB301 for a method of an mmengine model that returns a dict of losses (the dict,
+    or a name last assigned one: `loss_dict = {"loss": outputs.loss}`) whose `loss`
+    entries (`frameworks.loss_entries`) hold a per-micro-batch mean: the OptimWrapper
+    divides their sum by accumulative_counts (`frameworks.FACTS["mmengine-optim-wrapper"]`),
+    a mean of micro-batch means. Reported where an entry's name is last assigned, else
+    where the dict is built."""
+    value = node.value
+    where: ast.stmt = node
+    if isinstance(value, ast.Name):
+        built = scope.last_assignment(value.id, node.lineno)
+        if built is not None:
+            value, where = built.value, built
+    if not isinstance(value, ast.Dict):
+        return []
+    says = FACTS["mmengine-optim-wrapper"].says
+    out: list[Finding] = []
+    for loss in loss_entries(value):
+        tags = flow.tags(loss)
+        if "D" in tags:
+            continue  # detached (`"reduced_loss": loss.detach()`, logged): no gradient
+        msg = _msg301(ctx, tags, loss, None, by=says)
+        if msg:
+            at = (
+                scope.last_assignment(loss.id, where.lineno) if isinstance(loss, ast.Name) else None
+            )
+            out.append(_finding(ctx, at or where, "WB301", msg))
+    return out
 
 
 def _imports_deepspeed(ctx: FileContext) -> bool:
@@ -563,6 +669,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         else None
     )
     criterion = _criterion_forward(ctx, scope)
+    mm_model = _mmengine_model(ctx, scope)
     hf_loss = _hf_override(ctx.resolver, scope)
     params = _param_vars(scope)
     steps = _steps_calls(ctx.resolver, scope) if ctx.resolver is not None else None
@@ -599,6 +706,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 found += _pipeline_divides(ctx, flow, scope, node, pipe_loss)
             if criterion:
                 found += _criterion_divides(ctx, flow, scope, node)
+            if mm_model:
+                found += _mmengine_divides(ctx, flow, scope, node)
             if hf_loss:
                 hf_found += _hf_divides(ctx, flow, scope, node)
             for value in _returned_losses(node.value, loss_fn):

@@ -36,8 +36,10 @@ __all__ = [
     "hf_counting_off",
     "hf_pinned_before_446",
     "lightning_class",
+    "loss_entries",
     "masks_labels",
     "megatron_losses",
+    "names_transformers",
     "pipeline_losses",
     "scaled_grads_hook",
 ]
@@ -141,6 +143,22 @@ _ALL = (
         rules=("WB301",),
     ),
     Fact(
+        name="mmengine-optim-wrapper",
+        framework="mmengine",
+        says="mmengine's `BaseModel.train_step` sums the `loss` entries of the dict "
+        "`forward(mode='loss')` returns and `OptimWrapper.update_params` divides them by "
+        "accumulative_counts before backward (one call per micro-batch)",
+        where="mmengine/model/base_model/base_model.py: BaseModel.train_step (`losses = "
+        "self._run_forward(data, mode='loss')`; `parsed_losses, log_vars = "
+        "self.parse_losses(losses)`, the sum of the entries whose key holds 'loss'; "
+        "`optim_wrapper.update_params(parsed_losses)`); mmengine/optim/optimizer/"
+        "optimizer_wrapper.py: OptimWrapper.update_params (`loss = self.scale_loss(loss)`; "
+        "`self.backward(loss)`) -> scale_loss (`loss = loss / loss_factor`, loss_factor = "
+        "`self._accumulative_counts`, or the remainder's count in the last steps) "
+        "(checked against 0.11.0rc0)",
+        rules=("WB301",),
+    ),
+    Fact(
         name="lightning-accumulation",
         framework="lightning",
         says="Lightning's automatic optimisation divides the loss `training_step` returns by "
@@ -237,6 +255,11 @@ _FP16_WORDS = ('"16-mixed"', "'16-mixed'")
 _LIGHTNING_ACCUM_RE = re.compile(
     r"accumulate_grad_batches(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*(?!1\b)[\w\"'.(\[]"
 )
+# `optim_wrapper = dict(type=AmpOptimWrapper, ..., accumulative_counts=k)`, or
+# `accumulative_counts = 16` in an mmengine config (any value but a literal 1).
+_MMENGINE_ACCUM_RE = re.compile(
+    r"accumulative_counts(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*(?!1\b)[\w\"'.(\[]"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,15 +269,18 @@ class Evidence:
     Attributes:
         fp16: a Lightning/Fabric precision of 16-bit mixed floats is written somewhere.
         lightning_accumulates: a Trainer accumulates gradients over micro-batches.
+        mmengine_accumulates: an mmengine OptimWrapper accumulates gradients over
+            micro-batches (`accumulative_counts` other than a literal 1, in a config).
         masks_labels: for one file, a file imported alongside it (`engine`: both within
             three imports of one file of the run) masks labels out of a token loss
             (`masks_labels`): the dataset module of the script that runs its loop.
         fsdp_models: for one file, the models its `no_sync()` acts on are FSDP's
             (fact `fsdp-no-sync`): a file imported alongside it wraps a model in FSDP
             and none wraps one in DDP (`builds_fsdp`, `builds_ddp`); unknown is False.
-        hf_before_446: the project pins transformers below 4.46 (`hf_pinned_before_446`
-            of its pyproject.toml, setup.py, setup.cfg or requirements files, read by
-            `engine`), whose Trainer divides the model's mean by the steps.
+        hf_before_446: for one file, its project pins transformers below 4.46
+            (`hf_pinned_before_446` of the pyproject.toml, setup.py, setup.cfg or
+            requirements files of the nearest folder above it that names transformers,
+            read by `engine`), whose Trainer divides the model's mean by the steps.
         package_masks_labels: `masks_labels`, or labels are masked in the file's package
             while the file sits in a folder of it without `__init__.py` (read for
             `hf_before_446` only).
@@ -262,6 +288,7 @@ class Evidence:
 
     fp16: bool = False
     lightning_accumulates: bool = False
+    mmengine_accumulates: bool = False
     masks_labels: bool = False
     fsdp_models: bool = False
     hf_before_446: bool = False
@@ -270,28 +297,34 @@ class Evidence:
     @classmethod
     def of(cls, texts: Iterable[str]) -> Evidence:
         """The evidence of these sources (the files of one run)."""
-        fp16 = accum = False
+        fp16 = accum = mm = False
         for text in texts:
             fp16 = fp16 or (
                 any(w in text for w in _FP16_WORDS)
                 or ("precision" in text and _FP16_RE.search(text) is not None)
             )
-            accum = accum or ("accumulate_grad_batches" in text and _accumulates(text))
-            if fp16 and accum:
+            accum = accum or (
+                "accumulate_grad_batches" in text and _accumulates(text, _LIGHTNING_ACCUM_RE)
+            )
+            mm = mm or ("accumulative_counts" in text and _accumulates(text, _MMENGINE_ACCUM_RE))
+            if fp16 and accum and mm:
                 break
-        return cls(fp16=fp16, lightning_accumulates=accum)
+        return cls(fp16=fp16, lightning_accumulates=accum, mmengine_accumulates=mm)
 
 
-def _accumulates(text: str) -> bool:
-    """Does this text give a Trainer an accumulation that may be more than 1? A literal
-    but 1, or any expression (`accumulate_grad_batches=grad_steps`, computed from the
-    config: it may accumulate), unless it is a name every assignment of which in this
-    text is a literal 1 (`k = 1`, then `accumulate_grad_batches=k`)."""
-    for m in _LIGHTNING_ACCUM_RE.finditer(text):
+def _accumulates(text: str, setting: re.Pattern[str]) -> bool:
+    """Does this text give a Trainer (an OptimWrapper) an accumulation that may be more
+    than 1 (`setting`: `_LIGHTNING_ACCUM_RE`, `_MMENGINE_ACCUM_RE`)? A literal but 1, or
+    any expression (`accumulate_grad_batches=grad_steps`, computed from the config: it may
+    accumulate), unless it is a name every assignment of which in this text is a literal
+    1 (`k = 1`, then `accumulate_grad_batches=k`; the keyword `accumulative_counts=
+    accumulative_counts` itself is no assignment of the name)."""
+    for m in setting.finditer(text):
         name = _NAME_RE.match(text, m.end() - 1)
         if name is None:
             return True
         values = re.findall(rf"(?<![\w.]){re.escape(name[1])}\s*=(?!=)\s*([^\s,)#]+)", text)
+        values = [v for v in values if v != name[1]]
         if not values or any(v != "1" for v in values):
             return True
     return False
@@ -299,6 +332,16 @@ def _accumulates(text: str) -> bool:
 
 # The value of an `accumulate_grad_batches=` that is a bare name: `grad_steps,`.
 _NAME_RE = re.compile(r"([A-Za-z_]\w*)\s*(?=[,)\n#]|$)")
+
+
+def loss_entries(value: ast.Dict) -> list[ast.expr]:
+    """The values mmengine's `BaseModel.parse_losses` sums into the loss of a dict of
+    losses: those whose key holds 'loss' (`{"loss": ..., "acc": ...}` gives the first)."""
+    return [
+        v
+        for k, v in zip(value.keys, value.values, strict=True)
+        if isinstance(k, ast.Constant) and isinstance(k.value, str) and "loss" in k.value
+    ]
 
 
 def lightning_class(cls: ast.ClassDef | None) -> bool:
@@ -559,3 +602,15 @@ def hf_pinned_before_446(text: str) -> bool:
             if version < (4, 46) or (op == "<" and version == (4, 46)):
                 return True
     return False
+
+
+# transformers named as a requirement, with or without a version (not
+# `sentence-transformers`, `transformers_stream_generator`).
+_HF_NAMED_RE = re.compile(r"(?<![\w.-])transformers(?![\w-])")
+
+
+def names_transformers(text: str) -> bool:
+    """Does this project file name transformers at all (`transformers`, `transformers>=
+    4.28`)? Then its folder decides the pin, pinned below 4.46 or not
+    (`hf_pinned_before_446`), for the files beneath it."""
+    return "transformers" in text and _HF_NAMED_RE.search(text) is not None

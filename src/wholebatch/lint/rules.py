@@ -229,9 +229,10 @@ _ALL = (
         fix="sum the item losses and divide by the global item count agreed before backward "
         "(wholebatch.Accumulator does this)",
         check="flow",
-        # a Trainer subclass (`class T(Trainer):`) whose loss is the model's, under a
-        # transformers pinned below 4.46 (`frameworks.FACTS["hf-trainer-before-4-46"]`)
-        words=(*_FLOW, "Trainer)"),
+        # a Trainer subclass (`class T(Trainer):`) whose loss is the model's, or the
+        # Trainer itself (`Trainer(model=model, ...)`), under a transformers pinned below
+        # 4.46 (`frameworks.FACTS["hf-trainer-before-4-46"]`)
+        words=(*_FLOW, "Trainer)", "Trainer("),
     ),
     Rule(
         code="WB302",
