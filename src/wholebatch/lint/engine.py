@@ -44,7 +44,7 @@ from wholebatch.lint.program import (
     module_name,
 )
 from wholebatch.lint.rules import RULES, Finding
-from wholebatch.lint.scope import FileContext
+from wholebatch.lint.scope import FileContext, label_writes
 from wholebatch.lint.summaries import Resolver, writes_masked_labels
 
 __all__ = [
@@ -213,6 +213,7 @@ def _analyse(
             fsdp_models=ctx.path in program.fsdp_built and ctx.path not in program.ddp_built,
             package_masks_labels=ctx.path in program.masked_wide,
         )
+        ctx.run_label_writes = program.label_values.get(ctx.path, frozenset())
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -595,6 +596,7 @@ def lint_run(
     # `masks_labels` marks can pass it (each reads the whole text of every file)
     written = {f for f in marked if writes_masked_labels(sources[f])}
     program.masked_values = _masked(sources, deps, modules, written)
+    program.label_values = _label_values(sources, deps, modules, marked)
     # WB302: whose `no_sync()` a file calls, by the wrappers built alongside it.
     program.fsdp_built = _alongside(sources, deps, builds_fsdp)
     program.ddp_built = _alongside(sources, deps, builds_ddp)
@@ -709,6 +711,35 @@ def _masked(
             or (inside is not None and str(f).startswith(inside))
         )
     return out
+
+
+def _label_values(
+    sources: dict[Path, str], deps: dict[Path, list[Path]], modules: ModuleMap, marked: set[Path]
+) -> dict[str, frozenset[int]]:
+    """Per file, the label values written at masked places (`scope.label_writes`) in a
+    file of its own code imported alongside it (`_masked`): a model module's
+    `CrossEntropyLoss(ignore_index=0)` ignores the 0s its dataset module writes
+    (`labels[~label_mask] = 0`), as a -100 would show (WB301). Read in the files that
+    mask labels (`marked`) or index them (`labels[`), the only ones that can write any."""
+    by_value: dict[int, set[Path]] = {}
+    for f, text in sources.items():
+        if f in marked or "labels[" in text:
+            for v in label_writes(text):
+                by_value.setdefault(v, set()).add(f)
+    out: dict[str, set[int]] = {}
+    for v, written in sorted(by_value.items()):
+        hits = _masked(sources, deps, modules, written)
+        # and a script above the writer's folder (`data/alpaca.py`, a folder without
+        # `__init__.py`, under `main_finetune.py`'s): its own code too
+        folders = {f.parent for f in written}
+        hits.update(
+            str(g)
+            for g in co_imported(deps, written)
+            if any(g.parent == d or g.parent in d.parents for d in folders)
+        )
+        for p in hits:
+            out.setdefault(p, set()).add(v)
+    return {p: frozenset(vs) for p, vs in out.items()}
 
 
 def _alongside(
