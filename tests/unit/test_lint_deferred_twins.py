@@ -14,6 +14,12 @@ it. The lint of 46bfca3 misses the bad twin of every kind:
   The good twin's loss counts every token (no `ignore_index`).
 - `tuple-element` (WB301): the same loop divides only element 1 of the forward's tuple;
   the bad twin's token mean is element 1, the good twin's is element 0 (only logged).
+- `class-through-a-cycle` (WB301): a trainer backpropagates `self.model(...)`'s first
+  element inside `accelerator.accumulate()` (accelerate divides by the steps), its
+  class imported through the package's `__init__` that imports the trainer back, so
+  the class's summary comes after the trainer's; the forward returns `err[span_mask]
+  .mean()` (a boolean-mask selection: a data-dependent count). The good twin's forward
+  averages every element. Completed once every file is read (`deferred.pending_findings`).
 - `two-files` (WB301): one engine file and one script holding the model class, linted as
   two files given in either order (`test_two_files_in_either_order`).
 
@@ -121,6 +127,60 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         _tree(_ELEMENT_ENGINE.format(mark=""), "ignore_index=0", _TOKEN_FIRST),
     ),
 }
+_FLOW = """
+import torch.nn.functional as F
+from torch import nn
+
+
+class FlowModel(nn.Module):
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, mel, frames, span_mask):
+        pred = self.backbone(mel, frames)
+        err = F.mse_loss(pred, mel, reduction="none")
+        {select}
+        return err.mean(), pred
+"""
+
+_FLOW_TRAINER = """
+from accelerate import Accelerator
+
+from pkg import FlowModel
+
+
+class Trainer:
+    def __init__(self, model: FlowModel, optimizer, accumulation):
+        self.accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+        self.model = model
+        self.optimizer = optimizer
+
+    def fit(self, loader):
+        for mel, frames, span_mask in loader:
+            with self.accelerator.accumulate(self.model):
+                loss, _ = self.model(mel, frames, span_mask)
+                self.accelerator.backward(loss){mark}
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+"""
+
+# `pkg/__init__.py` re-exports both modules, and the trainer imports the model's class
+# through it: the import cycle puts the trainer before the `__init__`.
+_INIT = "from pkg.flow import FlowModel\nfrom pkg.trainer import Trainer\n"
+
+TWINS["class-through-a-cycle"] = (
+    {
+        "pkg/__init__.py": _INIT,
+        "pkg/flow.py": _FLOW.format(select="err = err[span_mask]"),
+        "pkg/trainer.py": _FLOW_TRAINER.format(mark=_MARK),
+    },
+    {
+        "pkg/__init__.py": _INIT,
+        "pkg/flow.py": _FLOW.format(select="err = err * 1.0"),
+        "pkg/trainer.py": _FLOW_TRAINER.format(mark=""),
+    },
+)
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
 
 # Two files: the loop (named to sort after the script, so only the import order puts it

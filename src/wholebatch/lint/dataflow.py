@@ -642,9 +642,13 @@ class Flow:
             # imported alongside it; or where its mean is over items it selects itself
             # (`loss[rand_span_mask].mean()`: no such loss, `summaries.Resolver`)
             out |= self.resolver.forward_tags(n, self.scope, by_target=True)
-        if isinstance(n.func, ast.Name) and n.func.id in self.params:
+        if (
+            isinstance(n.func, ast.Name) and n.func.id in self.params
+        ) or self.resolver.unsummarised_class(n) is not None:
             # a module given by a caller (`model(x, y)` in `train(model, ...)`): only a
-            # caller shows whose forward it runs (`c:` tags, `facts.Deferred`)
+            # caller shows whose forward it runs; or one of a class of the run whose
+            # summary comes later (an import cycle through a package's `__init__`):
+            # `c:` tags, `facts.Deferred`
             tag = f"c:{n.lineno}:{n.col_offset}"
             self.param_calls[tag] = n
             out.add(tag)

@@ -22,12 +22,13 @@ from wholebatch.lint.dataflow import (
     _given_labels as given_labels,
     _given_mask as given_mask,
 )
-from wholebatch.lint.facts import Deferred, Facts
+from wholebatch.lint.facts import Deferred, Facts, Program
 from wholebatch.lint.names import dotted, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop
 from wholebatch.lint.scope import FileContext, Scope
+from wholebatch.lint.summaries import Resolver
 
-__all__ = ["defer", "deferred_findings"]
+__all__ = ["defer", "deferred_findings", "pending_findings"]
 
 
 def defer(
@@ -63,10 +64,14 @@ def defer(
     line, col = position(at)
     for call_tag, held in sorted(elements.items(), key=lambda kv: kv[0]):
         call = flow.param_calls.get(call_tag)
-        if call is None or not isinstance(call.func, ast.Name):
+        if call is None:
+            continue
+        param = call.func.id if isinstance(call.func, ast.Name) else ""
+        cls = "" if param in flow.params else resolver.unsummarised_class(call) or ""
+        if not (param in flow.params or cls):
             continue
         d = Deferred(
-            param=call.func.id,
+            param=param if not cls else _text(call.func),
             elements=tuple(sorted(held)) if held is not None else (),
             nargs=len(call.args),
             keywords=tuple(k.arg for k in call.keywords if k.arg is not None),
@@ -76,9 +81,15 @@ def defer(
             col=col,
             loss=_text(loss),
             divided=divided,
+            cls=cls,
+            path=ctx.path if cls else "",
+            function=scope.qual if cls else "",
         )
-        kept = ctx.deferred.setdefault(scope.qual, [])
-        if d not in kept:
+        program = resolver.program
+        kept = program.pending if cls and program is not None else None
+        if kept is None:
+            kept = ctx.deferred.setdefault(scope.qual, [])
+        if d not in kept and not (cls and program is None):
             kept.append(d)
 
 
@@ -155,6 +166,47 @@ def _completed(
         fix=RULES["WB301"].fix,
         trace=(hop,),
     )
+
+
+def pending_findings(program: Program, waiting: list[Deferred]) -> list[Finding]:
+    """WB301 at the divisions that waited on a class's summary (`facts.Deferred.cls`,
+    `waiting`), once every file of the run is read: where that class's `forward` returns
+    a mean over a data-dependent item count in the elements divided."""
+    out: list[Finding] = []
+    for d in waiting:
+        target = program.lookup(program.canonical(d.cls))
+        fw = program.method(target, "forward") if isinstance(target, str) else None
+        if fw is None or not fw.returns:
+            continue
+        binds = {*fw.params[1 : 1 + d.nargs], *d.keywords}
+        tags = Resolver.forward_means(fw, binds, by_target=not d.labelled, masks=d.masks)
+        held = [tuple_element(set(tags), i) for i in d.elements] if d.elements else [set(tags)]
+        if not any("V" in t for t in held):
+            continue
+        name = _class_name(d.cls)
+        out.append(
+            Finding(
+                path=d.path,
+                line=d.line,
+                col=d.col,
+                code="WB301",
+                message=f"`{d.loss}` is a mean over a data-dependent number of items "
+                f"(tokens, ignore_index) {d.divided}: micro-batches with fewer items weigh "
+                f"more, so the sum is not the whole-batch mean; `{d.param}` is a "
+                f"`{name}`, whose forward returns the mean ({Path(fw.path).name}:{fw.line})",
+                fix=RULES["WB301"].fix,
+                trace=(
+                    Hop(
+                        path=fw.path,
+                        line=fw.line,
+                        col=1,
+                        function=fw.qual,
+                        note="returns a mean over a data-dependent item count",
+                    ),
+                ),
+            )
+        )
+    return out
 
 
 def _instance_class(ctx: FileContext, value: ast.expr) -> str | None:

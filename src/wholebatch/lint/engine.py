@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from wholebatch.lint.deferred import pending_findings
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
@@ -503,6 +504,28 @@ def _aliases(
                 program.modules[name] = old
 
 
+def _pending(
+    program: Program,
+    modules: ModuleMap,
+    resolved: dict[Path, dict[str, Path]],
+    by_file: dict[Path, ModuleFacts],
+) -> list[Finding]:
+    """WB301 divisions that waited on a class read after them (an import cycle,
+    `deferred.pending_findings`), each looked up with the names its own file imports and
+    those its imports import (the package `__init__` that re-exports the class,
+    `_aliases`)."""
+    out: list[Finding] = []
+    for path in sorted({d.path for d in program.pending}):
+        waiting = [d for d in program.pending if d.path == path]
+        hits = dict(resolved.get(Path(path), {}))
+        for g in list(hits.values()):
+            for name, h in resolved.get(g, {}).items():
+                hits.setdefault(name, h)
+        with _aliases(program, modules, hits, by_file):
+            out.extend(pending_findings(program, waiting))
+    return out
+
+
 def _place(f: Finding) -> tuple[str, int, int, str, int, str]:
     """The order findings are reported in, and which of two at one place is kept."""
     return (f.path, f.line, f.col, f.code, len(f.trace), f.message)
@@ -632,6 +655,7 @@ def lint_run(
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
+    out.extend(f for f in _pending(program, modules, resolved, by_file) if f.code in codes)
     kept, hidden = _reported(
         out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
     )

@@ -61,6 +61,12 @@ class Deferred:
         col: its column, 1-based.
         loss: the divided value's text (`loss`).
         divided: how the message says it is divided (`divided by `accum_iter``).
+        cls: the absolute name of the called instance's class, where the call is not of
+            a parameter but of an instance of a class of the run not summarised yet
+            (an import cycle through its package's `__init__`): completed once every
+            file is read (`deferred.pending_findings`); "" for a parameter's call.
+        path: the file of the division, for `cls`'s completion.
+        function: the function that divides, for `cls`'s completion.
     """
 
     param: str
@@ -73,6 +79,9 @@ class Deferred:
     col: int
     loss: str
     divided: str
+    cls: str = ""
+    path: str = ""
+    function: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,6 +257,8 @@ class Program:
         self.roots: set[str] = set()  # top-level names of the run's modules
         self.open_layers = False  # a WB102 finding waits on uses in other files
         self.deferred = False  # a WB301 finding waits on a caller (`Deferred`)
+        # those that wait on a class's summary to come later (`Deferred.cls`)
+        self.pending: list[Deferred] = []
         # per file: the label values written at masked places in a file imported
         # alongside it (`scope.FileContext.label_writes`): an `ignore_index=0` ignores them
         self.label_values: dict[str, frozenset[int]] = {}

@@ -468,6 +468,24 @@ class Resolver:
                 return frozenset()
         return frozenset(t for t in returns if t in ("V", "v") or t[:1] == "@")
 
+    def unsummarised_class(self, call: ast.Call) -> str | None:
+        """The absolute name of the class whose instance `call` calls (`self.model(x)`
+        after `self.model = model` of a parameter annotated `CFM`), where that name
+        leads into the run's modules but no summary of it is known yet: the file
+        imports it through its package's `__init__`, which imports the file back, so is
+        linted after it (F5-TTS's `from f5_tts.model import CFM` in
+        `f5_tts/model/trainer.py`). None otherwise."""
+        d = dotted(call.func)
+        ctor = self.ctx.constructed.get(d) if d is not None else None
+        if ctor is None or ctor in self.ctx.class_by_name or self.program is None:
+            return None
+        root, _, rest = ctor.partition(".")
+        full = self.absolute(root)
+        if full is None or full.split(".")[0] not in self.program.roots:
+            return None
+        name = f"{full}.{rest}" if rest else full
+        return name if self.program.lookup(name) is None else None
+
     def forward_of(self, cls: str) -> Facts | None:
         """The summary of the `forward` of the class `cls` (as this file writes its name:
         one of this file, or one imported from the run), or its bases'."""
