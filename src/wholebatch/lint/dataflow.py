@@ -383,7 +383,7 @@ def _element(tags: set[str], i: int) -> set[str]:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvSTLW@t" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqanNmVvSTLW@tu" and not t.startswith("G:"))
 
 
 class Flow:
@@ -427,6 +427,8 @@ class Flow:
         )
         node = scope.node
         self.params: set[str] = set()
+        # `c:LINE:COL` tag -> the call of a parameter it marks (`_forward_call_tags`)
+        self.param_calls: dict[str, ast.Call] = {}
         if not isinstance(node, ast.Module):
             a = node.args
             extra = [x for x in (a.vararg, a.kwarg) if x is not None]
@@ -571,8 +573,7 @@ class Flow:
         ignore = _kwarg(n, ("ignore_index",))
         if ignore is not None and not _sum_reduction(n) and not self.resolver.own(n, self.scope):
             out.add("V")
-            if self._ignores_masked(ignore):
-                out |= self._targets(n)
+            out |= self._ignored_targets(n, ignore)
         if name == "mean" and not n.keywords and "M" in self._mean_input(n):
             out |= {"V", "S"}  # `losses[mask].mean()`: over as many items as the mask keeps
         d = dotted(n.func)
@@ -583,9 +584,21 @@ class Flow:
         ):
             out.add("V")
             value = self.ctx.ignore_values.get(d)
-            if value is not None and self._ignores_masked(value):
-                out |= self._targets(n)  # `self.criterion(logits, labels)`, built so
+            if value is not None:  # `self.criterion(logits, labels)`, built so
+                out |= self._ignored_targets(n, value)
         return out
+
+    def _ignored_targets(self, n: ast.Call, ignore: ast.expr) -> set[str]:
+        """`t:NAME` for the parameters the target of loss call `n` derives from, where its
+        `ignore_index` is a value masked labels hold (`_ignores_masked`); for another
+        literal (`ignore_index=0`), `u:VALUE:NAME`, which counts where a caller's files
+        write VALUE into labels at masked places (`deferred`: the model's module does
+        not import the dataset module that writes the 0s; the script does)."""
+        if self._ignores_masked(ignore):
+            return self._targets(n)
+        if isinstance(ignore, ast.Constant) and type(ignore.value) is int:
+            return {f"u:{ignore.value}:{t[2:]}" for t in self._targets(n)}
+        return set()
 
     def _ignores_masked(self, ignore: ast.expr) -> bool:
         """Is `ignore` (an `ignore_index`) a value set on purpose where the loss must not
@@ -638,6 +651,16 @@ class Flow:
             # imported alongside it; or where its mean is over items it selects itself
             # (`loss[rand_span_mask].mean()`: no such loss, `summaries.Resolver`)
             out |= self.resolver.forward_tags(n, self.scope, by_target=True)
+        if (
+            isinstance(n.func, ast.Name) and n.func.id in self.params
+        ) or self.resolver.unsummarised_class(n) is not None:
+            # a module given by a caller (`model(x, y)` in `train(model, ...)`): only a
+            # caller shows whose forward it runs; or one of a class of the run whose
+            # summary comes later (an import cycle through a package's `__init__`):
+            # `c:` tags, `facts.Deferred`
+            tag = f"c:{n.lineno}:{n.col_offset}"
+            self.param_calls[tag] = n
+            out.add(tag)
         return out
 
     def fixed(self, expr: ast.expr) -> bool:
@@ -948,8 +971,15 @@ class Flow:
                 for i, elt in enumerate(target.elts):  # `_, loss = model(x, y)`
                     self.bind(elt, _element(tags, i))
                 return
-            for elt in target.elts:
-                self.bind(elt, _whole(tags))
+            whole = _whole(tags)
+            calls = {t for t in whole if t[:2] == "c:" and "#" not in t}
+            if any(isinstance(e, ast.Starred) for e in target.elts):
+                calls = set()
+            for i, elt in enumerate(target.elts):
+                # `c_loss, aux = model(x, y)`: each name holds one element of the call's
+                # return, whose tags only a caller's forward shows (`c:LINE:COL#I`)
+                own = {f"{t}#{i}" for t in calls}
+                self.bind(elt, (whole - calls) | own)
         elif isinstance(target, ast.Starred):
             self.bind(target.value, tags)
         elif isinstance(target, ast.Subscript):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from wholebatch.lint.deferred import pending_findings
 from wholebatch.lint.dist_rules import check_dist, layer_uses
 from wholebatch.lint.facts import ModuleFacts, Program
 from wholebatch.lint.files import CODE, UsageError, Walked, iter_python_files, read, walk
@@ -45,7 +46,7 @@ from wholebatch.lint.program import (
     module_name,
 )
 from wholebatch.lint.rules import RULES, Finding
-from wholebatch.lint.scope import FileContext
+from wholebatch.lint.scope import FileContext, label_writes
 from wholebatch.lint.summaries import Resolver, writes_masked_labels
 
 __all__ = [
@@ -215,6 +216,7 @@ def _analyse(
             package_masks_labels=ctx.path in program.masked_wide,
             hf_before_446=ctx.path in program.hf_old,
         )
+        ctx.run_label_writes = program.label_values.get(ctx.path, frozenset())
     resolver = Resolver(ctx, program, module, is_package=is_package)
     try:
         attach(resolver)
@@ -504,6 +506,28 @@ def _aliases(
                 program.modules[name] = old
 
 
+def _pending(
+    program: Program,
+    modules: ModuleMap,
+    resolved: dict[Path, dict[str, Path]],
+    by_file: dict[Path, ModuleFacts],
+) -> list[Finding]:
+    """WB301 divisions that waited on a class read after them (an import cycle,
+    `deferred.pending_findings`), each looked up with the names its own file imports and
+    those its imports import (the package `__init__` that re-exports the class,
+    `_aliases`)."""
+    out: list[Finding] = []
+    for path in sorted({d.path for d in program.pending}):
+        waiting = [d for d in program.pending if d.path == path]
+        hits = dict(resolved.get(Path(path), {}))
+        for g in list(hits.values()):
+            for name, h in resolved.get(g, {}).items():
+                hits.setdefault(name, h)
+        with _aliases(program, modules, hits, by_file):
+            out.extend(pending_findings(program, waiting))
+    return out
+
+
 def _place(f: Finding) -> tuple[str, int, int, str, int, str]:
     """The order findings are reported in, and which of two at one place is kept."""
     return (f.path, f.line, f.col, f.code, len(f.trace), f.message)
@@ -596,6 +620,7 @@ def lint_run(
     # `masks_labels` marks can pass it (each reads the whole text of every file)
     written = {f for f in marked if writes_masked_labels(sources[f])}
     program.masked_values = _masked(sources, deps, modules, written)
+    program.label_values = _label_values(sources, deps, modules, marked)
     # WB302: whose `no_sync()` a file calls, by the wrappers built alongside it.
     program.fsdp_built = _alongside(sources, deps, builds_fsdp)
     program.ddp_built = _alongside(sources, deps, builds_ddp)
@@ -631,6 +656,7 @@ def lint_run(
         if "noqa" in source.lower():
             with_noqa[str(f)] = source
         out.extend(found)
+    out.extend(f for f in _pending(program, modules, resolved, by_file) if f.code in codes)
     kept, hidden = _reported(
         out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
     )
@@ -738,6 +764,35 @@ def _masked(
             or (wide and key.startswith(os.path.join(own(f), "")))
         )
     return out
+
+
+def _label_values(
+    sources: dict[Path, str], deps: dict[Path, list[Path]], modules: ModuleMap, marked: set[Path]
+) -> dict[str, frozenset[int]]:
+    """Per file, the label values written at masked places (`scope.label_writes`) in a
+    file of its own code imported alongside it (`_masked`): a model module's
+    `CrossEntropyLoss(ignore_index=0)` ignores the 0s its dataset module writes
+    (`labels[~label_mask] = 0`), as a -100 would show (WB301). Read in the files that
+    mask labels (`marked`) or index them (`labels[`), the only ones that can write any."""
+    by_value: dict[int, set[Path]] = {}
+    for f, text in sources.items():
+        if f in marked or "labels[" in text:
+            for v in label_writes(text):
+                by_value.setdefault(v, set()).add(f)
+    out: dict[str, set[int]] = {}
+    for v, written in sorted(by_value.items()):
+        hits = _masked(sources, deps, modules, written)
+        # and a script above the writer's folder (`data/alpaca.py`, a folder without
+        # `__init__.py`, under `main_finetune.py`'s): its own code too
+        folders = {f.parent for f in written}
+        hits.update(
+            str(g)
+            for g in co_imported(deps, written)
+            if any(g.parent == d or g.parent in d.parents for d in folders)
+        )
+        for p in hits:
+            out.setdefault(p, set()).add(v)
+    return {p: frozenset(vs) for p, vs in out.items()}
 
 
 def _alongside(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from wholebatch.lint.frameworks import Evidence
 from wholebatch.lint.rules import Hop
 
-__all__ = ["Effect", "Facts", "ModuleFacts", "Origin", "Origins", "Program"]
+__all__ = ["Deferred", "Effect", "Facts", "ModuleFacts", "Origin", "Origins", "Program"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +34,54 @@ class Effect:
     certain: bool
     recv: str
     trace: tuple[Hop, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deferred:
+    """WB301 evidence that waits for a caller: a function divides by the accumulation
+    steps (or backpropagates under a framework that does) what a call of one of its
+    parameters returns (`c_loss, aux = model(x, y)`, `loss /= accum_iter`), and only a
+    caller shows whose `forward` that is. Files are linted in import order, so the
+    script that builds the model is read after the loop; its call of the function, given
+    an instance whose class's `forward` returns a mean over a data-dependent item count,
+    completes the finding, reported here (`flow_rules.deferred_findings`).
+
+    Attributes:
+        param: the parameter called (`model`).
+        elements: the elements of the call's returned tuple the divided value holds
+            (`c_loss`, element 0 of `c_loss, aux = model(...)`); () for the whole value.
+        nargs: the call's positional arguments (`model(x, y)`: 2), for the binding.
+        keywords: the call's keyword names (`images=` of `model(x, y, images=i)`).
+        labelled: the call gives labels or a loss mask by name (`labels=`, `**batch`);
+            otherwise the forward's mean counts only where its target is a parameter the
+            call binds (`Resolver.forward_tags`' `by_target`).
+        masks: labels are masked out of a loss in the function's file or one imported
+            alongside it (`Resolver.masks_labels`).
+        line: the division (or backward), 1-based.
+        col: its column, 1-based.
+        loss: the divided value's text (`loss`).
+        divided: how the message says it is divided (`divided by `accum_iter``).
+        cls: the absolute name of the called instance's class, where the call is not of
+            a parameter but of an instance of a class of the run not summarised yet
+            (an import cycle through its package's `__init__`): completed once every
+            file is read (`deferred.pending_findings`); "" for a parameter's call.
+        path: the file of the division, for `cls`'s completion.
+        function: the function that divides, for `cls`'s completion.
+    """
+
+    param: str
+    elements: tuple[int, ...]
+    nargs: int
+    keywords: tuple[str, ...]
+    labelled: bool
+    masks: bool
+    line: int
+    col: int
+    loss: str
+    divided: str
+    cls: str = ""
+    path: str = ""
+    function: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +108,8 @@ class Facts:
         returns: the tags of its return value; None when not computed (no gather).
         steps: it returns a count of accumulation steps (`return self.accum_steps`), so
             a division by its value is a division by the steps (WB301).
+        deferred: divisions of what it gets from a call of a parameter, whose mean
+            its callers may show (`Deferred`, WB301).
     """
 
     qual: str
@@ -76,6 +126,7 @@ class Facts:
     replicated: bool = False
     returns: frozenset[str] | None = None
     steps: bool = False
+    deferred: tuple[Deferred, ...] = ()
 
     @property
     def interesting(self) -> bool:
@@ -88,6 +139,7 @@ class Facts:
             or self.reduces
             or self.returns
             or self.steps
+            or self.deferred
         )
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
@@ -204,6 +256,12 @@ class Program:
         self.origins = Origins()
         self.roots: set[str] = set()  # top-level names of the run's modules
         self.open_layers = False  # a WB102 finding waits on uses in other files
+        self.deferred = False  # a WB301 finding waits on a caller (`Deferred`)
+        # those that wait on a class's summary to come later (`Deferred.cls`)
+        self.pending: list[Deferred] = []
+        # per file: the label values written at masked places in a file imported
+        # alongside it (`scope.FileContext.label_writes`): an `ignore_index=0` ignores them
+        self.label_values: dict[str, frozenset[int]] = {}
         self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
         # files imported alongside one that masks labels (`program.co_imported`, WB301)
         self.masked: set[str] = set()

@@ -17,6 +17,7 @@ from functools import partial
 
 from wholebatch.lint.accum import accumulation_trips, count_over_steps, factors
 from wholebatch.lint.dataflow import Flow, returned_tags
+from wholebatch.lint.deferred import defer, deferred_findings
 from wholebatch.lint.frameworks import (
     FACTS,
     HF_TRAINERS,
@@ -207,6 +208,8 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
     for scope in ctx.scopes:
         if scope.stmts:
             yield from ctx.guarded(scope, partial(_flow_scope, resolver, results, scope))
+    if ctx.scopes and resolver.program is not None and resolver.program.deferred:
+        yield from ctx.guarded(ctx.scopes[0], partial(deferred_findings, ctx))
 
 
 def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Finding]:
@@ -799,6 +802,8 @@ def _framework_divides(
     if fact is None or loss is None:
         return []
     msg = _msg301(ctx, flow.tags(loss), loss, None, by=fact.says)
+    if not msg:  # a caller in another file may show the mean (`deferred`)
+        defer(ctx, flow, scope, loss, call, f"and {fact.says}")
     return [_finding(ctx, call, "WB301", msg)] if msg else []
 
 
@@ -981,6 +986,8 @@ def _mean_over_steps(
             msg = _msg301_passed(ctx, scope, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
+            else:  # a caller in another file may show the mean (`deferred`)
+                defer(ctx, flow, scope, node.target, node, f"divided by `{_text(node.value)}`")
         return
     for sub in st.walk():
         if (
@@ -991,6 +998,8 @@ def _mean_over_steps(
             msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
+            else:
+                defer(ctx, flow, scope, sub.left, sub, f"divided by `{_text(sub.right)}`")
 
 
 def _count_and_steps(

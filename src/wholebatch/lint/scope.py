@@ -33,6 +33,7 @@ from wholebatch.lint.names import (
 from wholebatch.lint.rules import RULES, Finding, Hop
 
 if TYPE_CHECKING:
+    from wholebatch.lint.facts import Deferred
     from wholebatch.lint.flow_rules import Results
     from wholebatch.lint.summaries import Resolver
 
@@ -49,6 +50,7 @@ __all__ = [
     "Stmt",
     "exclusive",
     "finding",
+    "label_writes",
 ]
 
 BACKWARD = "backward"
@@ -299,6 +301,15 @@ _LABEL_WRITE_RE = re.compile(
     r"\b\w*labels?\w*(?:\[[^\]\n]*\]\s*=(?!=)|\.masked_fill_?\([^\n]*?,)\s*(-?\d+)\b(?![.\w])"
 )
 
+
+def label_writes(source: str) -> frozenset[int]:
+    """The integer literals `source` writes into labels at masked places
+    (`labels[~label_mask] = 0`, `labels.masked_fill_(pad, 0)`)."""
+    if "label" not in source:
+        return frozenset()
+    return frozenset(int(v) for v in _LABEL_WRITE_RE.findall(source))
+
+
 _IGNORE_LITERAL_RE = re.compile(r"\bignore_index\s*=\s*(-?\d+)\b(?![.\w])")
 
 
@@ -348,11 +359,18 @@ class FileContext:
         # their `ignore_index=` values as written (`0`, `-100`, `pad_id`)
         self.ignore_values: dict[str, ast.expr] = {}
         self._label_writes: frozenset[int] | None = None
+        # the label values written at masked places in files imported alongside this one
+        # (`facts.Program.label_values`, set by `engine`): the model a script passes in
+        # ignores the 0s its dataset module writes where its `ignore_index=0` (`deferred`)
+        self.run_label_writes: frozenset[int] = frozenset()
         # WB102 (dist_rules): the `Layer.apply(...)` uses, and the findings left open
         self.applies: list[tuple[str, bool]] | None = None
         # `allgather = AllGather.apply`: name (as written, `self.x` too) -> the class
         self.apply_aliases: dict[str, str] = {}
         self.layers: dict[int, str] = {}
+        # WB301 (deferred): function qual -> its divisions of a parameter's call, which
+        # a caller in another file may complete (`facts.Deferred`)
+        self.deferred: dict[str, list[Deferred]] = {}
         # what the frameworks' readers (`frameworks.pipeline_losses`, ...) found in the
         # tree, by reader: each walks the whole tree, and rules ask once per scope
         self.framework_names: dict[str, set[str]] = {}
@@ -442,12 +460,7 @@ class FileContext:
         (`labels[~label_mask] = 0`, `labels.masked_fill_(pad, 0)`): a loss whose
         `ignore_index` is one of them ignores those places, whatever the value. Read once."""
         if self._label_writes is None:
-            found = (
-                {int(v) for v in _LABEL_WRITE_RE.findall(self.source)}
-                if "label" in self.source
-                else set()
-            )
-            self._label_writes = frozenset(found)
+            self._label_writes = label_writes(self.source)
         return self._label_writes
 
     def writes_ignored_labels(self) -> bool:

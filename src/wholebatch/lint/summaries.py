@@ -434,21 +434,61 @@ class Resolver:
                             classes.add(c)
         out: set[str] = set()
         for c in sorted(classes):
-            fw = self._forward_of(c)
-            if by_target and fw is not None and fw.returns:
-                binds = {p for p, _ in fw.bind(call, True)}
-                own = any(t == "S" or t.endswith(":S") for t in fw.returns)
-                if not own and not (
-                    (self.masks_labels() or self.ctx.writes_ignored_labels())
-                    and any(t[:2] == "t:" and t[2:] in binds for t in fw.returns)
-                ):
-                    continue
-            if fw is not None and fw.returns:
-                # with a tuple's element-wise mean tags (`return logits, loss`)
-                out |= {t for t in fw.returns if t in ("V", "v") or t[:1] == "@"}
+            fw = self.forward_of(c)
+            if fw is None or not fw.returns:
+                continue
+            binds = {p for p, _ in fw.bind(call, True)} if by_target else set()
+            masks = by_target and (self.masks_labels() or self.ctx.writes_ignored_labels())
+            out |= self.forward_means(fw, binds, by_target=by_target, masks=masks)
         return frozenset(out)
 
-    def _forward_of(self, cls: str) -> Facts | None:
+    @staticmethod
+    def forward_means(
+        fw: Facts,
+        binds: set[str],
+        *,
+        by_target: bool,
+        masks: bool,
+        written: frozenset[int] = frozenset(),
+    ) -> frozenset[str]:
+        """The mean tags (`V`, `v`, and a tuple's element-wise `@` ones: `return logits,
+        loss`) a call of the forward `fw` gets back. `by_target` (the call names no
+        labels): only where the forward's mean is over items it selects itself (`S`), or
+        where its sentinel-ignoring loss takes its target from a parameter the call binds
+        (`binds`, `t:` tags) and labels are masked in the run (`masks`), or its loss
+        ignoring one of the label values `written` at masked places does (`u:` tags)."""
+        returns = fw.returns or frozenset()
+        if by_target:
+            own = any(t == "S" or t.endswith(":S") for t in returns)
+            if not (
+                own
+                or (masks and any(t[:2] == "t:" and t[2:] in binds for t in returns))
+                or any(_ignores_written(t, binds, written) for t in returns)
+            ):
+                return frozenset()
+        return frozenset(t for t in returns if t in ("V", "v") or t[:1] == "@")
+
+    def unsummarised_class(self, call: ast.Call) -> str | None:
+        """The absolute name of the class whose instance `call` calls (`self.model(x)`
+        after `self.model = model` of a parameter annotated `CFM`), where that name
+        leads into the run's modules but no summary of it is known yet: the file
+        imports it through its package's `__init__`, which imports the file back, so is
+        linted after it (F5-TTS's `from f5_tts.model import CFM` in
+        `f5_tts/model/trainer.py`). None otherwise."""
+        d = dotted(call.func)
+        ctor = self.ctx.constructed.get(d) if d is not None else None
+        if ctor is None or ctor in self.ctx.class_by_name or self.program is None:
+            return None
+        root, _, rest = ctor.partition(".")
+        full = self.absolute(root)
+        if full is None or full.split(".")[0] not in self.program.roots:
+            return None
+        name = f"{full}.{rest}" if rest else full
+        return name if self.program.lookup(name) is None else None
+
+    def forward_of(self, cls: str) -> Facts | None:
+        """The summary of the `forward` of the class `cls` (as this file writes its name:
+        one of this file, or one imported from the run), or its bases'."""
         local = self.ctx.class_by_name.get(cls)
         if local is not None:
             found = self._method(local, "forward", include_self=True)
@@ -691,7 +731,7 @@ class Resolver:
             if full is not None and full != local:
                 out.names[local] = full
         for name, d in ctx.module_functions.items():
-            f = self.facts(d)
+            f = self._with_deferred(d)
             if f.interesting:
                 out.functions[name] = f
         for cls in ctx.classes:
@@ -709,10 +749,21 @@ class Resolver:
             out.classes.setdefault(cls.name, tuple(bases))
             for st in cls.body:
                 if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
-                    f = self.facts(st)
+                    f = self._with_deferred(st)
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
         return out
+
+    def _with_deferred(self, d: _Def) -> Facts:
+        """The summary of `d` for other files, with the divisions its callers may
+        complete (`facts.Deferred`, kept by `deferred.defer` while the rules ran)."""
+        f = self.facts(d)
+        kept = self.ctx.deferred.get(self.ctx.scope_of[id(d)].qual)
+        if not kept:
+            return f
+        if self.program is not None:
+            self.program.deferred = True
+        return replace(f, deferred=tuple(kept))
 
 
 @dataclass(frozen=True)
@@ -847,6 +898,15 @@ def param_default(scope: Scope, name: str) -> ast.expr | None:
 
 # Text without any of these has no item count to divide by (`names.counts_items`).
 _COUNT_WORDS = (".sum(", "count_nonzero", "tok", "item", "valid")
+
+
+def _ignores_written(tag: str, binds: set[str], written: frozenset[int]) -> bool:
+    """Is `tag` a `u:VALUE:NAME` (`dataflow.Flow._ignored_targets`) of a VALUE in
+    `written` and a NAME in `binds`?"""
+    if tag[:2] != "u:" or not written:
+        return False
+    value, _, name = tag[2:].partition(":")
+    return name in binds and value.lstrip("-").isdigit() and int(value) in written
 
 
 def _returns_mean(tags: frozenset[str]) -> bool:
