@@ -11,6 +11,10 @@ Three kinds, all read from the expression a name is assigned (`dataflow.Flow`):
 - a **field of a forward pass's inputs** (tag ``B``): `batch["loss_weights"]` where the
   same `batch` is given to a module (`model(**batch)`, `model(batch)`,
   `model(input_ids=batch["input_ids"])`): the inputs of the model, not its outputs;
+  or where `batch` is an item a `torch.utils.data.DataLoader` built in the same scope
+  yields (`for it, batch in enumerate(tqdm(loader))`): the collated samples of a
+  dataset, read before any forward pass (simplescaling/s1's gpt-accelera
+  `prepare_batch`, which concatenates token ids across a tensor-parallel group).
 - a value with **no gradient path** (tag ``Z``): assigned whole under `torch.no_grad()`
   (a frozen encoder's features, `with torch.no_grad(): feats = encoder(x)`), or a
   detach of a value (`x.detach()`, `x.detach().float()`): autograd recorded nothing
@@ -29,11 +33,18 @@ Issue 33, hiyouga/LLaMA-Factory's sequence_parallel.py (benchmarks/lint_corpus2.
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from wholebatch.lint.names import dotted, last_name
 
-__all__ = ["DATA_TAGS", "batch_field", "detached", "forward_inputs", "integer_valued"]
+__all__ = [
+    "DATA_TAGS",
+    "batch_field",
+    "detached",
+    "forward_inputs",
+    "integer_valued",
+    "loader_items",
+]
 
 # The tags of a value with no gradient to lose; kept through names only, and only while
 # every assignment that may reach a read gives it (`Flow._assign`).
@@ -136,6 +147,58 @@ def forward_inputs(calls: list[ast.Call], is_forward: Callable[[ast.expr], bool]
             d = dotted(value)
             if d is not None:
                 out.add(d)
+    return out
+
+
+# What resolves a name through the file's imports (`Imports.qualname`).
+Qualname = Callable[[ast.expr], str | None]
+_LOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+# Calls whose items are those of the iterable they are given first (a progress bar, an
+# iterator over it); `enumerate` pairs each with its index.
+_SAME_ITEMS = frozenset({"iter", "tqdm", "islice", "cycle"})
+
+
+def _yields(node: ast.expr, loaders: dict[str, str], qualname: Qualname) -> str | None:
+    """What iterating `node` yields: "batch" (a DataLoader's batches), "pair" ((index,
+    batch), `enumerate` of one), or None (anything else)."""
+    if isinstance(node, ast.Name):
+        return loaders.get(node.id)
+    if not isinstance(node, ast.Call):
+        return None
+    if qualname(node.func) in _LOADERS:
+        return "batch"
+    name = last_name(node.func)
+    inner = _yields(node.args[0], loaders, qualname) if node.args else None
+    if name in _SAME_ITEMS:
+        return inner
+    return "pair" if name == "enumerate" and inner == "batch" else None
+
+
+def loader_items(stmts: Iterable[ast.stmt], qualname: Qualname) -> set[str]:
+    """The names `stmts` (one scope's, in source order) bind to a batch that a
+    `torch.utils.data.DataLoader` built there yields: `loader = DataLoader(ds)`, then
+    `for batch in loader`, `for i, batch in enumerate(loader)`, through a progress bar
+    (`pbar = tqdm(enumerate(loader))`, `for i, batch in pbar`). A loader passed in as a
+    parameter is not followed (nothing here says what it is)."""
+    loaders: dict[str, str] = {}
+    out: set[str] = set()
+    for node in stmts:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            name = node.targets[0]
+            if isinstance(name, ast.Name):
+                kind = _yields(node.value, loaders, qualname)
+                if kind is not None:
+                    loaders[name.id] = kind
+                else:
+                    loaders.pop(name.id, None)
+        elif isinstance(node, ast.For | ast.AsyncFor):
+            kind = _yields(node.iter, loaders, qualname)
+            target: ast.expr | None = node.target
+            if kind == "pair":
+                elts = target.elts if isinstance(target, ast.Tuple) else []
+                target = elts[1] if len(elts) == 2 else None
+            if kind is not None and target is not None:
+                out |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
     return out
 
 

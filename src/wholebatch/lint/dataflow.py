@@ -40,6 +40,9 @@ Tags:
     ``C``      a loss module built with ``ignore_index`` (calling it gives ``V``);
     ``p``      derived from an argument of the enclosing function;
     ``a:NAME`` derived from parameter NAME (what a summary's return tags are made of);
+    ``d:NAME:ID``  beside ``g:ID``: that gather is of parameter NAME itself, with
+               gradients on; a caller that passes data (``I``, ``B``) for NAME loses
+               nothing (the ``g`` tag is dropped there);
     ``n:NAME:ID``  parameter NAME all-gathered inside a function that runs under
                `@torch.no_grad()`: no gradient if the caller passes a trainable value
                (then it becomes a ``g`` tag there), harmless for a no-grad one (MoCo's
@@ -83,6 +86,7 @@ from wholebatch.lint.data import (
     detached,
     forward_inputs,
     integer_valued,
+    loader_items,
 )
 from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import (
@@ -383,7 +387,7 @@ def _element(tags: set[str], i: int) -> set[str]:
 
 def returned_tags(tags: set[str]) -> frozenset[str]:
     """The tags of a return value that mean something to a caller."""
-    return frozenset(t for t in tags if t[0] in "gqanNmVvSTLW@tu" and not t.startswith("G:"))
+    return frozenset(t for t in tags if t[0] in "gqadnNmVvSTLW@tu" and not t.startswith("G:"))
 
 
 class Flow:
@@ -747,9 +751,19 @@ class Flow:
                 for value in args.get(rest, ()):
                     out |= self.tags(value)
             elif kind in ("g", "q"):
+                if kind == "g" and self._data_given(tag, facts.returns, args):
+                    continue  # a parameter gathered plainly, given data here
                 new = self.origins.moved(tag, kind, id(call), hop)
                 out.add(new)
                 self.entered.setdefault(new, self._st.path if self._st else ())
+            elif kind == "d":
+                name, _, oid = rest.partition(":")
+                if self._data_given(f"g:{oid}", facts.returns, args):
+                    continue
+                moved = self.origins.moved(f"g:{oid}", "g", id(call), hop)[2:]
+                for value in args.get(name, ()):
+                    if isinstance(value, ast.Name) and value.id in self.params:
+                        out.add(f"d:{value.id}:{moved}")  # the question goes to our callers
             elif kind in ("n", "N"):
                 name, _, oid = rest.partition(":")
                 for value in args.get(name, ()):
@@ -775,6 +789,26 @@ class Flow:
                 elif inner.startswith("W:"):
                     out.update(f"{i}:{t}" for t in self._mean_of(inner[2:], args))
         return out
+
+    def _data_given(
+        self, gtag: str, returns: frozenset[str], args: dict[str, list[ast.expr]]
+    ) -> bool:
+        """Is `gtag` a callee's plain all_gather of its own parameter (a `d:NAME:ID` tag
+        beside it) and every argument this call binds to NAME data (an integer tensor, a
+        field of a forward's inputs or of a DataLoader's batch: `data`)? Then no gradient
+        was wanted of what it gathered."""
+        oid = gtag[2:]
+        names = [
+            t[2:].rpartition(":")[0] for t in returns if t[:2] == "d:" and t.endswith(f":{oid}")
+        ]
+        values = [v for name in names for v in args.get(name, ())]
+        if not values:
+            return False
+        for v in values:
+            vt = self.tags(v)
+            if not (vt & DATA_TAGS or self._data_tags(v, vt)):
+                return False
+        return True
 
     def _sums(self, call: ast.Call, facts: Facts, bound: bool) -> bool:
         """Does `call` give the function's `reduction` parameter a sum ("sum", "none", a
@@ -1178,7 +1212,8 @@ class Flow:
     def _data_tags(self, value: ast.expr, tags: set[str]) -> set[str]:
         """`Z` for a value with no gradient path (computed here under `torch.no_grad()`,
         or detached), `I` for an integer tensor, `B` for a field of a forward pass's
-        inputs (`data`); none of the last two for a forward pass's output (`T`)."""
+        inputs or of a DataLoader's batch (`data`); none of the last two for a value
+        computed from a forward pass's output (`T`)."""
         if (self._st is not None and self._st.nograd) or detached(value):
             return {"Z"}
         if "T" in tags:
@@ -1188,6 +1223,8 @@ class Flow:
         if self._inputs is None:
             calls = [n for st in self.scope.stmts for n in st.walk() if isinstance(n, ast.Call)]
             self._inputs = forward_inputs(calls, self._forward_call)
+            stmts = (st.node for st in self.scope.stmts)
+            self._inputs |= loader_items(stmts, self.ctx.imports.qualname)
         return {"B"} if self._inputs and batch_field(value, self._inputs) else set()
 
     def _value_tags(self, value: ast.expr) -> set[str]:
@@ -1254,7 +1291,10 @@ class Flow:
             # gathers its argument leaves it to the callers: harmless for momentum keys,
             # the bug for trainable features (`n` tag).
             if not ((self._st is not None and self._st.nograd) or self.scope.nograd):
-                out_tags.add(self._origin("g", call, key, f"{short} fills `{key}`"))
+                g = self._origin("g", call, key, f"{short} fills `{key}`")
+                out_tags.add(g)
+                if isinstance(inp, ast.Name) and f"a:{inp.id}" in in_tags and "T" not in in_tags:
+                    out_tags.add(f"d:{inp.id}:{g[2:]}")  # no loss if the caller passes data
             elif self.scope.nograd:
                 g = self._origin("g", call, key, f"{short} fills `{key}` (under no_grad)")
                 out_tags.update(f"n:{t[2:]}:{g[2:]}" for t in in_tags if t.startswith("a:"))

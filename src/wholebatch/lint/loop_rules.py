@@ -105,9 +105,10 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             # one), else the helper may be a whole training step with its own zeroing.
             if step.synthetic and not any(e.certain for e in backs):
                 break
-            if not any(e.kind in (ZERO, SETGRAD) for e in inside) and not _fresh_each_iteration(
-                scope, loop, step.recv
-            ):
+            zeroed = any(e.kind in (ZERO, SETGRAD) for e in inside)
+            if not zeroed and loop is not step.loops[0] and _on_last_iteration(step, loop):
+                continue  # one step per pass of the enclosing loop: is it zeroed there?
+            if not zeroed and not _fresh_each_iteration(scope, loop, step.recv):
                 own = [e for e in backs if not e.synthetic]
                 back = (
                     "calls backward"
@@ -126,6 +127,64 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 yield replace(f, trace=trace)
                 break
             break
+
+
+def _loop_index_bound(loop: ast.stmt) -> tuple[str, str] | None:
+    """The index of `loop` and its end (as `ast.dump` text, to find it in a test): `for
+    i in range(a, n, k)` -> ("i", n); `for i, x in enumerate(xs)` -> ("i", len(xs))."""
+    if not isinstance(loop, ast.For) or not isinstance(loop.iter, ast.Call):
+        return None
+    it, target = loop.iter, loop.target
+    name = last_name(it.func)
+    if name == "range" and it.args and isinstance(target, ast.Name):
+        return target.id, ast.dump(it.args[1] if len(it.args) > 1 else it.args[0])
+    if (
+        name == "enumerate"
+        and it.args
+        and isinstance(target, ast.Tuple)
+        and target.elts
+        and isinstance(target.elts[0], ast.Name)
+    ):
+        length = ast.parse(f"len({ast.unparse(it.args[0])})", mode="eval").body
+        return target.elts[0].id, ast.dump(length)
+    return None
+
+
+# `i == end`, `i >= end`, `i > end` hold at the end of the loop (the `if` branch);
+# `i < end`, `i <= end`, `i != end` hold before it (the `else` branch is the end).
+_AT_END = {ast.Eq: 0, ast.GtE: 0, ast.Gt: 0, ast.Lt: 1, ast.LtE: 1, ast.NotEq: 1}
+_FLIPPED = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
+
+
+def _on_last_iteration(ev: Event, loop: ast.stmt) -> bool:
+    """Is `ev` (in `loop`, its innermost loop) under an `if` that compares the loop's
+    index with the loop's end, on the side that holds at the end: `for j in range(0, n,
+    m): ... if j + m < n: ... else: step()`, or `if i == len(xs) - 1: step()`? Then it
+    runs once per pass of the loop, on its last micro-batch (simplescaling/s1's
+    gpt-accelera finetune.py). A test joined with others (`or`) is no such test."""
+    if not ev.loops or ev.loops[-1] is not loop:
+        return False
+    found = _loop_index_bound(loop)
+    if found is None:
+        return False
+    index, end = found
+    branch = dict(ev.path)
+    for cond in ev.conds:
+        test = cond.test if isinstance(cond, ast.If) else None
+        if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+            continue
+        left, right, op = test.left, test.comparators[0], type(test.ops[0])
+        if index in names_in(right) and index not in names_in(left):
+            left, right, op = right, left, _FLIPPED.get(op, op)
+        side = _AT_END.get(op)
+        if (
+            side is not None
+            and index in names_in(left)
+            and any(ast.dump(x) == end for x in ast.walk(right))
+            and branch.get(id(cond)) == side
+        ):
+            return True
+    return False
 
 
 def _fresh_each_iteration(scope: Scope, loop: ast.stmt, recv: str) -> bool:
@@ -376,10 +435,19 @@ def _clip_before_unscale(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                     "`Trainer(gradient_clip_val=...)`",
                 )
         return
+    ifs = {id(i): i for i in scope.ifs}
     for i, clip in enumerate(seq):
         if clip.kind != CLIP or clip.synthetic:
             continue
-        if not any(e.kind == STEP and e.scaler and not exclusive(e, clip) for e in seq[i + 1 :]):
+        # The scaler's step on a path the clip may be on: not in a branch the clip's `if`
+        # excludes, nor under the opposite answer to a test the clip's branch also asks
+        # (`if fp16 and native: unscale_; clip` / `else: clip`, later `if fp16 and native:
+        # scaler.step(opt)`; princeton-nlp/MeZO's trainer.py): the `else` clip never
+        # meets a scaled gradient.
+        if not any(
+            e.kind == STEP and e.scaler and not _never_together(e.path, clip.path, ifs, scope)
+            for e in seq[i + 1 :]
+        ):
             continue
         if _scaled_at(seq, i):
             yield _finding(
