@@ -60,6 +60,10 @@ class Facts:
         returns: the tags of its return value; None when not computed (no gather).
         steps: it returns a count of accumulation steps (`return self.accum_steps`), so
             a division by its value is a division by the steps (WB301).
+        masks_if: the optional parameter every write of its loss's ignore value into
+            the labels is conditioned on (`names.masking_param`), or "": a call that
+            does not pass it gets a model's plain mean (`v`) for the mean its `V`/`S`
+            tags describe (WB301).
     """
 
     qual: str
@@ -76,6 +80,7 @@ class Facts:
     replicated: bool = False
     returns: frozenset[str] | None = None
     steps: bool = False
+    masks_if: str = ""
 
     @property
     def interesting(self) -> bool:
@@ -89,6 +94,18 @@ class Facts:
             or self.returns
             or self.steps
         )
+
+    def unmasked(self, call: ast.Call, bound: bool) -> bool:
+        """Does `call` leave `masks_if` unset (not by keyword, position or `**kwargs`)?
+        Then the function writes no ignore value into the labels it is given."""
+        p = self.masks_if
+        if not p or any(k.arg is None or k.arg == p for k in call.keywords):
+            return False
+        params = self.params[1:] if bound else self.params
+        if p not in params:
+            return True
+        starred = any(isinstance(a, ast.Starred) for a in call.args)
+        return not starred and len(call.args) <= params.index(p)
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
         """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either
@@ -184,6 +201,9 @@ class ModuleFacts:
             `Layer.apply(x)` of an imported class (WB102, `dist_rules.layer_uses`).
         layers: line of a WB102 finding -> its class name, for the findings that no
             use in their own file settles (the uses in other files may).
+        apply_aliases: names bound to an autograd.Function's `apply` (`allgather =
+            AllGather.apply`) -> the class name as this file writes it: another file's
+            call of an imported `allgather` is a use of the class (WB102).
     """
 
     path: str
@@ -192,6 +212,7 @@ class ModuleFacts:
     names: dict[str, str] = field(default_factory=dict)
     applies: list[tuple[str, bool]] = field(default_factory=list)
     layers: dict[int, str] = field(default_factory=dict)
+    apply_aliases: dict[str, str] = field(default_factory=dict)
 
 
 class Program:
@@ -207,6 +228,8 @@ class Program:
         self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
         # files imported alongside one that masks labels (`program.co_imported`, WB301)
         self.masked: set[str] = set()
+        # the names the modules bind to an autograd.Function's `apply` (`allgather`)
+        self.apply_names: set[str] = set()
         # those imported alongside one that writes masked label values, `-100` (not only
         # a loss's `ignore_index=`: `summaries.writes_masked_labels`)
         self.masked_values: set[str] = set()
@@ -250,6 +273,15 @@ class Program:
                 return self.canonical(".".join([mod.names[head], *parts[i + 1 :]]), depth + 1)
             return name
         return name
+
+    def applied(self, name: str) -> str | None:
+        """The absolute name of the autograd.Function whose `apply` the absolute dotted
+        `name` is (`pkg.utils.allgather` after `allgather = AllGather.apply` there);
+        None for another name."""
+        mod_name, _, alias = self.canonical(name).rpartition(".")
+        mod = self.modules.get(mod_name)
+        cls = mod.apply_aliases.get(alias) if mod is not None else None
+        return self.canonical(f"{mod_name}.{cls}") if cls is not None else None
 
     def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
         """The facts of the function an absolute dotted name refers to; a class gives its

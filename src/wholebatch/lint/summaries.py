@@ -41,6 +41,7 @@ from wholebatch.lint.names import (
     is_on_subgroup,
     is_step_count_name,
     last_name,
+    masking_param,
     position,
 )
 from wholebatch.lint.rules import Hop
@@ -435,6 +436,9 @@ class Resolver:
         out: set[str] = set()
         for c in sorted(classes):
             fw = self._forward_of(c)
+            if fw is not None and fw.returns and fw.unmasked(call, True):
+                out.add("v")  # it masks no labels itself: a model's plain mean
+                continue
             if by_target and fw is not None and fw.returns:
                 binds = {p for p, _ in fw.bind(call, True)}
                 own = any(t == "S" or t.endswith(":S") for t in fw.returns)
@@ -600,6 +604,8 @@ class Resolver:
         if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
+            if out.returns and ("V" in out.returns or "S" in out.returns):
+                out = replace(out, masks_if=masking_param(d))
         return out
 
     def scope_gathers(self, scope: Scope) -> bool:
