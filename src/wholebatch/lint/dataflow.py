@@ -745,7 +745,10 @@ class Flow:
         d = dotted(call.func)
         hop = self._hop(call, f"gets it from `{d or last_name(call.func)}()`")
         out: set[str] = set()
+        plain = facts.unmasked(call, bound)  # it masks no labels itself: `V` is a plain `v`
         for tag in facts.returns:
+            if plain and (tag in ("V", "S") or tag.endswith((":V", ":S"))):
+                tag = tag[:-1] + "v"
             kind, _, rest = tag.partition(":")
             if kind == "a":
                 for value in args.get(rest, ()):

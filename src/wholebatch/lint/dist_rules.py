@@ -261,7 +261,7 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
     hit = ctx.applies
     if hit is None:
         hit = ctx.applies = []
-        aliases = ctx.apply_aliases
+        aliases = {**ctx.apply_aliases, **_imported_applies(ctx)}
         for scope in ctx.scopes:
             uses: list[tuple[str, Stmt, ast.Call]] = []
             for st in scope.stmts:
@@ -282,7 +282,7 @@ def _applies(ctx: FileContext) -> list[tuple[str, bool]]:
                         uses.append((cls, st, n))
             calls = {id(n) for _, _, n in uses}
             for cls, st, n in uses:
-                local = _reads_again(scope, st.node, n) or _local_product(
+                local = _reads_again(scope, st.node, n, calls) or _local_product(
                     scope, st, calls, ctx.imports.aliases
                 )
                 hit.append((cls, local))
@@ -316,8 +316,8 @@ def _local_product(scope: Scope, at: Stmt, uses: set[int], modules: Mapping[str,
                 operands = [x.left, x.right]
             elif isinstance(x, ast.Call) and last_name(x.func) in _PRODUCTS:
                 operands = [a for a in x.args if not isinstance(a, ast.Constant)]
-            roots = [_root(o, modules) for o in operands]
-            names = [r for r in roots if r is not None]
+            roots = [_roots(o, modules) for o in operands]
+            names = [r for rs in roots for r in rs]
             if (
                 len(names) >= 2
                 and any(r in gathered for r in names)
@@ -339,31 +339,38 @@ _SAME_ROWS = frozenset(
 )  # fmt: skip
 
 
-def _root(node: ast.expr, modules: Mapping[str, str]) -> str | None:
-    """The variable an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`,
-    `torch.transpose(x, 0, 1)` and `F.normalize(x)` -> `x` (`modules`: the file's
-    imported names, which are no variables)."""
+def _roots(node: ast.expr, modules: Mapping[str, str]) -> list[str]:
+    """The variables an operand reads: `all_video.T` -> `all_video`, `x.t()` -> `x`,
+    `torch.transpose(x, 0, 1)` and `F.normalize(x)` -> `x`; any other call of an imported
+    module or function gives the roots of its arguments, never the module (issue 33:
+    `torch.einsum("acd,a->cd", torch.einsum("ac,ad->acd", za, zb), w)` reads `za`, `zb`
+    and `w`, not `torch`). `modules`: the file's imported names, which are no variables."""
     while True:
         if isinstance(node, ast.Name):
-            return node.id
+            return [node.id]
         if isinstance(node, ast.Attribute | ast.Subscript):
             node = node.value
         elif (
             isinstance(node, ast.Call)
-            and node.args
-            and last_name(node.func) in _SAME_ROWS
             and (d := dotted(node.func)) is not None
             and d.partition(".")[0] in modules
         ):
-            node = node.args[0]  # the function form of an imported module: `torch.t(x)`
+            if node.args and last_name(node.func) in _SAME_ROWS:
+                node = node.args[0]  # the function form of an imported module: `torch.t(x)`
+                continue
+            args = [a for a in node.args if not isinstance(a, ast.Constant)]
+            return [r for a in args for r in _roots(a, modules)]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             node = node.func.value
         else:
-            return None
+            return []
 
 
-def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
-    """Is a name passed to `call` (in `stmt`) read after `stmt`, before it is rebound?"""
+def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call, uses: set[int]) -> bool:
+    """Is a name passed to `call` (in `stmt`) read after `stmt`, before it is rebound?
+    Passing it to another use (`uses`: the ids of the scope's use calls) is no read: a
+    config given to every gather (`allgather(v, args); allgather(t, args)`) pairs no
+    local rows with gathered ones."""
     passed = {a.id for a in call.args if isinstance(a, ast.Name)}
     if isinstance(stmt, ast.Assign):
         for t in stmt.targets:
@@ -375,9 +382,13 @@ def _reads_again(scope: Scope, stmt: ast.stmt, call: ast.Call) -> bool:
         node = st.node
         if node.lineno <= after:
             continue
-        reads = st.walk() if not isinstance(node, ast.Assign) else ast.walk(node.value)
+        reads = list(st.walk() if not isinstance(node, ast.Assign) else ast.walk(node.value))
+        given = {id(a) for x in reads if isinstance(x, ast.Call) and id(x) in uses for a in x.args}
         if any(
-            isinstance(x, ast.Name) and x.id in passed and isinstance(x.ctx, ast.Load)
+            isinstance(x, ast.Name)
+            and x.id in passed
+            and isinstance(x.ctx, ast.Load)
+            and id(x) not in given
             for x in reads
         ):
             return True
@@ -391,14 +402,34 @@ def layer_uses(ctx: FileContext) -> list[tuple[str, bool]]:
     """The file's `Layer.apply(...)` uses of imported classes, by absolute name (for
     `facts.ModuleFacts.applies`)."""
     r = ctx.resolver
-    if r is None or ".apply" not in ctx.source:
+    imported = set(_imported_applies(ctx).values())
+    if r is None or (".apply" not in ctx.source and not imported):
         return []
     out: list[tuple[str, bool]] = []
     for name, local in _applies(ctx):
-        if name not in ctx.class_by_name:
+        if name in imported:
+            out.append((name, local))  # `allgather(x)`, imported: already absolute
+        elif name not in ctx.class_by_name:
             full = r.absolute(name)
             if full is not None:
                 out.append((full, local))
+    return out
+
+
+def _imported_applies(ctx: FileContext) -> dict[str, str]:
+    """Imported names that another module of the run binds to an autograd.Function's
+    `apply` (`from models.utils import allgather_wgrad`) -> the class's absolute name."""
+    r = ctx.resolver
+    program = r.program if r is not None else None
+    if r is None or program is None or not program.apply_names:
+        return {}
+    out: dict[str, str] = {}
+    for local in (*ctx.imports.aliases, *ctx.imports.relative):
+        full = r.absolute(local)
+        if full is not None and full.rpartition(".")[2] in program.apply_names:
+            cls = program.applied(full)
+            if cls is not None:
+                out[local] = cls
     return out
 
 

@@ -237,6 +237,8 @@ def _analyse(
         if program.open_layers:
             facts.applies = layer_uses(ctx)  # uses matter only for a finding left open
         facts.layers = dict(ctx.layers)
+        facts.apply_aliases = {k: v for k, v in ctx.apply_aliases.items() if "." not in k}
+        program.apply_names |= facts.apply_aliases.keys()
         return facts
     finally:
         # The resolver and the file point at each other: cut the cycle so the file's

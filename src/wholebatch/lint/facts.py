@@ -110,6 +110,10 @@ class Facts:
             a division by its value is a division by the steps (WB301).
         deferred: divisions of what it gets from a call of a parameter, whose mean
             its callers may show (`Deferred`, WB301).
+        masks_if: the optional parameter every write of its loss's ignore value into
+            the labels is conditioned on (`names.masking_param`), or "": a call that
+            does not pass it gets a model's plain mean (`v`) for the mean its `V`/`S`
+            tags describe (WB301).
     """
 
     qual: str
@@ -127,6 +131,7 @@ class Facts:
     returns: frozenset[str] | None = None
     steps: bool = False
     deferred: tuple[Deferred, ...] = ()
+    masks_if: str = ""
 
     @property
     def interesting(self) -> bool:
@@ -141,6 +146,18 @@ class Facts:
             or self.steps
             or self.deferred
         )
+
+    def unmasked(self, call: ast.Call, bound: bool) -> bool:
+        """Does `call` leave `masks_if` unset (not by keyword, position or `**kwargs`)?
+        Then the function writes no ignore value into the labels it is given."""
+        p = self.masks_if
+        if not p or any(k.arg is None or k.arg == p for k in call.keywords):
+            return False
+        params = self.params[1:] if bound else self.params
+        if p not in params:
+            return True
+        starred = any(isinstance(a, ast.Starred) for a in call.args)
+        return not starred and len(call.args) <= params.index(p)
 
     def bind(self, call: ast.Call, bound: bool) -> Iterator[tuple[str, ast.expr]]:
         """(parameter name, argument) pairs of `call`; with `*args`/`**kwargs` on either
@@ -236,6 +253,9 @@ class ModuleFacts:
             `Layer.apply(x)` of an imported class (WB102, `dist_rules.layer_uses`).
         layers: line of a WB102 finding -> its class name, for the findings that no
             use in their own file settles (the uses in other files may).
+        apply_aliases: names bound to an autograd.Function's `apply` (`allgather =
+            AllGather.apply`) -> the class name as this file writes it: another file's
+            call of an imported `allgather` is a use of the class (WB102).
     """
 
     path: str
@@ -244,6 +264,7 @@ class ModuleFacts:
     names: dict[str, str] = field(default_factory=dict)
     applies: list[tuple[str, bool]] = field(default_factory=list)
     layers: dict[int, str] = field(default_factory=dict)
+    apply_aliases: dict[str, str] = field(default_factory=dict)
 
 
 class Program:
@@ -265,6 +286,8 @@ class Program:
         self.evidence = Evidence()  # what the text of the whole run shows (frameworks)
         # files imported alongside one that masks labels (`program.co_imported`, WB301)
         self.masked: set[str] = set()
+        # the names the modules bind to an autograd.Function's `apply` (`allgather`)
+        self.apply_names: set[str] = set()
         # those imported alongside one that writes masked label values, `-100` (not only
         # a loss's `ignore_index=`: `summaries.writes_masked_labels`)
         self.masked_values: set[str] = set()
@@ -310,6 +333,15 @@ class Program:
                 return self.canonical(".".join([mod.names[head], *parts[i + 1 :]]), depth + 1)
             return name
         return name
+
+    def applied(self, name: str) -> str | None:
+        """The absolute name of the autograd.Function whose `apply` the absolute dotted
+        `name` is (`pkg.utils.allgather` after `allgather = AllGather.apply` there);
+        None for another name."""
+        mod_name, _, alias = self.canonical(name).rpartition(".")
+        mod = self.modules.get(mod_name)
+        cls = mod.apply_aliases.get(alias) if mod is not None else None
+        return self.canonical(f"{mod_name}.{cls}") if cls is not None else None
 
     def lookup(self, name: str, depth: int = 0) -> Facts | str | None:
         """The facts of the function an absolute dotted name refers to; a class gives its

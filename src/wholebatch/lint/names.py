@@ -30,6 +30,7 @@ __all__ = [
     "is_step_count_name",
     "is_sum_reduction",
     "last_name",
+    "masking_param",
     "names_in",
     "position",
     "walk_local",
@@ -569,3 +570,101 @@ def is_rank_local_test(test: ast.expr, agreed: set[str]) -> bool:
     if is_nonfinite_test(test):
         return not (names_in(test) & agreed)
     return False
+
+
+# Calls that write a value into a tensor (where a label's ignore value is written).
+_VALUE_WRITERS = frozenset(
+    {"where", "masked_fill", "masked_fill_", "fill_", "full", "full_like", "new_full", "pad"}
+)
+
+
+def masking_param(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The optional parameter that every write of `fn`'s loss's ignore value into its
+    labels is conditioned on; "" where there is none (issue 33: x-transformers'
+    `if exists(lens): x = x.masked_fill(~mask, ignore_index)`, `torch.where(mask, seq,
+    -1)` for `ignore_index=-1`). The parameter defaults to None and the writes sit under
+    `if exists(p)`, `if p is not None` or `if p`: a call that leaves it unset masks
+    nothing itself, so its loss counts the items the caller's data holds."""
+    a = fn.args
+    positional = (*a.posonlyargs, *a.args)
+    defaults = [
+        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
+        *zip(a.kwonlyargs, a.kw_defaults, strict=True),
+    ]
+    optional = {x.arg for x, d in defaults if isinstance(d, ast.Constant) and d.value is None}
+    if not optional:
+        return ""
+    values = {
+        ast.unparse(k.value)
+        for n in walk_local(fn)
+        if isinstance(n, ast.Call)
+        for k in n.keywords
+        if k.arg == "ignore_index" and isinstance(k.value, ast.Name | ast.Attribute | ast.UnaryOp)
+    }
+    if not values:
+        return ""
+    gates: set[str] = set()  # the condition of each write ("" for none)
+
+    def written(node: ast.expr) -> bool:
+        return isinstance(node, ast.Name | ast.Attribute | ast.UnaryOp) and (
+            ast.unparse(node) in values
+        )
+
+    def visit(stmts: list[ast.stmt], gate: str) -> None:
+        for st in stmts:
+            if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            if isinstance(st, ast.If):
+                scan(st.test, gate)
+                visit(st.body, _optional_test(st.test, optional) or gate)
+                visit(st.orelse, gate)
+                continue
+            if (
+                isinstance(st, ast.Assign)
+                and written(st.value)
+                and any(isinstance(t, ast.Subscript) for t in st.targets)
+            ):
+                gates.add(gate)  # `labels[pad] = -100`
+            for child in ast.iter_child_nodes(st):
+                if isinstance(child, ast.stmt):
+                    visit([child], gate)
+                elif isinstance(child, ast.ExceptHandler | ast.match_case):
+                    visit(child.body, gate)
+                elif isinstance(child, ast.expr):
+                    scan(child, gate)
+
+    def scan(expr: ast.expr, gate: str) -> None:
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Call):
+                given = [*n.args, *(k.value for k in n.keywords if k.arg != "ignore_index")]
+                # a literal (`-1`) is also a shape or a dim (`view(-1)`, `dim=-1`): it
+                # counts only where a call writes values (`torch.where(mask, seq, -1)`)
+                writes = last_name(n.func) in _VALUE_WRITERS
+                if any(written(x) and (writes or not isinstance(x, ast.UnaryOp)) for x in given):
+                    gates.add(gate)  # `x.masked_fill(~mask, ignore_index)`
+
+    visit(fn.body, "")
+    return next(iter(gates)) if len(gates) == 1 else ""
+
+
+def _optional_test(test: ast.expr, optional: set[str]) -> str:
+    """The parameter of `optional` whose being set `test` requires (`exists(p)`, `p is
+    not None`, `p`, one operand of an `and`); "" for none."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return next((p for v in test.values if (p := _optional_test(v, optional))), "")
+    if (
+        isinstance(test, ast.Call)
+        and last_name(test.func) == "exists"
+        and len(test.args) == 1
+        and not test.keywords
+    ):
+        test = test.args[0]
+    elif (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        test = test.left
+    return test.id if isinstance(test, ast.Name) and test.id in optional else ""

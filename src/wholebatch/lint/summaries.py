@@ -41,6 +41,7 @@ from wholebatch.lint.names import (
     is_on_subgroup,
     is_step_count_name,
     last_name,
+    masking_param,
     position,
 )
 from wholebatch.lint.rules import Hop
@@ -437,6 +438,9 @@ class Resolver:
             fw = self.forward_of(c)
             if fw is None or not fw.returns:
                 continue
+            if fw.unmasked(call, True):
+                out.add("v")  # it masks no labels itself: a model's plain mean
+                continue
             binds = {p for p, _ in fw.bind(call, True)} if by_target else set()
             masks = by_target and (self.masks_labels() or self.ctx.writes_ignored_labels())
             out |= self.forward_means(fw, binds, by_target=by_target, masks=masks)
@@ -640,6 +644,8 @@ class Resolver:
         if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
             out = replace(out, returns=self.returns_fn(scope))
+            if out.returns and ("V" in out.returns or "S" in out.returns):
+                out = replace(out, masks_if=masking_param(d))
         return out
 
     def scope_gathers(self, scope: Scope) -> bool:
