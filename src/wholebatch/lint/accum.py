@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from wholebatch.lint.names import counts_items, dotted
 from wholebatch.lint.scope import BACKWARD, STEP, Scope, Stmt
 
-__all__ = ["accumulation_trips", "count_over_steps", "factors"]
+__all__ = ["accumulation_trips", "assigned_in_loop", "count_over_steps", "factors"]
 
 
 def accumulation_trips(scope: Scope) -> set[str]:
@@ -86,14 +86,14 @@ def count_over_steps(
         if f is steps:
             continue
         if isinstance(f, ast.Name):
-            if (counts_items(f) or is_count(f)) and _assigned_in_loop(scope, st, f.id):
+            if (counts_items(f) or is_count(f)) and assigned_in_loop(scope, st, f.id):
                 return f, steps
         elif st.loops and counts_items(f):
             return f, steps  # `mask.sum()` in the division itself, in the loop
     return None
 
 
-def _assigned_in_loop(scope: Scope, st: Stmt, name: str) -> bool:
+def assigned_in_loop(scope: Scope, st: Stmt, name: str) -> bool:
     """Is `name` assigned (a count expression, or any value for a count-like name) inside
     the innermost loop of `st`, so it counts this micro-batch's items only?"""
     if not st.loops:

@@ -100,7 +100,13 @@ from wholebatch.lint.names import (
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
-from wholebatch.lint.summaries import Resolver, count_unless, none_default, param_default
+from wholebatch.lint.summaries import (
+    DEFAULT_IGNORING,
+    Resolver,
+    count_unless,
+    none_default,
+    param_default,
+)
 
 # The entries of one value stored under constant keys (`out["entropy"]`) -> their tags.
 _Entries = dict[str, set[str]]
@@ -132,6 +138,10 @@ def _kwarg(call: ast.Call, names: tuple[str, ...]) -> ast.expr | None:
 
 def _sum_reduction(call: ast.Call) -> bool:
     return is_sum_reduction(_kwarg(call, ("reduction",)))
+
+
+def _mean_literal(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value == "mean"
 
 
 def _to_number(func: ast.expr) -> bool:
@@ -533,6 +543,7 @@ class Flow:
                     isinstance(n.op, ast.Div)
                     and (counts_items(n.right) or "K" in self.tags(n.right))
                     and not self.fixed(n.right)
+                    and not self._real_sum(n.right)
                 ):
                     out.add("V")
                 elif (
@@ -578,6 +589,12 @@ class Flow:
         if ignore is not None and not _sum_reduction(n) and not self.resolver.own(n, self.scope):
             out.add("V")
             out |= self._ignored_targets(n, ignore)
+        elif (
+            name in DEFAULT_IGNORING or dotted(n.func) in self.ctx.default_ignoring
+        ) and self._default_ignores(n):
+            # `F.cross_entropy(logits, labels)`, `train_fct(logits, labels)` after
+            # `train_fct = CrossEntropyLoss()`, on labels padded with -100
+            out |= {"V", *self._targets(n)}
         if name == "mean" and not n.keywords and "M" in self._mean_input(n):
             out |= {"V", "S"}  # `losses[mask].mean()`: over as many items as the mask keeps
         d = dotted(n.func)
@@ -603,6 +620,22 @@ class Flow:
         if isinstance(ignore, ast.Constant) and type(ignore.value) is int:
             return {f"u:{ignore.value}:{t[2:]}" for t in self._targets(n)}
         return set()
+
+    def _default_ignores(self, call: ast.Call) -> bool:
+        """Does a loss built or called without `ignore_index=` ignore labels all the same:
+        PyTorch's `F.cross_entropy`, `F.nll_loss` and their modules default to
+        `ignore_index=-100` and average over the other targets, and this file, or one
+        imported alongside it, writes -100 into labels (`Resolver.masks_default`:
+        `labels[labels == pad_id] = IGNORE_INDEX`, a collator that pads labels)? A sum
+        (`reduction="sum"`), a reduction the call does not show (`reduction=reduction`,
+        fairseq's criteria) and a function of the run of that name are no such mean."""
+        reduction = _kwarg(call, ("reduction",))
+        return (
+            _kwarg(call, ("ignore_index",)) is None
+            and (reduction is None or _mean_literal(reduction))
+            and not self.resolver.own(call, self.scope)
+            and self.resolver.masks_default()
+        )
 
     def _ignores_masked(self, ignore: ast.expr) -> bool:
         """Is `ignore` (an `ignore_index`) a value set on purpose where the loss must not
@@ -666,6 +699,13 @@ class Flow:
             self.param_calls[tag] = n
             out.add(tag)
         return out
+
+    def _real_sum(self, expr: ast.expr) -> bool:
+        """Is the divisor `expr`, written in the division (`(l * w).sum() / (w.sum() +
+        1e-6)`), a sum of real-valued computed weights (`_real_weights`), as a name
+        assigned one is (`K` is not given it)? Weights read from the batch are data, and
+        their sum a varying count."""
+        return counts_items(expr) and _real_weights(expr, self.tags(expr))
 
     def fixed(self, expr: ast.expr) -> bool:
         """Is `expr` computed from a fixed table only (`F`): its sum is the same on every
@@ -1238,7 +1278,9 @@ class Flow:
         if self._st is not None and self._st.nograd:
             tags.add("D")  # computed with gradient recording off
         if isinstance(value, ast.Call):
-            if last_name(value.func) in _IGNORE_CRITERIA and _kwarg(value, ("ignore_index",)):
+            if last_name(value.func) in _IGNORE_CRITERIA and (
+                _kwarg(value, ("ignore_index",)) or self._default_ignores(value)
+            ):
                 tags.add("C")
             q = self.ctx.imports.collective(value)
             if (

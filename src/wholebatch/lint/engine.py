@@ -31,8 +31,10 @@ from wholebatch.lint.frameworks import (
     builds_ddp,
     builds_fsdp,
     hf_pinned_before_446,
+    hydra_config_dirs,
     masks_labels,
     names_transformers,
+    yaml_accumulates,
 )
 from wholebatch.lint.guard import MODULE_LEVEL, Failures
 from wholebatch.lint.loop_rules import check_loops
@@ -47,7 +49,7 @@ from wholebatch.lint.program import (
 )
 from wholebatch.lint.rules import RULES, Finding
 from wholebatch.lint.scope import FileContext, label_writes
-from wholebatch.lint.summaries import Resolver, writes_masked_labels
+from wholebatch.lint.summaries import Resolver, writes_default_ignored, writes_masked_labels
 
 __all__ = [
     "Report",
@@ -612,7 +614,11 @@ def lint_run(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    program.evidence = Evidence.of(sources.values())
+    evidence = Evidence.of(sources.values())
+    program.evidence = replace(
+        evidence,
+        lightning_accumulates=evidence.lightning_accumulates or _hydra_accumulates(sources),
+    )
     program.hf_old = _pins_old_transformers(given, sources)
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
@@ -623,6 +629,8 @@ def lint_run(
     written = {f for f in marked if writes_masked_labels(sources[f])}
     program.masked_values = _masked(sources, deps, modules, written)
     program.label_values = _label_values(sources, deps, modules, marked)
+    minus_100 = {f for f in written if writes_default_ignored(sources[f])}
+    program.masked_default = _masked(sources, deps, modules, minus_100)
     # WB302: whose `no_sync()` a file calls, by the wrappers built alongside it.
     program.fsdp_built = _alongside(sources, deps, builds_fsdp)
     program.ddp_built = _alongside(sources, deps, builds_ddp)
@@ -712,6 +720,29 @@ def _folder_pin(folder: Path) -> bool | None:
         if names_transformers(text):
             verdict = False
     return verdict
+
+
+# The most YAML files read from one Hydra config folder (a folder of thousands is data).
+_MAX_CONFIGS = 400
+
+
+def _hydra_accumulates(sources: dict[Path, str]) -> bool:
+    """Does a Hydra application of the run configure a Trainer that accumulates
+    (`frameworks.yaml_accumulates`) in the YAML files of the config folder it names
+    (`frameworks.hydra_config_dirs`)? Read only for files that import hydra."""
+    for f, text in sources.items():
+        for rel in hydra_config_dirs(text):
+            folder = f.parent / rel
+            if not folder.is_dir():
+                continue
+            configs = sorted(p for p in folder.rglob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+            for p in configs[:_MAX_CONFIGS]:
+                try:
+                    if yaml_accumulates(p.read_text(errors="replace")):
+                        return True
+                except OSError:
+                    continue
+    return False
 
 
 def _is_requirements(name: str) -> bool:

@@ -291,6 +291,9 @@ class Program:
         # those imported alongside one that writes masked label values, `-100` (not only
         # a loss's `ignore_index=`: `summaries.writes_masked_labels`)
         self.masked_values: set[str] = set()
+        # of those, alongside one that writes -100 itself, the label PyTorch's losses
+        # ignore by default (`summaries.writes_default_ignored`)
+        self.masked_default: set[str] = set()
         # files imported alongside one that wraps a model in FSDP, and in DDP (WB302)
         self.fsdp_built: set[str] = set()
         self.ddp_built: set[str] = set()

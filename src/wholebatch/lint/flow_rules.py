@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
-from wholebatch.lint.accum import accumulation_trips, count_over_steps, factors
+from wholebatch.lint.accum import (
+    accumulation_trips,
+    assigned_in_loop,
+    count_over_steps,
+    factors,
+)
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.deferred import defer, deferred_findings
 from wholebatch.lint.frameworks import (
@@ -36,9 +41,17 @@ from wholebatch.lint.frameworks import (
     megatron_losses,
     pipeline_losses,
 )
-from wholebatch.lint.names import dotted, is_step_count_name, last_name, position
+from wholebatch.lint.names import counts_items, dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
-from wholebatch.lint.scope import BACKWARD, Event, FileContext, Scope, Stmt, finding as _finding
+from wholebatch.lint.scope import (
+    BACKWARD,
+    STEP,
+    Event,
+    FileContext,
+    Scope,
+    Stmt,
+    finding as _finding,
+)
 from wholebatch.lint.summaries import Resolver
 
 __all__ = ["attach", "check_flow"]
@@ -232,6 +245,8 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
                 if _is_product(d)
                 for f in factors(d.right)  # type: ignore[union-attr]  # _is_product: a BinOp
             )
+    if not accum and scope.mods and _gated_steps(scope):
+        accum = True  # steps every k micro-batches: a mean summed over them (no division)
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
     if not accum and _accelerate_helper(resolver, scope):
@@ -680,6 +695,11 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     if scope.divs:
         periods |= _named_steps(scope, periods, steps)
     trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
+    recips = _reciprocal_steps(scope, periods, steps) if scope.divs else {}
+    # WB301's sum of K means: the step gated by `% k == 0`, nothing divided by the steps
+    gated = _gated_steps(scope) if not recips and scope.mods else {}
+    undivided: list[Finding] = []  # `_undivided_sum`, unless the scope divides a loss
+    divided = False
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
     found: list[Finding] = []
@@ -696,6 +716,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                     found += _reused_graph(flow, ev, pending, assigned)
                 if isinstance(sub, ast.Call):
                     found += _framework_divides(ctx, flow, scope, sub, ev)
+                if gated:
+                    undivided += _undivided_sum(ctx, flow, ev, gated)
                 for loss in ev.losses:
                     for tag in sorted(flow.tags(loss)):
                         if tag.startswith("g:"):
@@ -730,11 +752,17 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 else:
                     found.append(f)
         found.extend(_mean_over_steps(ctx, flow, st, periods, steps, scope))
+        if gated and not divided:
+            divided = _divides_loss(flow, scope, st, periods, steps)
+        if recips:
+            found.extend(_mean_times_reciprocal(ctx, flow, st, recips, scope))
         if trips is not periods:
             found.extend(_count_and_steps(ctx, flow, scope, st, trips, steps))
     found += _gather_findings(ctx, flow, to_loss, to_grad)
     if not any(f.code == "WB301" for f in found):  # a mean divided by the steps here
         found += hf_found
+    if not divided:
+        found += undivided
     return found, returned_tags(flow.returns)
 
 
@@ -1000,6 +1028,161 @@ def _mean_over_steps(
                 yield _finding(ctx, sub, "WB301", msg)
             else:
                 defer(ctx, flow, scope, sub.left, sub, f"divided by `{_text(sub.right)}`")
+
+
+def _gated_steps(scope: Scope) -> dict[int, ast.expr]:
+    """The loops (by id) whose optimizer step runs only `if i % k == 0` (`k` not a
+    literal) -> `k`: every k-th micro-batch, the backward of the others accumulated."""
+    out: dict[int, ast.expr] = {}
+    for e in scope.events:
+        if e.kind != STEP or e.synthetic or not e.loops:
+            continue
+        for c in e.conds:
+            k = _modulo_gate(c)
+            if k is not None:
+                out.setdefault(id(e.loops[-1]), k)
+    return out
+
+
+def _modulo_gate(cond: ast.stmt) -> ast.expr | None:
+    """`k` of `if (i + 1) % k == 0:` (also `not i % k`, `and`-ed with other tests)."""
+    if not isinstance(cond, ast.If):
+        return None
+    for n in ast.walk(cond.test):
+        if (
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Mod)
+            and not isinstance(n.right, ast.Constant)
+            and not isinstance(n.left, ast.Constant | ast.JoinedStr)
+        ):
+            return n.right
+    return None
+
+
+# A forward pass's output or a mean over items: what a loss is built from (`dataflow`).
+_LOSS_TAGS = frozenset({"T", "V", "v", "L"})
+
+
+def _divides_loss(
+    flow: Flow,
+    scope: Scope,
+    st: Stmt,
+    periods: set[str],
+    steps: Callable[[ast.Call], bool] | None,
+) -> bool:
+    """Does this statement divide a forward pass's output or a mean (`T`, `V`, `v`, `L`)
+    by the steps (also by a product holding them), or by a name not assigned in the
+    loop it runs in (`loss_sum / num_items_in_window`: a count of the whole step, set
+    before its micro-batches), or multiply a mean by an item count (torchtune's
+    `self._loss_step(batch) * current_num_tokens`: a sum, scaled by the step's count
+    after backward)? A logged number (`train_loss / (saves * k)`, summed from
+    `.item()`s) is no loss."""
+    node = st.node
+    pairs: list[tuple[ast.expr, ast.expr]] = []
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
+        pairs.append((node.target, node.value))
+    pairs += [
+        (n.left, n.right)
+        for n in st.walk()
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
+    ]
+    for n in st.walk():  # `mean * current_num_tokens`: a sum again, normalised later
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            for a, b in ((n.left, n.right), (n.right, n.left)):
+                if (counts_items(b) or "K" in flow.tags(b)) and flow.tags(a) & _LOSS_TAGS:
+                    return True
+    return any(
+        (
+            any(_is_accum_count(f, periods, steps) for f in factors(right))
+            or (isinstance(right, ast.Name) and not assigned_in_loop(scope, st, right.id))
+        )
+        and flow.tags(left) & _LOSS_TAGS
+        for left, right in pairs
+    )
+
+
+def _undivided_sum(
+    ctx: FileContext, flow: Flow, ev: Event, gated: dict[int, ast.expr]
+) -> list[Finding]:
+    """WB301 for a per-micro-batch mean backpropagated every micro-batch of a loop that
+    steps only every `k` (`_gated_steps`) with no division by the steps in the scope:
+    the gradient is the sum of k micro-batch means, k times the mean of means, so
+    micro-batches with fewer items weigh more (issue 33: SimCTG's trainers)."""
+    if ev.synthetic or not ev.loops or any(_modulo_gate(c) is not None for c in ev.conds):
+        return []
+    k = gated.get(id(ev.loops[-1]))
+    if k is None:
+        return []
+    for loss in ev.losses:
+        by = (
+            f"is summed over the micro-batches of a step, with no division: the optimizer "
+            f"steps every `{_text(k)}`"
+        )
+        msg = _msg301(ctx, flow.tags(loss), loss, None, by=by)
+        if msg:
+            return [_finding(ctx, ev.node, "WB301", msg)]
+    return []
+
+
+def _reciprocal_steps(
+    scope: Scope, periods: set[str], steps: Callable[[ast.Call], bool] | None
+) -> dict[str, ast.expr]:
+    """Names the scope assigns the reciprocal of the number of accumulation steps
+    (`loss_scale = 1.0 / accumulate_steps`, before the micro-batch loop) -> that number:
+    `loss_scale * loss` divides by the steps. A name also assigned anything else is not
+    one (issue 33: s1's gpt-accelera finetuning)."""
+    out: dict[str, ast.expr] = {}
+    other: set[str] = set()
+    for st in scope.stmts:
+        node = st.node
+        if isinstance(node, ast.AugAssign | ast.AnnAssign) and isinstance(node.target, ast.Name):
+            other.add(node.target.id)
+        if not isinstance(node, ast.Assign):
+            continue
+        k = _reciprocal_of(node.value, periods, steps)
+        for t in node.targets:
+            for x in ast.walk(t):
+                if isinstance(x, ast.Name):
+                    if k is not None and x is t:
+                        out.setdefault(x.id, k)
+                    else:
+                        other.add(x.id)
+    return {name: k for name, k in out.items() if name not in other}
+
+
+def _reciprocal_of(
+    node: ast.expr, periods: set[str], steps: Callable[[ast.Call], bool] | None
+) -> ast.expr | None:
+    """`k` where `node` is `c / k`, a number over the accumulation steps; else None."""
+    if (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Div)
+        and isinstance(node.left, ast.Constant)
+        and _is_accum_count(node.right, periods, steps)
+    ):
+        return node.right
+    return None
+
+
+def _mean_times_reciprocal(
+    ctx: FileContext, flow: Flow, st: Stmt, recips: dict[str, ast.expr], scope: Scope
+) -> Iterator[Finding]:
+    """WB301 for a mean multiplied by the reciprocal of the steps (`_reciprocal_steps`):
+    `(loss_scale * loss).backward()`, `loss *= loss_scale`, a division written so."""
+    node = st.node
+    pairs: list[tuple[ast.AST, ast.expr, ast.expr]] = []
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Mult):
+        pairs.append((node, node.target, node.value))
+    for sub in st.walk():
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
+            pairs += [(sub, sub.left, sub.right), (sub, sub.right, sub.left)]
+    for where, loss, scale in pairs:
+        if not isinstance(scale, ast.Name) or scale.id not in recips:
+            continue
+        msg = _msg301_passed(ctx, scope, flow.tags(loss), loss, recips[scale.id])
+        if msg:
+            yield _finding(ctx, where, "WB301", f"{msg} (through `{scale.id}`)")
+            return
 
 
 def _count_and_steps(

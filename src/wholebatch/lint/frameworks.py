@@ -35,6 +35,7 @@ __all__ = [
     "hf_compute_loss",
     "hf_counting_off",
     "hf_pinned_before_446",
+    "hydra_config_dirs",
     "lightning_class",
     "loss_entries",
     "masks_labels",
@@ -42,6 +43,7 @@ __all__ = [
     "names_transformers",
     "pipeline_losses",
     "scaled_grads_hook",
+    "yaml_accumulates",
 ]
 
 
@@ -328,6 +330,32 @@ def _accumulates(text: str, setting: re.Pattern[str]) -> bool:
         if not values or any(v != "1" for v in values):
             return True
     return False
+
+
+# `accumulate_grad_batches: 4` or `: ${div_up:...}` in a YAML config: any value but 1.
+_YAML_ACCUM_RE = re.compile(
+    r"^[ \t]*accumulate_grad_batches[ \t]*:[ \t]*(?!1[ \t]*(?:#|$))\S", re.M
+)
+
+
+def yaml_accumulates(text: str) -> bool:
+    """Does this YAML config give a Trainer an accumulation that may be more than 1
+    (`accumulate_grad_batches:` set to anything but a literal 1: a number, an
+    interpolation computed from the batch sizes, `${div_up:...}`)? Hydra instantiates
+    the Trainer from it (`_target_: lightning.Trainer`), so the source shows no value."""
+    return "accumulate_grad_batches" in text and _YAML_ACCUM_RE.search(text) is not None
+
+
+# `@hydra.main(config_path="configs", ...)`, `initialize(config_path="../conf")`.
+_HYDRA_PATH_RE = re.compile(r"""\bconfig_path\s*=\s*["']([^"'\n]+)["']""")
+
+
+def hydra_config_dirs(text: str) -> list[str]:
+    """The config folders a Hydra application names (`config_path=`, relative to its
+    file) in a source that imports hydra; [] for one that does not."""
+    if "hydra" not in text or "config_path" not in text:
+        return []
+    return _HYDRA_PATH_RE.findall(text)
 
 
 # The value of an `accumulate_grad_batches=` that is a bare name: `grad_steps,`.

@@ -358,6 +358,9 @@ class FileContext:
         self.ignoring: set[str] = set()
         # their `ignore_index=` values as written (`0`, `-100`, `pad_id`)
         self.ignore_values: dict[str, ast.expr] = {}
+        # names assigned such a module built without `ignore_index` (`train_fct =
+        # CrossEntropyLoss()`, also at module level): PyTorch's default ignores -100
+        self.default_ignoring: set[str] = set()
         self._label_writes: frozenset[int] | None = None
         # the label values written at masked places in files imported alongside this one
         # (`facts.Program.label_values`, set by `engine`): the model a script passes in
@@ -419,13 +422,19 @@ class FileContext:
             inner = call.args[0] if call.args else None
             if last_name(func) in _WRAPPERS and isinstance(inner, ast.Call):
                 func = inner.func  # the wrapper runs the module's forward
-            if (
-                last_name(func) in ("CrossEntropyLoss", "NLLLoss")
-                and any(k.arg == "ignore_index" for k in call.keywords)
-                and not any(
-                    k.arg == "reduction" and is_sum_reduction(k.value) for k in call.keywords
-                )
-            ):
+            criterion = last_name(func) in ("CrossEntropyLoss", "NLLLoss") and not any(
+                k.arg == "reduction" and is_sum_reduction(k.value) for k in call.keywords
+            )
+            if criterion and not any(k.arg == "ignore_index" for k in call.keywords):
+                # only a mean it shows (no `reduction=`, or "mean"), not one chosen elsewhere
+                if any(
+                    k.arg == "reduction"
+                    and not (isinstance(k.value, ast.Constant) and k.value.value == "mean")
+                    for k in call.keywords
+                ):
+                    continue
+                self.default_ignoring.update(d for t in targets if (d := dotted(t)) is not None)
+            elif criterion:
                 value = next(k.value for k in call.keywords if k.arg == "ignore_index")
                 for t in targets:
                     if isinstance(t, ast.Attribute) and (d := dotted(t)):

@@ -58,10 +58,12 @@ from wholebatch.lint.scope import (
 )
 
 __all__ = [
+    "DEFAULT_IGNORING",
     "Resolver",
     "count_unless",
     "none_default",
     "unconditional",
+    "writes_default_ignored",
     "writes_masked_labels",
 ]
 
@@ -138,6 +140,7 @@ class Resolver:
         self._resolved: dict[int, tuple[Facts, bool] | None] = {}
         self._forward: dict[int, frozenset[str]] = {}
         self._masks: bool | None = None
+        self._masks_default: bool | None = None
         self._sites: dict[int, list[tuple[Scope, ast.Call, Facts, bool]]] = {}
         self._subclasses: dict[int, list[ast.ClassDef]] | None = None
         # Which kinds of mean the file's text can hold at all (`_may_return_mean`), read
@@ -148,6 +151,7 @@ class Resolver:
             ignore_index=not src or "ignore_index" in src,
             loss=not src or "loss" in src,
             selects=not src or "mask]" in src,
+            default_ignore=not src or "cross_entropy" in src or "nll_loss" in src,
         )
         ctx.resolver = self
 
@@ -398,6 +402,19 @@ class Resolver:
             )
         return self._masks
 
+    def masks_default(self) -> bool:
+        """Is -100 (the `ignore_index` of PyTorch's losses by default) written into
+        labels in this file, or in a file imported alongside it
+        (`writes_default_ignored`)? Read once."""
+        if self._masks_default is None:
+            p = self.program
+            self._masks_default = (
+                self.ctx.path in p.masked_default
+                if p is not None
+                else writes_default_ignored(self.ctx.source)
+            )
+        return self._masks_default
+
     def forward_tags(
         self, call: ast.Call, scope: Scope, *, by_target: bool = False
     ) -> frozenset[str]:
@@ -627,6 +644,7 @@ class Resolver:
             (calls_mean and _returns_value(scope))
             or _may_return_mean(scope, self._hints)
             or _calls_ignoring_loss(scope, ctx.ignoring)
+            or self._calls_default_ignoring(scope)
         )
         steps = _returns_step_count(scope)
         if not (effects or collective or reduces or tagged or mean or steps):
@@ -647,6 +665,23 @@ class Resolver:
             if out.returns and ("V" in out.returns or "S" in out.returns):
                 out = replace(out, masks_if=masking_param(d))
         return out
+
+    def _calls_default_ignoring(self, scope: Scope) -> bool:
+        """Does the scope return a value and call `F.cross_entropy` or `F.nll_loss` (or a
+        module of theirs, `FileContext.default_ignoring`) without `ignore_index=` where
+        labels are masked with -100 (`masks_labels`)? Their
+        default `ignore_index=-100` makes it a mean over the labels kept (`dataflow`)."""
+        defaults = self.ctx.default_ignoring
+        return (
+            (self._hints.default_ignore or bool(defaults))
+            and any(
+                (last_name(c.func) in DEFAULT_IGNORING or dotted(c.func) in defaults)
+                and not any(k.arg == "ignore_index" for k in c.keywords)
+                for c in scope.calls
+            )
+            and _returns_value(scope)
+            and self.masks_default()
+        )
 
     def scope_gathers(self, scope: Scope) -> bool:
         """Does this scope gather without a gradient (a c10d all-gather, or a gather that
@@ -780,6 +815,11 @@ class _MeanHints:
     ignore_index: bool
     loss: bool  # a `loss` field
     selects: bool  # a boolean-mask selection (`loss[mask]`)
+    default_ignore: bool  # a loss that ignores -100 labels by default (`F.cross_entropy`)
+
+
+# PyTorch's losses that default to `ignore_index=-100` (also `dataflow`).
+DEFAULT_IGNORING = frozenset({"cross_entropy", "nll_loss"})
 
 
 def _calls_ignoring_loss(scope: Scope, ignoring: set[str]) -> bool:
@@ -862,6 +902,23 @@ def writes_masked_labels(text: str) -> bool:
 
 
 _IGNORE_KW_RE = re.compile(r"\bignore_index\s*=\s*[-\w.]*")
+
+# -100 written, not read: assigned (`IGNORE_INDEX = -100`, `labels[pad] = -100`,
+# `label_pad_token_id=-100`) or filled in (`masked_fill(pad, -100)`, `full_like(x, -100)`);
+# not compared (`labels.eq(-100)`, `!= -100`). A padding collator writes it too.
+_WRITES_100_RE = re.compile(
+    r"(?<![=!<>])=\s*-100(?![\d.])|\b\w*(?:fill_?|full(?:_like)?)\([^\n]*?,\s*-100(?![\d.])"
+    r"|\blabel_pad_token_id\b|DataCollatorFor(?:Seq2Seq|LanguageModeling|CompletionOnlyLM)"
+)
+
+
+def writes_default_ignored(text: str) -> bool:
+    """Does this source write -100 into labels (`_WRITES_100_RE`), the value PyTorch's
+    `cross_entropy`/`nll_loss` ignore when given no `ignore_index`? A mask read from
+    -100 labels (`labels.eq(-100)`) shows none written."""
+    return ("-100" in text or "DataCollatorFor" in text or "label_pad" in text) and (
+        _WRITES_100_RE.search(text) is not None
+    )
 
 
 def count_unless(node: ast.expr, scope: Scope) -> str | None:
