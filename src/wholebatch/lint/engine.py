@@ -614,11 +614,9 @@ def lint_run(
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
     program = Program()
-    evidence = Evidence.of(sources.values())
-    program.evidence = replace(
-        evidence,
-        lightning_accumulates=evidence.lightning_accumulates or _hydra_accumulates(sources),
-    )
+    ev = Evidence.of(sources.values())
+    hydra = ev.lightning_accumulates or _hydra_accumulates(sources)
+    program.evidence = replace(ev, lightning_accumulates=hydra)
     program.hf_old = _pins_old_transformers(given, sources)
     # WB301: labels masked out of a token loss in a dataset module counts for the loop
     # imported alongside it (`frameworks.Evidence.masks_labels`).
