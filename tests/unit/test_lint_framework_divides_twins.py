@@ -21,6 +21,10 @@ twin of every kind:
   (`frameworks.FACTS["hf-trainer-before-4-46"]`). The good twin pins 4.46; a Trainer
   whose `TrainingArguments(...)` above it leave the steps at 1 divides nothing.
 
+- `readme-pin` (WizardCoder's README, no pin file naming transformers): an install line
+  of the README pins it where every version it names is below 4.46; the good twin's
+  README also asks for a later one, so pins nothing.
+
 - `sub-project-pin` (starcoder's chat/, its own requirements.txt): the pin that governs a
   script is the nearest folder's above it that names transformers. The bad twin pins
   4.30 in the sub-project's requirements only (the top of the tree names no
@@ -175,6 +179,13 @@ def _sub(top: str, own: str, mark: str) -> Twin:
     }
 
 
+def _readme(text: str, mark: str) -> Twin:
+    # no pin file names transformers; the README's install line does (WizardCoder's)
+    twin = _sub("torch\n", "deepspeed\n", mark)
+    twin["chat/README.md"] = text
+    return twin
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "mmengine-accumulative-counts": (
         _mmengine(16, "  # expect: WB301"),
@@ -183,6 +194,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "plain-trainer-pinned-before-4-46": (
         _plain("transformers==4.34", "  # expect: WB301"),
         _plain("transformers==4.46.0", ""),
+    ),
+    "readme-pin": (
+        _readme("Train with `transformers==4.29.2` and `deepspeed==0.9.2`.\n", "  # expect: WB301"),
+        _readme("`pip install transformers==4.31.0`; training needs `transformers>=4.46`.\n", ""),
     ),
     "sub-project-pin": (
         _sub("torch\ndatasets\n", "transformers==4.30.2\ndeepspeed\n", "  # expect: WB301"),
@@ -198,6 +213,17 @@ def test_an_unpinned_plain_trainer_is_not_reported(tmp_path: Path) -> None:
     unpinned = {k: v.replace("  # expect: WB301", "") for k, v in bad.items()}
     del unpinned["requirements.txt"]
     check_twin(tmp_path, unpinned, bad=False)
+
+
+def test_a_trainer_whose_train_is_its_own_loop_is_not_reported(tmp_path: Path) -> None:
+    # a subclass whose `train` neither calls `super().train()` nor a step (MeZO's
+    # LinearHeadTrainer, a closed-form fit of a linear head): no `training_step` runs
+    bad, _ = TWINS["sub-project-pin"]
+    own = dict(bad)
+    own["chat/trainer.py"] = own["chat/trainer.py"].replace("  # expect: WB301", "") + (
+        "\n    def train(self):\n        return self.fit_head(self.train_dataset)\n"
+    )
+    check_twin(tmp_path, own, bad=False)
 
 
 def test_a_plain_trainer_of_one_micro_batch_is_not_reported(tmp_path: Path) -> None:

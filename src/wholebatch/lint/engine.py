@@ -31,6 +31,7 @@ from wholebatch.lint.frameworks import (
     builds_ddp,
     builds_fsdp,
     hf_pinned_before_446,
+    hf_pinned_only_before_446,
     hydra_config_dirs,
     masks_labels,
     names_transformers,
@@ -717,6 +718,14 @@ def _folder_pin(folder: Path) -> bool | None:
             return True
         if names_transformers(text):
             verdict = False
+    if verdict is None and "README.md" in os.listdir(folder):
+        # no pin file names transformers: an install line of the README does
+        # (`pip install transformers==4.29.2`), where every version it names is below 4.46
+        try:
+            readme = (folder / "README.md").read_text(errors="replace")
+        except OSError:
+            return None
+        return True if hf_pinned_only_before_446(readme) else None
     return verdict
 
 

@@ -372,6 +372,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             not flags
             and ctx.evidence.hf_before_446
             and not any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS))
+            and not _replaces_train(cls)
         )
         if old:
             flags = [cls]
@@ -460,6 +461,23 @@ def _training_args_of_one(ctx: FileContext, value: ast.expr) -> bool:
 
 
 _HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
+
+
+def _replaces_train(cls: ast.ClassDef) -> bool:
+    """Does `cls` override `train` with a loop of its own, calling neither `super().train`
+    nor the Trainer's step (MeZO's LinearHeadTrainer fits a linear head in closed form):
+    the Trainer's `training_step` and its division never run."""
+    for f in cls.body:
+        if isinstance(f, _DEFS) and f.name == "train":
+            called = {
+                n.func.attr
+                for n in ast.walk(f)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            }
+            return not called & {"train", *_HF_OWN_STEP}
+    return False
+
+
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).

@@ -35,6 +35,7 @@ __all__ = [
     "hf_compute_loss",
     "hf_counting_off",
     "hf_pinned_before_446",
+    "hf_pinned_only_before_446",
     "hydra_config_dirs",
     "lightning_class",
     "loss_entries",
@@ -630,6 +631,19 @@ def hf_pinned_before_446(text: str) -> bool:
             if version < (4, 46) or (op == "<" and version == (4, 46)):
                 return True
     return False
+
+
+def hf_pinned_only_before_446(text: str) -> bool:
+    """Does this text (a README's install lines) pin transformers, and every version it
+    names below 4.46 (`transformers==4.29.2`, `pip install transformers==4.31.0`)? A
+    README that also names a later version, or a lower bound, pins nothing."""
+    specs = [
+        spec
+        for m in _HF_PIN_RE.finditer(text)
+        for spec in re.findall(r"(==|~=|<=|<|>=|>|!=)\s*(\d+)\.(\d+)", m[1])
+    ]
+    below = [op in ("==", "~=", "<=", "<") and (int(a), int(b)) < (4, 46) for op, a, b in specs]
+    return bool(below) and all(below)
 
 
 # transformers named as a requirement, with or without a version (not
