@@ -12,6 +12,10 @@ it. The lint of 46bfca3 misses the bad twin of every kind:
   script builds `DDP(Net(...))`, whose forward returns `CrossEntropyLoss(ignore_index=0)`
   first, with the 0s written into the labels by the dataset module (`labels[i, :n] = 0`).
   The good twin's loss counts every token (no `ignore_index`).
+- `undivided-through-a-caller` (WB301, corpus 4's SimCTG trainers): the loop divides
+  nothing and steps every `accum_iter`, so the gradient sums the micro-batches' means;
+  the model is the script's, as in `engine-and-script`. The good twin's loss counts
+  every token.
 - `tuple-element` (WB301): the same loop divides only element 1 of the forward's tuple;
   the bad twin's token mean is element 1, the good twin's is element 0 (only logged).
 - `class-through-a-cycle` (WB301): a trainer backpropagates `self.model(...)`'s first
@@ -54,6 +58,17 @@ def train_one_epoch(model, loader, optimizer, accum_iter):
         print(first.item())
         loss = second / accum_iter{mark}
         loss.backward()
+        if (step + 1) % accum_iter == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+_UNDIVIDED_ENGINE = """
+def train_one_epoch(model, loader, optimizer, accum_iter):
+    for step, (tokens, labels) in enumerate(loader):
+        c_loss, aux = model(tokens, labels)
+        loss = c_loss + 0.1 * aux
+        loss.backward(){mark}
         if (step + 1) % accum_iter == 0:
             optimizer.step()
             optimizer.zero_grad()
@@ -121,6 +136,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "engine-and-script": (
         _tree(_ENGINE.format(mark=_MARK), "ignore_index=0", _TOKEN_FIRST),
         _tree(_ENGINE.format(mark=""), "", _TOKEN_FIRST),
+    ),
+    "undivided-through-a-caller": (
+        _tree(_UNDIVIDED_ENGINE.format(mark=_MARK), "ignore_index=0", _TOKEN_FIRST),
+        _tree(_UNDIVIDED_ENGINE.format(mark=""), "", _TOKEN_FIRST),
     ),
     "tuple-element": (
         _tree(_ELEMENT_ENGINE.format(mark=_MARK), "ignore_index=0", _TOKEN_SECOND),

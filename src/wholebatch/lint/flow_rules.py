@@ -717,6 +717,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     # WB301's sum of K means: the step gated by `% k == 0`, nothing divided by the steps
     gated = _gated_steps(scope) if not recips and scope.mods else {}
     undivided: list[Finding] = []  # `_undivided_sum`, unless the scope divides a loss
+    waiting: list[tuple[ast.expr, ast.AST, str]] = []  # ... and those for a later caller
     divided = False
     to_loss: dict[str, Hop] = {}  # g-tag -> where it reaches the loss
     to_grad: dict[str, Hop] = {}  # q-tag -> where it is stored as a gradient
@@ -735,7 +736,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
                 if isinstance(sub, ast.Call):
                     found += _framework_divides(ctx, flow, scope, sub, ev)
                 if gated:
-                    undivided += _undivided_sum(ctx, flow, ev, gated)
+                    undivided += _undivided_sum(ctx, flow, ev, gated, waiting)
                 for loss in ev.losses:
                     for tag in sorted(flow.tags(loss)):
                         if tag.startswith("g:"):
@@ -781,6 +782,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
         found += hf_found
     if not divided:
         found += undivided
+        for loss, at, by in waiting:
+            defer(ctx, flow, scope, loss, at, by)
     return found, returned_tags(flow.returns)
 
 
@@ -1120,12 +1123,18 @@ def _divides_loss(
 
 
 def _undivided_sum(
-    ctx: FileContext, flow: Flow, ev: Event, gated: dict[int, ast.expr]
+    ctx: FileContext,
+    flow: Flow,
+    ev: Event,
+    gated: dict[int, ast.expr],
+    waiting: list[tuple[ast.expr, ast.AST, str]],
 ) -> list[Finding]:
     """WB301 for a per-micro-batch mean backpropagated every micro-batch of a loop that
     steps only every `k` (`_gated_steps`) with no division by the steps in the scope:
     the gradient is the sum of k micro-batch means, k times the mean of means, so
-    micro-batches with fewer items weigh more (issue 33: SimCTG's trainers)."""
+    micro-batches with fewer items weigh more (issue 33: SimCTG's trainers). A loss a
+    parameter's call returned (`loss = model(x, y)` in `train(model, ...)`) is added to
+    `waiting`, for a caller to show whose forward it ran (`deferred.defer`)."""
     if ev.synthetic or not ev.loops or any(_modulo_gate(c) is not None for c in ev.conds):
         return []
     k = gated.get(id(ev.loops[-1]))
@@ -1139,6 +1148,7 @@ def _undivided_sum(
         msg = _msg301(ctx, flow.tags(loss), loss, None, by=by)
         if msg:
             return [_finding(ctx, ev.node, "WB301", msg)]
+        waiting.append((loss, ev.node, f"and {by}"))
     return []
 
 
