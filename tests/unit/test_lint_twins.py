@@ -21,6 +21,7 @@ from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
 from tests.unit.test_lint_false_alarm_twins import TWINS as FALSE_ALARM_TWINS
 from tests.unit.test_lint_framework_divides_twins import TWINS as DIVIDES_TWINS
+from tests.unit.test_lint_local_exit_twins import TWINS as LOCAL_EXIT_TWINS
 from tests.unit.test_lint_pinned_trainer_twins import TWINS as PINNED_TWINS
 from wholebatch.lint import lint_paths, lint_source
 from wholebatch.lint.frameworks import (
@@ -60,6 +61,8 @@ _DECIDED_BY = {
     "distributed-autograd": "distributed-autograd-context",
     "ddp-no-sync": "test_ddp_decides_at_forward_time",
     "fsdp-no-sync": "fsdp-no-sync",  # tests/unit/test_lint_false_alarm_twins.py
+    # tests/unit/test_lint_local_exit_twins.py (and its test_ddp_backward_all_reduces)
+    "ddp-backward": "ddp-backward-exit",
     "hf-trainer-compute-loss": "test_hf_trainer_divides_what_compute_loss_returns",
     # tests/unit/test_lint_pinned_trainer_twins.py
     "hf-trainer-before-4-46": "hf-trainer-pinned-before-4-46",
@@ -75,7 +78,14 @@ def test_every_fact_is_documented_and_decided() -> None:
     assert rows == set(FACTS)
     assert set(_DECIDED_BY) == set(FACTS)
     for name, by in _DECIDED_BY.items():
-        twins = (TWINS, CORPUS2_TWINS, FALSE_ALARM_TWINS, PINNED_TWINS, DIVIDES_TWINS)
+        twins = (
+            TWINS,
+            CORPUS2_TWINS,
+            FALSE_ALARM_TWINS,
+            PINNED_TWINS,
+            DIVIDES_TWINS,
+            LOCAL_EXIT_TWINS,
+        )
         assert any(by in t for t in twins) or by in globals(), name
 
 

@@ -39,11 +39,17 @@ from wholebatch.lint.names import dotted, last_name
 
 __all__ = [
     "DATA_TAGS",
+    "FRESH",
+    "META_ATTRS",
     "batch_field",
     "detached",
     "forward_inputs",
     "integer_valued",
+    "kept_base",
+    "literal_kwargs",
     "loader_items",
+    "spelled_out",
+    "to_number",
 ]
 
 # The tags of a value with no gradient to lose; kept through names only, and only while
@@ -62,6 +68,34 @@ _KEEPS = frozenset(
 # What `torch.tensor(...)` may be given for an integer tensor: sizes and integer literals.
 _SIZE_ATTRS = frozenset({"shape"})
 _SIZE_CALLS = frozenset({"size", "numel", "dim", "len"})
+
+
+def to_number(func: ast.expr) -> bool:
+    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd; and
+    the size of a tensor (`len(x)`, `x.size(1)`, `x.dim()`, `x.numel()`): a number that
+    carries no gradient of `x`'s (issue 33: `n = losses.shape[1]` made a per-domain
+    statistic divided by it read as "derived from this rank's differentiable input")."""
+    if isinstance(func, ast.Name):
+        return func.id in ("float", "int", "bool", "len")
+    return isinstance(func, ast.Attribute) and func.attr in _NUMBER_METHODS
+
+
+_NUMBER_METHODS = frozenset({"item", "tolist", "numpy", "size", "dim", "numel", "nelement"})
+# Calls whose result carries no gradient of their arguments': a new tensor of a given
+# size or like another one (`torch.zeros(n)`, `torch.empty_like(x)`), or an integer one
+# (`torch.bincount(ids)`, `x.argmax(-1)`). Issue 33: DoReMi's per-domain statistics,
+# `zeros(n_domains)` filled from gathered losses, read as "derived from this rank's input".
+FRESH = frozenset(
+    {
+        "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
+        "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like",
+        "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+        "new_full", "bincount", "argmax", "argmin", "argsort", "nonzero", "isnan", "isinf",
+        "isfinite",
+    }
+)  # fmt: skip
+# Attributes of a tensor that describe it and carry none of its gradient.
+META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad"})
 
 
 def _int_dtype(node: ast.expr | None) -> bool:
@@ -119,10 +153,38 @@ def integer_valued(node: ast.expr) -> bool:
     return False
 
 
+def _new_leaf(call: ast.Call) -> bool:
+    """`torch.tensor(data)`: a copy of `data` as a new leaf that does not require grad
+    unless told to (`requires_grad=True`), whatever `data` is (PyTorch's docs of
+    `torch.tensor`: "constructs a tensor with no autograd history")."""
+    return dotted(call.func) == "torch.tensor" and not any(
+        k.arg == "requires_grad"
+        and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+        for k in call.keywords
+    )
+
+
+def kept_base(node: ast.expr) -> ast.expr:
+    """`node` with the methods that keep a tensor's values stripped (`x.contiguous()`,
+    `x.to(device).view(-1)` -> `x`): what it holds is what the base holds."""
+    while (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _KEEPS
+    ):
+        node = node.func.value
+    return node
+
+
 def detached(node: ast.expr) -> bool:
-    """Is `node` a detach of a value (`x.detach()`), perhaps moved, viewed or cast
-    after it (`x.detach().float().view(-1)`)? Its result has no gradient path."""
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+    """Is `node` a detach of a value (`x.detach()`) or a new leaf made of it
+    (`torch.tensor(x)`), perhaps moved, viewed or cast after it
+    (`x.detach().float().view(-1)`)? Its result has no gradient path."""
+    while isinstance(node, ast.Call):
+        if _new_leaf(node):
+            return True
+        if not isinstance(node.func, ast.Attribute):
+            return False
         name = node.func.attr
         if name == "detach" and not node.args:
             return True
@@ -222,3 +284,68 @@ def batch_field(node: ast.expr, inputs: set[str]) -> bool:
     if isinstance(node, ast.Attribute):
         return dotted(node.value) in inputs
     return False
+
+
+# Methods that add or change a dict's entries.
+_DICT_WRITERS = frozenset({"update", "setdefault", "__setitem__", "pop", "popitem", "clear"})
+
+
+def literal_kwargs(stmts: Iterable[Iterable[ast.AST]]) -> dict[str, list[ast.keyword]]:
+    """The names one scope binds once to a dict literal of constant string keys and
+    never changes (`inputs = {"query_ids": q, "input_ids_a": a}`; no store into it, no
+    `update`, no other binding), with those entries as keywords: what `model(**inputs)`
+    is given, which shows there are no labels among them. `stmts`: the nodes of each of
+    the scope's statements (`Stmt.walk`, the node itself first)."""
+    found: dict[str, list[ast.keyword]] = {}
+    changed: set[str] = set()
+    literal: set[int] = set()  # id of each target bound to a literal
+    for nodes in stmts:
+        for n in nodes:
+            if (
+                isinstance(n, ast.Assign)
+                and len(n.targets) == 1
+                and isinstance(n.targets[0], ast.Name)
+                and isinstance(n.value, ast.Dict)
+                and all(
+                    isinstance(k, ast.Constant) and isinstance(k.value, str) for k in n.value.keys
+                )
+            ):
+                name = n.targets[0].id
+                literal.add(id(n.targets[0]))
+                if name in found or name in changed:
+                    changed.add(name)
+                    continue
+                found[name] = [
+                    ast.keyword(arg=str(k.value), value=v)
+                    for k, v in zip(n.value.keys, n.value.values, strict=True)
+                    if isinstance(k, ast.Constant)
+                ]
+            elif isinstance(n, ast.Name):
+                if isinstance(n.ctx, ast.Store | ast.Del) and id(n) not in literal:
+                    changed.add(n.id)
+            elif isinstance(n, ast.Subscript):
+                if isinstance(n.ctx, ast.Store | ast.Del) and isinstance(n.value, ast.Name):
+                    changed.add(n.value.id)  # `inputs["labels"] = y`
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in _DICT_WRITERS
+                and isinstance(n.func.value, ast.Name)
+            ):
+                changed.add(n.func.value.id)
+    return {k: v for k, v in found.items() if k not in changed}
+
+
+def spelled_out(call: ast.Call, literals: dict[str, list[ast.keyword]]) -> ast.Call:
+    """`call` with each `**name` of a dict literal (`literal_kwargs`) replaced by that
+    literal's entries, as if given by keyword; `call` itself where there is none."""
+    if not any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id in literals
+               for k in call.keywords):  # fmt: skip
+        return call
+    keywords: list[ast.keyword] = []
+    for k in call.keywords:
+        if k.arg is None and isinstance(k.value, ast.Name) and k.value.id in literals:
+            keywords += literals[k.value.id]
+        else:
+            keywords.append(k)
+    return ast.Call(func=call.func, args=call.args, keywords=keywords)

@@ -82,11 +82,17 @@ from dataclasses import replace
 
 from wholebatch.lint.data import (
     DATA_TAGS,
+    FRESH,
+    META_ATTRS,
     batch_field,
     detached,
     forward_inputs,
     integer_valued,
+    kept_base,
+    literal_kwargs,
     loader_items,
+    spelled_out,
+    to_number,
 )
 from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import (
@@ -142,34 +148,6 @@ def _sum_reduction(call: ast.Call) -> bool:
 
 def _mean_literal(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value == "mean"
-
-
-def _to_number(func: ast.expr) -> bool:
-    """`float(x)`, `int(x)`, `x.item()`, `x.tolist()`, `x.numpy()`: out of autograd; and
-    the size of a tensor (`len(x)`, `x.size(1)`, `x.dim()`, `x.numel()`): a number that
-    carries no gradient of `x`'s (issue 33: `n = losses.shape[1]` made a per-domain
-    statistic divided by it read as "derived from this rank's differentiable input")."""
-    if isinstance(func, ast.Name):
-        return func.id in ("float", "int", "bool", "len")
-    return isinstance(func, ast.Attribute) and func.attr in _NUMBER_METHODS
-
-
-_NUMBER_METHODS = frozenset({"item", "tolist", "numpy", "size", "dim", "numel", "nelement"})
-# Calls whose result carries no gradient of their arguments': a new tensor of a given
-# size or like another one (`torch.zeros(n)`, `torch.empty_like(x)`), or an integer one
-# (`torch.bincount(ids)`, `x.argmax(-1)`). Issue 33: DoReMi's per-domain statistics,
-# `zeros(n_domains)` filled from gathered losses, read as "derived from this rank's input".
-_FRESH = frozenset(
-    {
-        "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
-        "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like",
-        "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
-        "new_full", "bincount", "argmax", "argmin", "argsort", "nonzero", "isnan", "isinf",
-        "isfinite",
-    }
-)  # fmt: skip
-# Attributes of a tensor that describe it and carry none of its gradient.
-_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad"})
 
 
 def _token_inputs(call: ast.Call) -> bool:
@@ -429,6 +407,7 @@ class Flow:
         self._summed_grads: set[str] | None = None  # computed on first need (`_new_leaf`)
         self._indices: set[str] | None = None  # computed on first need (`_held`)
         self._inputs: set[str] | None = None  # computed on first need (`_data_tags`)
+        self._literals: dict[str, list[ast.keyword]] | None = None  # (`_spelled`)
         self._stored: set[str] | None = None  # computed on first need (`_assign`)
         # An autograd.Function's forward runs with gradient recording off (tested in
         # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
@@ -479,11 +458,11 @@ class Flow:
                 if gathered is not None:
                     out |= gathered
                     continue
-                if _to_number(n.func) or last_name(n.func) in _FRESH:
+                if to_number(n.func) or last_name(n.func) in FRESH:
                     continue  # `float(x)`, `x.item()`, `zeros(n)`: nothing of `x`'s or `n`'s
                 if self._forward_call(n.func):
                     out |= self._forward_call_tags(n)
-            if isinstance(n, ast.Attribute) and n.attr in _META_ATTRS:
+            if isinstance(n, ast.Attribute) and n.attr in META_ATTRS:
                 continue  # `x.shape[0]`: a number, none of `x`'s tags
             stack.extend(ast.iter_child_nodes(n))
             if isinstance(n, ast.Name):
@@ -670,11 +649,12 @@ class Flow:
         """The tags of a module's forward call (`model(...)`): `T`, `L` for token inputs,
         `Y` given labels, and what a forward of the run returns where the call shows it."""
         out = {"T"}
-        if _token_inputs(n):
+        given = self._spelled(n)  # `model(**inputs)` of a dict literal: its keys
+        if _token_inputs(given):
             out.add("L")
-            if _given_labels(n):
+            if _given_labels(given):
                 out.add("Y")
-        if _given_labels(n) or _given_mask(n):
+        if _given_labels(given) or _given_mask(given):
             # a module of the run whose forward returns a mean over the items its labels
             # or loss mask select (`loss.sum() / mask.sum()`). A loss module given bare
             # targets (`loss_fn(logits, targets)`), or a model given positions it ignores
@@ -884,9 +864,16 @@ class Flow:
         return (
             isinstance(expr, ast.Call)
             and self._forward_call(expr.func)
-            and _token_inputs(expr)
-            and _given_labels(expr)
+            and _token_inputs(self._spelled(expr))
+            and _given_labels(self._spelled(expr))
         )
+
+    def _spelled(self, call: ast.Call) -> ast.Call:
+        if all(k.arg is not None for k in call.keywords):
+            return call
+        if self._literals is None:
+            self._literals = literal_kwargs(st.walk() for st in self.scope.stmts)
+        return spelled_out(call, self._literals)
 
     def _own_forward(self, call: ast.Call) -> ast.Call | None:
         """`self.forward(x)` for `self(x)` in a method: nn.Module's `__call__` runs the
@@ -1259,6 +1246,10 @@ class Flow:
         computed from a forward pass's output (`T`)."""
         if (self._st is not None and self._st.nograd) or detached(value):
             return {"Z"}
+        base = kept_base(value)
+        if base is not value and isinstance(base, ast.Name | ast.Attribute):
+            # `lengths.contiguous()`, `w.to(device)`: the same values as the name holds
+            return self.tags(base) & DATA_TAGS
         if "T" in tags:
             return set()
         if integer_valued(value):

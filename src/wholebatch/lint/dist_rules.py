@@ -29,6 +29,7 @@ from wholebatch.lint.names import (
     names_in,
     walk_local,
 )
+from wholebatch.lint.rank_local import backward_collectives, exit_of, partial_names, reads_partial
 from wholebatch.lint.rules import Finding, Hop, format_trace
 from wholebatch.lint.scope import FileContext, Scope, Stmt, finding as _finding
 
@@ -44,14 +45,21 @@ def _short(q: str) -> str:
 
 _Coll = tuple[str, ast.Call, tuple[Hop, ...]]
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
+_Chain = list[tuple[list[ast.stmt], int, ast.stmt]]
 
 
 def _collectives(
-    ctx: FileContext, stmts: list[ast.stmt], scope: Scope, skip: ast.AST | None = None
+    ctx: FileContext,
+    stmts: list[ast.stmt],
+    scope: Scope,
+    skip: ast.AST | None = None,
+    syncs: Mapping[int, str] | None = None,
 ) -> list[_Coll]:
     """Collectives called on the world group in `stmts` (sub-group calls are left out),
     directly or through a call to a function that calls one on every call: (qualified
-    name, the call in `stmts`, the path through the called functions)."""
+    name, the call in `stmts`, the path through the called functions). `syncs`: the
+    backward calls that are collectives too (`rank_local.backward_collectives`), named
+    `backward:<model>`."""
     out: list[_Coll] = []
     stack: list[ast.AST] = list(reversed(stmts))
     while stack:
@@ -62,6 +70,8 @@ def _collectives(
             q = ctx.imports.collective(node)
             if q is not None and not is_on_subgroup(node):
                 out.append((q, node, ()))
+            elif syncs and id(node) in syncs:
+                out.append((f"{_BACKWARD}{syncs[id(node)]}", node, ()))
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     if ctx.resolver is not None and scope.local_calls:
         kept = [s for s in stmts if s is not skip]
@@ -79,8 +89,17 @@ def _calls_collective(ctx: FileContext, scope: Scope) -> bool:
     )
 
 
+_BACKWARD = "backward:"  # a backward through a DDP/FSDP model, by the model's name
+
+
 def _what(q: str, call: ast.Call, trace: tuple[Hop, ...]) -> str:
     """`dist.barrier`, or "`sync()` (which calls `dist.barrier`)"."""
+    if q.startswith(_BACKWARD):
+        model = q[len(_BACKWARD) :]
+        return (
+            f"`{ast.unparse(call)}` (a backward through the DDP/FSDP-wrapped `{model}`, "
+            "which reduces the gradients across ranks)"
+        )
     if not trace:
         return f"`{_short(q)}`"
     callee = dotted(call.func) or last_name(call.func)
@@ -105,13 +124,14 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 
 def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
     out: list[Finding] = []
-    if _calls_collective(ctx, scope):
+    syncs = backward_collectives(ctx, scope) if exits and scope.has_exit else {}
+    if _calls_collective(ctx, scope) or syncs:
         if _in_agreeing_halves(ctx, scope):
             return out
         if branches:
             out += _rank_branches(ctx, scope)
         if exits and scope.has_exit:
-            out += _early_exits(ctx, scope)
+            out += _early_exits(ctx, scope, syncs)
             seen = {(f.line, f.col) for f in out if f.code == "WB105"}
             out += [f for f in _exit_between_halves(ctx, scope) if (f.line, f.col) not in seen]
     return out
@@ -553,7 +573,7 @@ def _one_path(ctx: FileContext, scope: Scope, stmts: list[ast.stmt]) -> tuple[st
         and (f := ctx.module_functions.get(st.value.func.id)) is not None
     ):
         scope, stmts = ctx.scope_of[id(f)], f.body
-    paths = _Paths(ctx, scope, False).of(stmts)
+    paths = _Paths(ctx, scope, False, None).of(stmts)
     return next(iter(paths)) if paths is not None and len(paths) == 1 else None
 
 
@@ -614,8 +634,19 @@ def _sub_blocks(st: ast.stmt) -> list[list[ast.stmt]]:
     return []
 
 
-def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+def _rank_local(st: ast.If, agreed: set[str], partial: list[tuple[int, str]]) -> bool:
+    """Can `st`'s condition differ between ranks: a rank test, a NaN check not agreed,
+    or a test of a per-rank part that a later collective combines (`if sk_l1 == 0:`
+    before `t[2] = sk_l1; dist.all_reduce(t)`)?"""
+    if is_rank_local_test(st.test, agreed):
+        return True
+    later = {n for line, n in partial if line > st.lineno} - agreed
+    return bool(later) and reads_partial(st.test, later)
+
+
+def _early_exits(ctx: FileContext, scope: Scope, syncs: Mapping[int, str]) -> Iterator[Finding]:
     agreed = _agreed_names(ctx, scope)
+    partial = partial_names(ctx, scope)
     body = scope.node.body
     # (block, index in block, statement) from the scope down to the current block
     chain: list[tuple[list[ast.stmt], int, ast.stmt]] = []
@@ -626,8 +657,8 @@ def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 continue
             if (
                 isinstance(st, ast.If)
-                and is_rank_local_test(
-                    st.test, {n for line, names in agreed if line <= st.lineno for n in names}
+                and _rank_local(
+                    st, {n for line, names in agreed if line <= st.lineno for n in names}, partial
                 )
                 # `if not all_ranks_agree(ok):` is the fix itself: agreed in the condition.
                 and not any(
@@ -635,11 +666,13 @@ def _early_exits(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                     for n in ast.walk(st.test)
                 )
             ):
-                exits = [b for b in (st.body, st.orelse) if b and _is_exit(b[-1])]
+                exits = [(b, j) for b in (st.body, st.orelse) if (j := exit_of(b)) is not None]
                 if len(exits) == 1:
-                    jump = exits[0][-1]
-                    hit = _first_after(ctx, scope, block, i, chain, jump, st)
-                    if hit is not None and _one_sequence(ctx, scope, st, (chain, block, i)):
+                    branch, jump = exits[0]
+                    hit = _first_after(
+                        ctx, scope, (block, i, chain), jump, st, branch is st.body, syncs
+                    )
+                    if hit is not None and _one_sequence(ctx, scope, st, (chain, block, i), syncs):
                         hit = None  # it joins the same collectives before it leaves
                     if hit is not None:
                         q, call, trace = hit
@@ -668,13 +701,16 @@ def _is_exit(st: ast.stmt) -> bool:
 def _first_after(
     ctx: FileContext,
     scope: Scope,
-    block: list[ast.stmt],
-    i: int,
-    chain: list[tuple[list[ast.stmt], int, ast.stmt]],
+    where: tuple[list[ast.stmt], int, _Chain],
     jump: ast.stmt,
     the_if: ast.If,
+    in_body: bool,
+    syncs: Mapping[int, str],
 ) -> _Coll | None:
-    """The first collective the exiting rank skips but the others reach."""
+    """The first collective the exiting rank skips but the others reach (`where`: the
+    block holding `the_if`, its index there, the statements above; `in_body`: the exit
+    is in the `if`'s body)."""
+    block, i, chain = where
     rest: list[ast.stmt] = list(block[i + 1 :])
     for outer, j, owner in reversed(chain):
         if isinstance(owner, _LOOPS):
@@ -682,12 +718,12 @@ def _first_after(
                 break  # continue/break: only the rest of this iteration is skipped
             rest += owner.body  # later iterations are skipped too
         rest += outer[j + 1 :]
-    found = _collectives(ctx, rest, scope, skip=the_if)
+    found = _collectives(ctx, rest, scope, skip=the_if, syncs=syncs)
     if found:
         # What the exiting rank knows on its way out (`if not fsdp and not is_rank0:
         # return`: fsdp is off); a collective guarded by the opposite (`if fsdp:`) is one
         # that no rank reaches on that path, so skipping it hangs nobody.
-        exiting = set(_holds(the_if.test, jump in the_if.body[-1:]))
+        exiting = set(_holds(the_if.test, in_body))
         if exiting:
             guards: dict[int, tuple[tuple[str, bool], ...]] = {}
             _guarded(rest, (), guards)
@@ -742,14 +778,13 @@ _LEAVES = "<leaves>"
 _MAX_PATHS = 64
 _MAX_VISITS = 2000
 
-_Chain = list[tuple[list[ast.stmt], int, ast.stmt]]
-
 
 def _one_sequence(
     ctx: FileContext,
     scope: Scope,
     the_if: ast.If,
     where: tuple[_Chain, list[ast.stmt], int] | None = None,
+    syncs: Mapping[int, str] | None = None,
 ) -> bool:
     """Does every path from `the_if` to the end of the iteration (or of the function,
     outside a loop) make the same sequence of collectives? Collectives match by order,
@@ -768,7 +803,7 @@ def _one_sequence(
             in_loop = True  # `continue` ends the iteration: the paths end here
             break
         rest += outer[j + 1 :]
-    paths = _Paths(ctx, scope, in_loop).of(rest)
+    paths = _Paths(ctx, scope, in_loop, syncs).of(rest)
     return paths is not None and len(paths) == 1
 
 
@@ -797,13 +832,15 @@ class _Paths:
     not compared), a loop is one step named by the collectives it makes. The paths from
     one point on are computed once (`if`s in a row join again after each one)."""
 
-    def __init__(self, ctx: FileContext, scope: Scope, in_loop: bool) -> None:
-        self.ctx, self.scope, self.in_loop = ctx, scope, in_loop
+    def __init__(
+        self, ctx: FileContext, scope: Scope, in_loop: bool, syncs: Mapping[int, str] | None
+    ) -> None:
+        self.ctx, self.scope, self.in_loop, self.syncs = ctx, scope, in_loop, syncs
         self.visits = 0
         self.memo: dict[tuple[tuple[int, int], ...], _Seqs | None] = {}
 
     def _names(self, nodes: list[ast.stmt]) -> list[str]:
-        found = _collectives(self.ctx, nodes, self.scope)
+        found = _collectives(self.ctx, nodes, self.scope, syncs=self.syncs)
         found.sort(key=lambda c: (c[1].lineno, c[1].col_offset))
         return [q for q, _, _ in found]
 

@@ -199,6 +199,17 @@ _ALL = (
         rules=("WB302",),
     ),
     Fact(
+        name="ddp-backward",
+        framework="torch",
+        says="the backward of a DDP-wrapped model's output all-reduces the gradients "
+        "(FSDP's reduce-scatters them): every rank must run it, outside `no_sync()`",
+        where="torch/nn/parallel/distributed.py: DistributedDataParallel.forward "
+        "(reducer.prepare_for_backward: the reducer's autograd hooks all-reduce each "
+        "bucket); torch/distributed/fsdp/_runtime_utils.py: _post_backward_hook -> "
+        "_reduce_grad",
+        rules=("WB105",),
+    ),
+    Fact(
         name="fsdp-no-sync",
         framework="torch",
         says="FSDP decides in its post-backward hook whether to reduce-scatter: a "

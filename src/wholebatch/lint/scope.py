@@ -402,6 +402,12 @@ class FileContext:
     def evidence(self, value: Evidence) -> None:
         self._evidence = value
 
+    @property
+    def assign_calls(self) -> list[tuple[ast.Call, list[ast.expr]]]:
+        """Each plain assignment of a call's result in the file (`x = f(...)`): the call
+        and the targets."""
+        return self._assign_calls
+
     def mentions(self, word: str) -> bool:
         """Does the file's text hold `word`? Kept per word: rules ask once per scope, and
         each test reads the whole text."""
