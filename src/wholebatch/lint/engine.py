@@ -30,6 +30,7 @@ from wholebatch.lint.frameworks import (
     Evidence,
     builds_ddp,
     builds_fsdp,
+    deepspeed_run_engines,
     hf_pinned_before_446,
     hf_pinned_only_before_446,
     hydra_config_dirs,
@@ -634,6 +635,7 @@ def lint_run(
     program.fsdp_built = _alongside(sources, deps, builds_fsdp)
     program.ddp_built = _alongside(sources, deps, builds_ddp)
     program.masked_wide = _masked(sources, deps, modules, marked, wide=True)
+    program.engine_makers, program.engine_attrs = deepspeed_run_engines(sources.values())
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
     by_file: dict[Path, ModuleFacts] = {}

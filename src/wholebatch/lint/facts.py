@@ -302,6 +302,10 @@ class Program:
         self.masked_wide: set[str] = set()
         # files whose project pins transformers below 4.46 (`Evidence.hf_before_446`)
         self.hf_old: set[str] = set()
+        # the run's functions that return a DeepSpeed engine, and per class the
+        # attributes bound to one (`frameworks.deepspeed_run_engines`)
+        self.engine_makers: frozenset[str] = frozenset()
+        self.engine_attrs: dict[str, frozenset[str]] = {}
 
     def add(self, module: str, facts: ModuleFacts) -> None:
         """Keep one module's summaries."""

@@ -619,8 +619,37 @@ def _deepspeed_backward(ctx: FileContext, scope: Scope) -> bool:
     ]
     if not calls or not _imports_deepspeed(ctx):
         return False
-    engines = _framework_names(ctx, deepspeed_engines)
+    engines = _engines(ctx, scope)
     return any(deepspeed_divides(c, engines) is not None for c in calls if isinstance(c, ast.Call))
+
+
+def _engines(ctx: FileContext, scope: Scope) -> set[str]:
+    """The names that hold a DeepSpeed engine in this scope: those the file binds to one
+    (`frameworks.deepspeed_engines`), the attributes that this method's class, or a class
+    of the run it derives from, binds to one (`self.model`, set in a base class's
+    `init_engines` in another file), and the names this scope assigns from a call of a
+    function of the run that returns one (`frameworks.deepspeed_run_engines`)."""
+    engines = _framework_names(ctx, deepspeed_engines)
+    program = ctx.resolver.program if ctx.resolver is not None else None
+    if program is None or not (program.engine_attrs or program.engine_makers):
+        return engines
+    out = set(engines)
+    cls = scope.cls
+    if cls is not None and ctx.resolver is not None:
+        for name, attrs in program.engine_attrs.items():
+            if name == cls.name or ctx.resolver.derives_from(cls, (name,)):
+                out |= {f"self.{a}" for a in attrs}
+    if program.engine_makers:
+        for n in ast.walk(scope.node):
+            if (
+                isinstance(n, ast.Assign)
+                and len(n.targets) == 1
+                and isinstance(n.value, ast.Call)
+                and last_name(n.value.func) in program.engine_makers
+                and (d := dotted(n.targets[0])) is not None
+            ):
+                out.add(d)
+    return out
 
 
 def _is_product(d: ast.BinOp | ast.AugAssign) -> bool:
@@ -846,7 +875,7 @@ def _framework_divides(
         fact = divides_by_steps(call, scope.withs, called_in_accumulate=True)
     loss = ev.losses[0] if ev.losses else None
     if fact is None and call.args and _imports_deepspeed(ctx):
-        fact = deepspeed_divides(call, _framework_names(ctx, deepspeed_engines))
+        fact = deepspeed_divides(call, _engines(ctx, scope))
         loss = call.args[0]
     if fact is None or loss is None:
         return []
@@ -1309,7 +1338,11 @@ def _msg301(
     if (
         "v" not in tags
         or "L" not in tags
-        or not (ctx.evidence.masks_labels or masks_labels(ctx.source))
+        or not (
+            ctx.evidence.masks_labels
+            or ctx.evidence.package_masks_labels
+            or masks_labels(ctx.source)
+        )
         or _FIXED_SIZE_RE.search(ctx.source)
     ):
         return ""

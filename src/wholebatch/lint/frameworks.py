@@ -469,6 +469,93 @@ def deepspeed_engines(tree: ast.Module, qualname: Callable[[ast.expr], str | Non
     return out
 
 
+def _initializes(node: ast.expr | None) -> bool:
+    """`deepspeed.initialize(...)`, by its dotted name (the run-wide reading below has no
+    imports to resolve a callee through)."""
+    return isinstance(node, ast.Call) and dotted(node.func) == "deepspeed.initialize"
+
+
+def _engine_bound(node: ast.Assign, makers: frozenset[str]) -> str | None:
+    """The dotted name an assignment binds to a DeepSpeed engine: the first value of
+    `deepspeed.initialize(...)` (`engine, *_ = ...`, `... = deepspeed.initialize(...)[0]`),
+    or a single target given a call of a function of the run that returns one (`makers`:
+    `self.actor = self._init_engine(...)`)."""
+    value, target = node.value, node.targets[0] if len(node.targets) == 1 else None
+    if target is None:
+        return None
+    if _initializes(value) and isinstance(target, ast.Tuple | ast.List) and target.elts:
+        return dotted(target.elts[0])
+    if isinstance(value, ast.Subscript) and _initializes(value.value):
+        index = value.slice
+        if isinstance(index, ast.Constant) and index.value == 0:
+            return dotted(target)
+    if isinstance(value, ast.Call) and last_name(value.func) in makers:
+        return dotted(target)
+    return None
+
+
+def _parsed(texts: Iterable[str]) -> list[ast.Module]:
+    out: list[ast.Module] = []
+    for text in texts:
+        try:
+            out.append(ast.parse(text))
+        except (SyntaxError, ValueError):
+            continue
+    return out
+
+
+def deepspeed_run_engines(
+    sources: Iterable[str],
+) -> tuple[frozenset[str], dict[str, frozenset[str]]]:
+    """What the whole run binds to DeepSpeed engines, for files that use an engine another
+    file built: the functions that return the engine `deepspeed.initialize` built
+    (`def _init_engine(...): engine, *_ = deepspeed.initialize(...); return engine`), by
+    name, and per class the attributes its methods bind to one (`self.model, *_ =
+    deepspeed.initialize(...)`, `self.actor = self._init_engine(...)`), by class name: a
+    subclass's `self.model.backward(loss)` backpropagates through that engine. Only the
+    files whose text names `deepspeed.initialize`, or a function that returns an engine,
+    are parsed."""
+    texts = list(sources)
+    trees = _parsed(t for t in texts if "deepspeed.initialize" in t)
+    makers: set[str] = set()
+    for tree in trees:
+        for f in ast.walk(tree):
+            if not isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            bound = {
+                b
+                for n in ast.walk(f)
+                if isinstance(n, ast.Assign) and (b := _engine_bound(n, frozenset())) is not None
+            }
+            for n in ast.walk(f):
+                if isinstance(n, ast.Return) and (
+                    (isinstance(n.value, ast.Name) and n.value.id in bound)
+                    or (isinstance(n.value, ast.Subscript) and _initializes(n.value.value))
+                ):
+                    makers.add(f.name)
+    frozen = frozenset(makers)
+    if frozen:  # the files that call one (`self.actor = self._init_engine(...)`)
+        trees += _parsed(
+            t for t in texts if "deepspeed.initialize" not in t and any(m in t for m in frozen)
+        )
+    attrs: dict[str, frozenset[str]] = {}
+    for tree in trees:
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            names = {
+                b.removeprefix("self.")
+                for n in ast.walk(cls)
+                if isinstance(n, ast.Assign)
+                and (b := _engine_bound(n, frozen)) is not None
+                and b.startswith("self.")
+                and b.count(".") == 1
+            }
+            if names:
+                attrs[cls.name] = attrs.get(cls.name, frozenset()) | names
+    return frozen, attrs
+
+
 def deepspeed_divides(call: ast.Call, engines: set[str]) -> Fact | None:
     """The fact by which `engine.backward(loss)` of a DeepSpeed engine divides the loss
     by the accumulation steps (`engines`: `deepspeed_engines` of the file)."""
