@@ -27,6 +27,13 @@ finding):
   micro-batch (exact under the division). The bad twin's dict holds `labels` padded with
   -100: the model's token mean over a varying count.
 
+- `type-test-pass-through` (WB105; the GradCache copies vendored by three corpus
+  repositories, found by the regression run of this round's change): a helper returns
+  its argument untouched `if not isinstance(t, Tensor)` and all-gathers it otherwise: a
+  test of the value's type, the same on every rank, not of its values (the good twin,
+  flagged by the first version of `partial-sum-exit`'s mechanism). The bad twin returns
+  `if t.numel() == 0`, this rank's own size.
+
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_local_exit_twins.py -q
 """
 
@@ -235,6 +242,21 @@ def main(args, loader):
     train(args, model, loader, torch.optim.SGD(model.parameters(), lr=0.1))
 """
 
+_PASS_THROUGH = """
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def maybe_gather(t, axis):
+    if {test}:
+        return t{mark}
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    parts[dist.get_rank()] = t
+    return torch.cat(parts, dim=axis)
+"""
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "partial-sum-exit": (
         {"optim.py": _PARTIAL.format(body=_PARTIAL_FIRST)},
@@ -251,6 +273,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "literal-kwargs-forward": (
         {"train.py": _LM_TRAIN},
         {"model/__init__.py": "", "model/models.py": _MODELS, "train.py": _PAIR_TRAIN},
+    ),
+    "type-test-pass-through": (
+        {"gather.py": _PASS_THROUGH.format(test="t.numel() == 0", mark="  # expect: WB105")},
+        {"gather.py": _PASS_THROUGH.format(test="not isinstance(t, Tensor)", mark="")},
     ),
 }
 

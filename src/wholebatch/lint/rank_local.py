@@ -120,14 +120,23 @@ def partial_names(ctx: FileContext, scope: Scope) -> list[tuple[int, str]]:
     return out
 
 
+# Tests of what a value is, not of its values: every rank's argument has the same type
+# and attributes (`isinstance(t, Tensor)` in a helper that gathers tensors and passes
+# the rest through).
+_KIND_TESTS = frozenset({"isinstance", "type", "hasattr", "callable", "is_tensor"})
+
+
 def reads_partial(test: ast.expr, partial: set[str]) -> bool:
-    """Does `test` read one of `partial`'s names other than by `is None`?"""
+    """Does `test` read one of `partial`'s names other than by `is None` or by a test
+    of its type (`isinstance`, `hasattr`, `torch.is_tensor`)?"""
     stack: list[ast.AST] = [test]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Compare) and all(
             isinstance(op, ast.Is | ast.IsNot) for op in node.ops
         ):
+            continue
+        if isinstance(node, ast.Call) and last_name(node.func) in _KIND_TESTS:
             continue
         if isinstance(node, ast.Name | ast.Attribute) and dotted(node) in partial:
             return True
