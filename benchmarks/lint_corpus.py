@@ -255,11 +255,16 @@ def record(path: Path, rev: str, reported: set[_Key]) -> int:
     return added
 
 
+# What the linter reads besides the code: pins (requirements, pyproject.toml, setup.py,
+# setup.cfg, a README's install line) and YAML configs (Hydra's accumulate_grad_batches).
+_READ = (".py", ".txt", ".in", ".toml", ".cfg", ".yaml", ".yml", ".md", ".rst")
+
+
 def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
     for r in repos:
         name = r["repo"].replace("/", "+")
         dest = root / name
-        if dest.exists():
+        if dest.exists() or not r.get("commit"):  # no snapshot: said in the table
             continue
         git = mirror / name / "repo"
         if (git / ".git").is_dir():  # a snapshot that came as a work tree
@@ -269,7 +274,7 @@ def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
             capture_output=True,
             check=True,
         ).stdout.decode()
-        for path in (p for p in listing.split("\0") if p.endswith(".py")):
+        for path in (p for p in listing.split("\0") if p.endswith(_READ)):
             blob = subprocess.run(
                 ["git", "--git-dir", str(git), "show", f"{r['commit']}:{path}"],
                 capture_output=True,

@@ -258,3 +258,29 @@ def test_a_file_that_cannot_be_read_is_a_wb000(tmp_path: Path) -> None:
     findings, files = lint_paths([tmp_path])
     assert files == 1
     assert [(f.code, f.message.split(":")[0]) for f in findings] == [("WB000", "cannot read")]
+
+
+def test_extract_skips_a_repository_with_no_snapshot_and_keeps_the_pins(tmp_path: Path) -> None:
+    # `--mirror`: an entry with no commit (`fetched = false`) is skipped, not a git error
+    # that ends the run; the files the linter reads beside the code (pins, configs) come
+    # out with the code.
+    import subprocess
+
+    from benchmarks.lint_corpus import _extract
+
+    work = tmp_path / "mirror" / "a+b" / "repo"
+    work.mkdir(parents=True)
+    (work / "train.py").write_text("x = 1\n")
+    (work / "requirements.txt").write_text("transformers==4.30.2\n")
+    (work / "logo.png").write_bytes(b"\x89PNG")
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    commit = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    repos = [{"repo": "c/d", "commit": "", "fetched": False}, {"repo": "a/b", "commit": commit}]
+    _extract(tmp_path / "mirror", tmp_path / "root", repos)
+    got = sorted(p.name for p in (tmp_path / "root" / "a+b").iterdir())
+    assert got == ["requirements.txt", "train.py"] and not (tmp_path / "root" / "c+d").exists()
