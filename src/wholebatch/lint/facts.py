@@ -256,6 +256,9 @@ class ModuleFacts:
         apply_aliases: names bound to an autograd.Function's `apply` (`allgather =
             AllGather.apply`) -> the class name as this file writes it: another file's
             call of an imported `allgather` is a use of the class (WB102).
+        forwards: class name -> whether the `forward` it defines is a model's own mean
+            loss that no item count reaches (`frameworks.uncounted_forward`), for the
+            classes that define one (WB301 through a Trainer).
     """
 
     path: str
@@ -265,6 +268,7 @@ class ModuleFacts:
     applies: list[tuple[str, bool]] = field(default_factory=list)
     layers: dict[int, str] = field(default_factory=dict)
     apply_aliases: dict[str, str] = field(default_factory=dict)
+    forwards: dict[str, bool] = field(default_factory=dict)
 
 
 class Program:
@@ -385,6 +389,22 @@ class Program:
             target = self.lookup(base)
             if isinstance(target, str) and self.derives_from(target, names, depth + 1):
                 return True
+        return False
+
+    def uncounted(self, cls: str, depth: int = 0) -> bool:
+        """Is the `forward` of the class with absolute name `cls` (its own, or the
+        nearest base's that the run defines) a mean no item count reaches
+        (`ModuleFacts.forwards`)?"""
+        mod_name, _, cls_name = cls.rpartition(".")
+        mod = self.modules.get(mod_name)
+        if mod is None or depth > 6:
+            return False
+        if cls_name in mod.forwards:
+            return mod.forwards[cls_name]
+        for base in mod.classes.get(cls_name, ()):
+            target = self.lookup(base)
+            if isinstance(target, str):
+                return self.uncounted(target, depth + 1)
         return False
 
     def method(self, cls: str, name: str, depth: int = 0) -> Facts | None:

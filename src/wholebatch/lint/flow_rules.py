@@ -35,11 +35,13 @@ from wholebatch.lint.frameworks import (
     fairseq_criterion,
     hf_compute_loss,
     hf_counting_off,
+    labels_copy_inputs,
     lightning_class,
     loss_entries,
     masks_labels,
     megatron_losses,
     pipeline_losses,
+    uncounted_forward,
 )
 from wholebatch.lint.names import counts_items, dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
@@ -213,10 +215,7 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
         attach(resolver)
     results = ctx.flow_results
     assert results is not None  # attach() sets it
-    if ctx.scopes and (
-        "model_accepts_loss_kwargs" in ctx.source
-        or (ctx.evidence.hf_before_446 and "Trainer" in ctx.source)
-    ):
+    if ctx.scopes and ("model_accepts_loss_kwargs" in ctx.source or "Trainer" in ctx.source):
         yield from ctx.guarded(ctx.scopes[0], partial(_hf_flag_findings, ctx, resolver))
     for scope in ctx.scopes:
         if scope.stmts:
@@ -355,11 +354,22 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     where labels are masked (`_msg301`'s evidence)."""
     out: list[Finding] = []
     ev = ctx.evidence
-    masked = ev.masks_labels or masks_labels(ctx.source)
+    shown = masks_labels(ctx.source)
+    masked = ev.masks_labels or shown
     if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
+        return out
+    if not shown and labels_copy_inputs(ctx.source):
+        # its own data path: labels copied from the input ids, nothing masked (the
+        # grouped fixed-length blocks of a causal LM), whatever another file masks
         return out
     if ev.hf_before_446:
         out += [_finding(ctx, c, "WB301", _OLD_TRAINER) for c in _plain_trainers(ctx)]
+    elif masked:
+        out += [
+            _finding(ctx, c, "WB301", _NO_COUNT.format(cls=model))
+            for c in _plain_trainers(ctx)
+            if (model := _counted_model(ctx, resolver, c)) is not None
+        ]
     for cls in ctx.class_by_name.values():
         flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
@@ -408,6 +418,61 @@ _OLD_TRAINER = (
     f"{FACTS['hf-trainer-before-4-46'].says}: micro-batches with fewer unmasked labels "
     "weigh more (4.46 gives the model the step's `num_items_in_batch`)"
 )
+
+
+_NO_COUNT = (
+    "the model `{cls}` of the run takes no `**kwargs` in its `forward`, so the Trainer "
+    "gives it no `num_items_in_batch` (`model_accepts_loss_kwargs` is False): its own "
+    f"`loss` is a mean over this micro-batch's labels, and "
+    f"{FACTS['hf-trainer-compute-loss'].says}: micro-batches with fewer unmasked labels "
+    "weigh more"
+)
+
+# A model built from a class: `Model(config)`, `Model.from_pretrained(path)`.
+_MODEL_MAKERS = frozenset({"from_pretrained", "from_config", "_from_config"})
+
+
+def _counted_model(ctx: FileContext, resolver: Resolver, trainer: ast.Call) -> str | None:
+    """The class of the run, as the file writes it, of a model the Trainer trains (its
+    `model=` or first argument, a name some assignment of the file builds from it,
+    `model = Model.from_pretrained(...)`) whose `forward` takes no `**kwargs` and returns
+    a mean of its own (`Facts.returns`): whatever the version, `model_accepts_loss_kwargs`
+    is then False and the model never gets the step's count
+    (`FACTS["hf-trainer-compute-loss"]`). None if no such class."""
+    given = next((k.value for k in trainer.keywords if k.arg == "model"), None)
+    if given is None and trainer.args:
+        given = trainer.args[0]
+    if not isinstance(given, ast.Name):
+        return None
+    for node in ast.walk(ctx.tree):
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and any(isinstance(t, ast.Name) and t.id == given.id for t in node.targets)
+        ):
+            continue
+        func = node.value.func
+        if isinstance(func, ast.Attribute) and func.attr in _MODEL_MAKERS:
+            func = func.value
+        cls = dotted(func)
+        if cls is None or not last_name(func)[:1].isupper():
+            continue
+        if _uncounted(ctx, resolver, cls):
+            return cls
+    return None
+
+
+def _uncounted(ctx: FileContext, resolver: Resolver, cls: str) -> bool:
+    """Is the `forward` of `cls` (a class of this file, or one imported from the run)
+    a mean no item count reaches (`frameworks.uncounted_forward`)?"""
+    local = ctx.class_by_name.get(cls)
+    if local is not None:
+        fw = next((f for f in local.body if isinstance(f, _DEFS) and f.name == "forward"), None)
+        return fw is not None and uncounted_forward(fw)
+    target = resolver.global_name(cls)
+    return (
+        target is not None and resolver.program is not None and (resolver.program.uncounted(target))
+    )
 
 
 def _plain_trainers(ctx: FileContext) -> list[ast.Call]:

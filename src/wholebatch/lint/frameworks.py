@@ -37,6 +37,7 @@ __all__ = [
     "hf_pinned_before_446",
     "hf_pinned_only_before_446",
     "hydra_config_dirs",
+    "labels_copy_inputs",
     "lightning_class",
     "loss_entries",
     "masks_labels",
@@ -44,6 +45,7 @@ __all__ = [
     "names_transformers",
     "pipeline_losses",
     "scaled_grads_hook",
+    "uncounted_forward",
     "yaml_accumulates",
 ]
 
@@ -240,6 +242,22 @@ def masks_labels(text: str) -> bool:
     collator)? Then a token mean's count varies between micro-batches: grouped blocks of
     a fixed length (labels = input_ids) and one label per sequence do not."""
     return any(w in text for w in _MASKED_WORDS) and _MASKED_RE.search(text) is not None
+
+
+# Labels copied whole from the inputs: `result["labels"] = result["input_ids"].copy()`,
+# `labels = input_ids.clone()` (the grouped fixed-length blocks of a causal LM script).
+_COPIED_RE = re.compile(
+    r"""\blabels\b['"]?\]?\s*=\s*(?:[\w.]+\[['"]|[\w.]*?)\binput_ids\b['"]?\]?"""
+    r"\.(?:copy|clone)\(\)"
+)
+
+
+def labels_copy_inputs(text: str) -> bool:
+    """Does this source make its labels a copy of its input ids (`labels =
+    input_ids.copy()`)? With no masking of its own (`masks_labels`), every token of a
+    micro-batch is a label: its blocks' count is the same in every micro-batch, and a
+    mask shown by another file of the run is that file's data path, not this one's."""
+    return "input_ids" in text and _COPIED_RE.search(text) is not None
 
 
 # A model wrapped for data parallelism: `FSDP(model, ...)`, `DDP(model)` (a call of the
@@ -675,6 +693,28 @@ HF_TRAINERS = (
     "CPOTrainer",
     "RewardTrainer",
 )
+
+
+_CE_NAMES = frozenset({"CrossEntropyLoss", "cross_entropy", "NLLLoss", "nll_loss"})
+
+
+def uncounted_forward(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Is `fn` (a model's `forward`) one that computes its own mean token loss from a
+    `labels` parameter (a cross-entropy with no `reduction=`) and takes no `**kwargs`?
+    Then transformers' Trainer never passes it `num_items_in_batch`
+    (`model_accepts_loss_kwargs` reads the forward's signature), whatever the version:
+    its loss is a mean over the micro-batch's own labels
+    (`FACTS["hf-trainer-compute-loss"]`)."""
+    a = fn.args
+    if a.kwarg is not None or "labels" not in {p.arg for p in (*a.args, *a.kwonlyargs)}:
+        return False
+    return any(
+        isinstance(n, ast.Call)
+        and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", ""))
+        in _CE_NAMES
+        and not any(k.arg == "reduction" for k in n.keywords)
+        for n in ast.walk(fn)
+    )
 
 
 def hf_compute_loss(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.frameworks import masks_labels
+from wholebatch.lint.frameworks import masks_labels, uncounted_forward
 from wholebatch.lint.names import (
     counts_items,
     dotted,
@@ -171,6 +171,12 @@ class Resolver:
             parts = parts[: len(parts) - (level - 1)]
             return ".".join([*parts, rest]) if parts else rest
         return imports.aliases.get(local)
+
+    def global_name(self, name: str) -> str | None:
+        """The absolute name of the class of the run that `name` (as this file writes
+        it, imported) refers to; None for another name."""
+        target = self._global(name)
+        return target if isinstance(target, str) else None
 
     def _global(self, name: str) -> Facts | str | None:
         if self.program is None:
@@ -790,6 +796,8 @@ class Resolver:
             out.classes.setdefault(cls.name, tuple(bases))
             for st in cls.body:
                 if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
+                    if st.name == "forward":
+                        out.forwards.setdefault(cls.name, uncounted_forward(st))
                     f = self._with_deferred(st)
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
