@@ -1,7 +1,8 @@
 """The accumulation a scope's own loops do, for WB301: which loops backpropagate
 micro-batch after micro-batch with no optimizer step inside (their trip counts are
 numbers of micro-batches), and a division of a summed loss by an item count and a number
-of micro-batches in one expression (`pg.sum() / (num_valid * num_passes * examples)`).
+of micro-batches in one expression (`pg.sum() / (num_valid * num_passes * examples)`),
+and a function that asserts one accumulation step (`asserts_one_step`).
 
     for example in range(examples_per_rank):          # backward inside, no step: K1
         for p in range(num_passes):                   # backward inside, no step: K2
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 
-from wholebatch.lint.names import counts_items, dotted
+from wholebatch.lint.names import counts_items, dotted, is_step_count_name, last_name
 from wholebatch.lint.scope import BACKWARD, STEP, Scope, Stmt
 
 __all__ = ["accumulation_trips", "assigned_in_loop", "count_over_steps", "factors"]
@@ -105,4 +106,22 @@ def assigned_in_loop(scope: Scope, st: Stmt, name: str) -> bool:
             continue
         if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return True
+    return False
+
+
+def asserts_one_step(scope: Scope) -> bool:
+    """Does the function assert one accumulation step (`assert
+    self.accelerator.gradient_accumulation_steps == 1`, a trainer that accumulates by its
+    own loop)? Then what a framework divides by the steps it divides by 1."""
+    for n in ast.walk(scope.node):
+        if isinstance(n, ast.Assert) and isinstance(n.test, ast.Compare):
+            t = n.test
+            sides = [t.left, *t.comparators]
+            if (
+                len(t.ops) == 1
+                and isinstance(t.ops[0], ast.Eq)
+                and any(isinstance(s, ast.Constant) and s.value == 1 for s in sides)
+                and any(is_step_count_name(last_name(s) or "") for s in sides)
+            ):
+                return True
     return False

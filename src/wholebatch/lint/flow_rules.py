@@ -17,6 +17,7 @@ from functools import partial
 
 from wholebatch.lint.accum import (
     accumulation_trips,
+    asserts_one_step,
     assigned_in_loop,
     count_over_steps,
     factors,
@@ -754,7 +755,7 @@ def _called_in_accumulate(resolver: Resolver | None, scope: Scope) -> bool:
     if resolver is None or not scope.name:
         return False
     return any(
-        accumulate_block(c.withs, call) and not _asserts_one_step(c)
+        accumulate_block(c.withs, call) and not asserts_one_step(c)
         for c, call, _, _ in resolver.call_sites(scope)
     )
 
@@ -931,24 +932,6 @@ def _gather_findings(
     return found
 
 
-def _asserts_one_step(scope: Scope) -> bool:
-    """Does the function assert one accumulation step (`assert
-    self.accelerator.gradient_accumulation_steps == 1`, a trainer that accumulates by its
-    own loop)? Then what a framework divides by the steps it divides by 1."""
-    for n in ast.walk(scope.node):
-        if isinstance(n, ast.Assert) and isinstance(n.test, ast.Compare):
-            t = n.test
-            sides = [t.left, *t.comparators]
-            if (
-                len(t.ops) == 1
-                and isinstance(t.ops[0], ast.Eq)
-                and any(isinstance(s, ast.Constant) and s.value == 1 for s in sides)
-                and any(is_step_count_name(last_name(s) or "") for s in sides)
-            ):
-                return True
-    return False
-
-
 def _framework_divides(
     ctx: FileContext, flow: Flow, scope: Scope, call: ast.Call, ev: Event
 ) -> list[Finding]:
@@ -956,7 +939,7 @@ def _framework_divides(
     the source): a per-micro-batch mean backpropagated by `accelerator.backward` inside
     `accelerator.accumulate()` (`frameworks.divides_by_steps`), or by the `backward` of
     the engine `deepspeed.initialize` returns (`frameworks.deepspeed_divides`)."""
-    if _asserts_one_step(scope):
+    if asserts_one_step(scope):
         return []  # the framework divides by 1 here
     fact = divides_by_steps(call, scope.withs)
     if fact is None and accelerate_backward(call) and _called_in_accumulate(ctx.resolver, scope):
