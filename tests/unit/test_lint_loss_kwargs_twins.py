@@ -27,6 +27,11 @@ tests: each twin is a small tree of files, linted as a folder; a line ending in
   bad twin; the good twin builds only the unvendored transformers class under an
   unpinned transformers (today's Trainer gives it `num_items_in_batch`: no table of
   transformers' classes by version is kept).
+- `subclass-forward-without-kwargs` (WB301, fact `hf-trainer-compute-loss`): as
+  `forward-without-kwargs`, through a direct subclass of the Trainer in the script
+  (`LoggingTrainer(Trainer)`, its `log` its own, no `compute_loss`), reported at its
+  `class` line as the pinned Trainer's subclasses are. The lint of 161f3c0 misses the
+  bad twin; the good twin's forward takes `**kwargs`.
 - `one-step-run-model` (WB301, fact `hf-trainer-compute-loss`): the bad twin is
   `forward-without-kwargs`'s (missed by the lint of 161f3c0); the good twin's script
   builds its own `TrainingArguments(output_dir, ...)` that leaves
@@ -166,6 +171,31 @@ def _sft(kwargs: str, mark: str, build: str = _RUN_CLASS, args: str = _PARSED) -
     }
 
 
+_SUBCLASS = """
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from data import build_example
+from models.toy import ToyForCausalLM
+
+
+class LoggingTrainer(Trainer):{mark}
+    def log(self, logs, *args, **kwargs):
+        logs["lr"] = self.lr_scheduler.get_last_lr()[0]
+        super().log(logs, *args, **kwargs)
+
+
+def main(tokenizer, raw, path):
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    model = ToyForCausalLM.from_pretrained(path)
+    train = raw.map(lambda r: build_example(tokenizer, r["prompt"], r["answer"]))
+    LoggingTrainer(model=model, args=args, train_dataset=train).train()
+"""
+
+
+def _subclass(kwargs: str, mark: str) -> Twin:
+    return {**_sft(kwargs, ""), "train.py": _SUBCLASS.format(mark=mark)}
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "copied-labels-blocks": (
         _blocks(
@@ -179,6 +209,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "transformers-model-unpinned": (
         _sft("", "  # expect: WB301", build=_EITHER_CLASS),
         _sft("", "", build=_AUTO_CLASS),
+    ),
+    "subclass-forward-without-kwargs": (
+        _subclass("", "  # expect: WB301"),
+        _subclass(", **kwargs", ""),
     ),
     "one-step-run-model": (
         _sft("", "  # expect: WB301"),
