@@ -20,6 +20,22 @@ tests: each twin is a small tree of files, linted as a folder; a line ending in
   Trainer passes such a forward no `num_items_in_batch` and divides its per-micro-batch
   mean by the steps. The lint of 161f3c0 misses the bad twin; the good twin's forward
   takes `**kwargs` (so a 4.46 Trainer gives it the step's count).
+- `transformers-model-unpinned` (WB301, fact `hf-trainer-compute-loss`): the same run,
+  its model chosen at run time between the class of the run and transformers'
+  `AutoModelForCausalLM` (a value assigned on one branch of an `if` may be the one the
+  Trainer gets, as the linter's dataflow reads branches). The lint of 161f3c0 misses the
+  bad twin; the good twin builds only the unvendored transformers class under an
+  unpinned transformers (today's Trainer gives it `num_items_in_batch`: no table of
+  transformers' classes by version is kept).
+- `subclass-forward-without-kwargs` (WB301, fact `hf-trainer-compute-loss`): as
+  `forward-without-kwargs`, through a direct subclass of the Trainer in the script
+  (`LoggingTrainer(Trainer)`, its `log` its own, no `compute_loss`), reported at its
+  `class` line as the pinned Trainer's subclasses are. The lint of 161f3c0 misses the
+  bad twin; the good twin's forward takes `**kwargs`.
+- `one-step-run-model` (WB301, fact `hf-trainer-compute-loss`): the bad twin is
+  `forward-without-kwargs`'s (missed by the lint of 161f3c0); the good twin's script
+  builds its own `TrainingArguments(output_dir, ...)` that leaves
+  `gradient_accumulation_steps` at 1: nothing is accumulated or divided.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_loss_kwargs_twins.py -q
 """
@@ -108,15 +124,21 @@ def build_example(tokenizer, prompt, answer):
 """
 
 _SFT = """
-from transformers import DataCollatorForSeq2Seq, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
 
 from data import build_example
 from models.toy import ToyForCausalLM
 
 
-def main(tokenizer, raw, path):
-    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
-    model = ToyForCausalLM.from_pretrained(path)
+def main(tokenizer, raw, path, output_dir, vendored):
+{args}
+{build}
     train = raw.map(lambda r: build_example(tokenizer, r["prompt"], r["answer"]))
     trainer = Trainer({mark}
         model=model, args=args, train_dataset=train, data_collator=DataCollatorForSeq2Seq(tokenizer)
@@ -125,14 +147,53 @@ def main(tokenizer, raw, path):
 """
 
 
-def _sft(kwargs: str, mark: str) -> Twin:
+# How the script builds its model: a class of the run, an unvendored transformers class,
+# or either, chosen at run time (a value assigned on one branch may be the one read).
+_RUN_CLASS = "    model = ToyForCausalLM.from_pretrained(path)"
+_AUTO_CLASS = "    model = AutoModelForCausalLM.from_pretrained(path)"
+_EITHER_CLASS = """    if vendored:
+        model = ToyForCausalLM.from_pretrained(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)"""
+
+# The steps read from the command line, or left at one step by the script itself.
+_PARSED = "    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()"
+_ONE_STEP = "    args = TrainingArguments(output_dir, per_device_train_batch_size=4)"
+
+
+def _sft(kwargs: str, mark: str, build: str = _RUN_CLASS, args: str = _PARSED) -> Twin:
     return {
         "requirements.txt": "transformers\ntorch\n",
         "models/__init__.py": "",
         "models/toy.py": _TOY_MODEL.format(kwargs=kwargs),
         "data.py": _PROMPTS.format(),
-        "train.py": _SFT.format(mark=mark),
+        "train.py": _SFT.format(mark=mark, build=build, args=args),
     }
+
+
+_SUBCLASS = """
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from data import build_example
+from models.toy import ToyForCausalLM
+
+
+class LoggingTrainer(Trainer):{mark}
+    def log(self, logs, *args, **kwargs):
+        logs["lr"] = self.lr_scheduler.get_last_lr()[0]
+        super().log(logs, *args, **kwargs)
+
+
+def main(tokenizer, raw, path):
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    model = ToyForCausalLM.from_pretrained(path)
+    train = raw.map(lambda r: build_example(tokenizer, r["prompt"], r["answer"]))
+    LoggingTrainer(model=model, args=args, train_dataset=train).train()
+"""
+
+
+def _subclass(kwargs: str, mark: str) -> Twin:
+    return {**_sft(kwargs, ""), "train.py": _SUBCLASS.format(mark=mark)}
 
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
@@ -145,5 +206,17 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         _blocks("default_data_collator", ", default_data_collator", ""),
     ),
     "forward-without-kwargs": (_sft("", "  # expect: WB301"), _sft(", **kwargs", "")),
+    "transformers-model-unpinned": (
+        _sft("", "  # expect: WB301", build=_EITHER_CLASS),
+        _sft("", "", build=_AUTO_CLASS),
+    ),
+    "subclass-forward-without-kwargs": (
+        _subclass("", "  # expect: WB301"),
+        _subclass(", **kwargs", ""),
+    ),
+    "one-step-run-model": (
+        _sft("", "  # expect: WB301"),
+        _sft("", "", args=_ONE_STEP),
+    ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

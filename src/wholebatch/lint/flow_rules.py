@@ -387,6 +387,12 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         )
         if old:
             flags = [cls]
+        # any version: a call of this subclass in the file trains a model of the run
+        # whose `forward` takes no `**kwargs` (`_counted_model`)
+        model = None
+        if not flags and masked and not ctx.evidence.hf_before_446:
+            model = _subclass_model(ctx, resolver, cls)
+            flags = [cls] if model is not None else []
         if not flags:
             continue
         own = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
@@ -406,6 +412,8 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         msg = (
             _OLD_TRAINER
             if old
+            else _NO_COUNT.format(cls=model)
+            if model is not None
             else "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
             "`num_items_in_batch`: its `loss` is a mean over this micro-batch's unmasked "
             f"labels, and {FACTS['hf-trainer-compute-loss'].says}: micro-batches with "
@@ -460,6 +468,27 @@ def _counted_model(ctx: FileContext, resolver: Resolver, trainer: ast.Call) -> s
             continue
         if _uncounted(ctx, resolver, cls):
             return cls
+    return None
+
+
+def _subclass_model(ctx: FileContext, resolver: Resolver, cls: ast.ClassDef) -> str | None:
+    """The class of the run (`_counted_model`) of a model that a call of `cls` in this
+    file trains (`MyTrainer(model=model, args=args)`), `cls` a direct subclass of the
+    Trainer whose step and loop are the Trainer's own, its arguments not left at one
+    step (`_one_micro_batch`). None if no such call."""
+    if any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS)) or (
+        _replaces_train(cls)
+    ):
+        return None
+    for node in ast.walk(ctx.tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == cls.name
+            and not _one_micro_batch(ctx, node)
+            and (model := _counted_model(ctx, resolver, node)) is not None
+        ):
+            return model
     return None
 
 
