@@ -385,6 +385,15 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             and not any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS))
             and not _replaces_train(cls)
         )
+        if old and _base_only(ctx, cls):
+            # a base the file builds only through its subclasses: each that inherits
+            # the Trainer's loss is reported at its own `class` line instead
+            out += [
+                _finding(ctx, sub, "WB301", _OLD_TRAINER)
+                for sub in _heirs(ctx, cls)
+                if not any(q in _HF_DEFAULT_LOSS for q in _base_names(ctx, sub))
+            ]
+            continue
         if old:
             flags = [cls]
         # any version: a call of this subclass in the file trains a model of the run
@@ -395,18 +404,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             flags = [cls] if model is not None else []
         if not flags:
             continue
-        own = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
-        override = next((f for f in own if hf_compute_loss(f)), None)
-        if override is not None and not any(
-            isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "compute_loss"
-            and isinstance(n.func.value, ast.Call)
-            and last_name(n.func.value.func) == "super"
-            for r in ast.walk(override)
-            if isinstance(r, ast.Return) and r.value is not None
-            for n in ast.walk(r.value)
-        ):
+        if _own_loss(cls):
             continue
         # Labels masked out of the loss: its count varies whatever the rows per batch.
         msg = (
@@ -420,6 +418,75 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             "fewer tokens weigh more"
         )
         out += [_finding(ctx, f, "WB301", msg) for f in flags]
+    return out
+
+
+def _own_loss(cls: ast.ClassDef) -> bool:
+    """Does `cls` override `compute_loss` with a loss of its own (one that does not return
+    `super().compute_loss(...)`)?"""
+    own = [f for f in cls.body if isinstance(f, _DEFS)]
+    override = next((f for f in own if hf_compute_loss(f)), None)
+    return override is not None and not any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "compute_loss"
+        and isinstance(n.func.value, ast.Call)
+        and last_name(n.func.value.func) == "super"
+        for r in ast.walk(override)
+        if isinstance(r, ast.Return) and r.value is not None
+        for n in ast.walk(r.value)
+    )
+
+
+def _base_names(ctx: FileContext, cls: ast.ClassDef) -> list[str]:
+    return [ctx.imports.qualname(b) or dotted(b) or "" for b in cls.bases]
+
+
+def _base_only(ctx: FileContext, cls: ast.ClassDef) -> bool:
+    """Is `cls` named in its file only as a base of the file's other classes, never built,
+    bound, returned or handed on (a mixin, `class SchedulerMixin(Trainer)` under
+    `class AxolotlTrainer(SchedulerMixin, Trainer)`)? The run then trains its subclasses,
+    not it: which loss they compute is theirs to say (`_heirs`)."""
+    bases = {id(b) for c in ctx.classes for b in c.bases}
+    named = [n for n in ast.walk(ctx.tree) if isinstance(n, ast.Name) and n.id == cls.name]
+    return bool(named) and all(id(n) in bases for n in named)
+
+
+def _heirs(ctx: FileContext, base: ast.ClassDef) -> list[ast.ClassDef]:
+    """The subclasses in the file of `base` (a Trainer subclass with the Trainer's own
+    loss and step, named only as a base) that inherit that loss and step: none of their
+    own `compute_loss` (other than `super()`'s), `training_step` or loop on the way, and
+    no other base before the Trainer that computes its own loss (TRL's `DPOTrainer`,
+    any `...Trainer` class not the Trainer itself: in the method order a mixin's
+    `Trainer` base comes after every subclass of it). Base-only heirs hand it on."""
+    out: list[ast.ClassDef] = []
+    todo = [base]
+    while todo:
+        b = todo.pop()
+        for sub in ctx.classes:
+            if sub in out or sub is base or not any(dotted(x) == b.name for x in sub.bases):
+                continue
+            others = [
+                q
+                for x, q in zip(sub.bases, _base_names(ctx, sub), strict=True)
+                if dotted(x) != b.name
+            ]
+            if (
+                _own_loss(sub)
+                or any(f.name in _HF_OWN_STEP for f in sub.body if isinstance(f, _DEFS))
+                or _replaces_train(sub)
+                or any(
+                    q.endswith("Trainer")
+                    and q not in _HF_DEFAULT_LOSS
+                    and q not in (c.name for c in ctx.classes)
+                    for q in others
+                )
+            ):
+                continue
+            if _base_only(ctx, sub):
+                todo.append(sub)
+            else:
+                out.append(sub)
     return out
 
 
