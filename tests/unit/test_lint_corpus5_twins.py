@@ -13,6 +13,20 @@ code, and nothing else may be.
   Trainer's loss through the base and is reported at its own `class` line; the lint of
   f42b872 reports the base instead.
 
+- `override-calls-model` (WB301, fact `hf-trainer-compute-loss`; corpus 5's evaluation
+  half, tuned on after its judgment: ChatGLM-Tuning's `ModifiedTrainer`, orpo's
+  `ORPOTrainer`): a `compute_loss` override that calls the model itself with labels a
+  collator of the file pads with -100, reading no `num_items_in_batch` and handing on no
+  `**kwargs`, returns the model's mean over this micro-batch's labels in any version of
+  transformers; the Trainer backpropagates it once per micro-batch (divided by the steps
+  or, from 4.46 where the model takes loss kwargs, not even that). The bad twin is
+  reported at its return; the lint of 58c23da reports nothing. The good twin hands its
+  `**kwargs` (the step's count, from 4.46) on to the model, unpinned.
+- `override-kwargs-pinned` (the same fact under a pin below 4.46): there `**kwargs`
+  hold no count, so handing them on changes nothing and the bad twin is reported (the
+  lint of 58c23da does not); the good twin sums its token losses itself (a sum is
+  exact up to one constant).
+
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus5_twins.py -q
 """
 
@@ -85,7 +99,56 @@ def _tree(heir: str, name: str) -> Twin:
     }
 
 
+_COLLATE = """
+import torch
+from transformers import Trainer
+
+
+def collate(rows, pad_id):
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids, labels = [], []
+    for r in rows:
+        gap = longest - len(r["input_ids"])
+        ids.append(r["input_ids"] + [pad_id] * gap)
+        labels.append([-100] * r["prompt_len"] + r["input_ids"][r["prompt_len"] :] + [-100] * gap)
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+
+
+class LossTrainer(Trainer):
+{override}
+"""
+
+_CALLS_MODEL = """    def compute_loss(self, model, inputs, return_outputs=False):
+        return model(  # expect: WB301
+            input_ids=inputs["input_ids"],
+            labels=inputs["labels"],
+        ).loss
+"""
+
+_HANDS_ON = """    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = model(**inputs, **kwargs)
+        return (out.loss, out) if return_outputs else out.loss
+"""
+
+_HANDS_ON_PINNED = _HANDS_ON.replace("out.loss\n", "out.loss  # expect: WB301\n", 1)
+
+_SUMS = """    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+        labels = inputs["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), reduction="sum"
+        )
+"""
+
+
+def _override(body: str, pin: str = "") -> Twin:
+    files = {"app/__init__.py": "", "app/trainer.py": _COLLATE.replace("{override}", body)}
+    return {**files, "requirements.txt": pin} if pin else files
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "trainer-base-only": (_tree(_INHERITS, "LoggedTrainer"), _tree(_OWN_LOSS, "RankTrainer")),
+    "override-calls-model": (_override(_CALLS_MODEL), _override(_HANDS_ON)),
+    "override-kwargs-pinned": (_override(_HANDS_ON_PINNED, _PIN), _override(_SUMS, _PIN)),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

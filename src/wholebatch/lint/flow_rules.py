@@ -306,11 +306,19 @@ def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) ->
     value = node.value
     options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
     fact = FACTS["hf-trainer-compute-loss"]
+    # Its own mean over a count it shows to vary (`V`), and a model's `loss` (`v`) that
+    # the override computes by calling the model itself: reading no `num_items_in_batch`
+    # and handing on no `**kwargs`, it gives the model no count in any version (4.46's
+    # count reaches a model only through the Trainer's own `compute_loss`), so the
+    # model's loss is this micro-batch's mean, judged by `_msg301`'s evidence.
+    # (Below 4.46, pinned, `**kwargs` hold no count either.)
+    counted = _hands_on_kwargs(scope) and not ctx.evidence.hf_before_446
+    kept = {"V"} if counted else {"V", "v", "L"}
     for v in options:
         loss = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
-        # its own mean over a count it shows to vary; a model's `loss` (`v`) is the
-        # model's business: with `num_items_in_batch` given, the model divides by it
-        msg = _msg301(ctx, flow.tags(loss) & {"V"}, loss, None, by=fact.says)
+        tags = flow.tags(loss) & kept
+        says = fact.says if "V" in tags else f"{fact.says}, which this override never gives it"
+        msg = _msg301(ctx, tags, loss, None, by=says)
         if msg:
             where = (
                 scope.last_assignment(loss.id, node.lineno) if isinstance(loss, ast.Name) else None
@@ -325,6 +333,19 @@ def _reads_step_items(scope: Scope) -> bool:
     divided by the step's count when the Trainer counts, a choice the linter cannot see."""
     return any(
         isinstance(n, ast.Name) and n.id == "num_items_in_batch" and not _in_super_call(st.node, n)
+        for st in scope.stmts
+        for n in st.walk()
+    )
+
+
+def _hands_on_kwargs(scope: Scope) -> bool:
+    """Does the override hand its `**kwargs` on to a call (`model(**inputs, **kwargs)`),
+    where 4.46's `num_items_in_batch` may reach the model?"""
+    node = scope.node
+    kw = node.args.kwarg if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+    return kw is not None and any(
+        isinstance(n, ast.Call)
+        and any(k.arg is None and dotted(k.value) == kw.arg for k in n.keywords)
         for st in scope.stmts
         for n in st.walk()
     )
