@@ -19,6 +19,7 @@ import pytest
 from benchmarks.lint_twins import check_twin, write
 from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
+from tests.unit.test_lint_corpus5_twins import TWINS as CORPUS5_TWINS
 from tests.unit.test_lint_false_alarm_twins import TWINS as FALSE_ALARM_TWINS
 from tests.unit.test_lint_framework_divides_twins import TWINS as DIVIDES_TWINS
 from tests.unit.test_lint_local_exit_twins import TWINS as LOCAL_EXIT_TWINS
@@ -68,6 +69,8 @@ _DECIDED_BY = {
     "hf-trainer-before-4-46": "hf-trainer-pinned-before-4-46",
     # tests/unit/test_lint_framework_divides_twins.py
     "mmengine-optim-wrapper": "mmengine-accumulative-counts",
+    # tests/unit/test_lint_corpus5_twins.py (and its collator test)
+    "trl-sft-trainer": "trl-sft-default-collator",
 }
 
 
@@ -85,6 +88,7 @@ def test_every_fact_is_documented_and_decided() -> None:
             PINNED_TWINS,
             DIVIDES_TWINS,
             LOCAL_EXIT_TWINS,
+            CORPUS5_TWINS,
         )
         assert any(by in t for t in twins) or by in globals(), name
 

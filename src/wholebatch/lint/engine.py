@@ -675,7 +675,8 @@ def lint_run(
 
 
 # The files where a project pins its dependencies, beside the folder it is linted from.
-_PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg")
+# (and a conda environment's pip section: `- transformers==4.31.0` in environment.yml)
+_PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "environment.yml", "environment.yaml")
 
 
 def _pins_old_transformers(given: list[str], files: Iterable[Path]) -> set[str]:

@@ -114,6 +114,10 @@ class Facts:
             the labels is conditioned on (`names.masking_param`), or "": a call that
             does not pass it gets a model's plain mean (`v`) for the mean its `V`/`S`
             tags describe (WB301).
+        scaled: it divides a value by a number of accumulation steps (a name for one:
+            `loss / args.accum`), so what it returns is already divided: a caller that
+            backpropagates it every micro-batch does not sum undivided means (WB301's
+            own finding, if any, is the callee's).
     """
 
     qual: str
@@ -132,6 +136,7 @@ class Facts:
     steps: bool = False
     deferred: tuple[Deferred, ...] = ()
     masks_if: str = ""
+    scaled: bool = False
 
     @property
     def interesting(self) -> bool:

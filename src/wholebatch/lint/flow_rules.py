@@ -376,7 +376,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     where labels are masked (`_msg301`'s evidence)."""
     out: list[Finding] = []
     ev = ctx.evidence
-    shown = masks_labels(ctx.source)
+    shown = masks_labels(ctx.source) or _sft_pads_labels(ctx)
     masked = ev.masks_labels or shown
     if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
         return out
@@ -663,15 +663,47 @@ def _replaces_train(cls: ast.ClassDef) -> bool:
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
-# The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).
-_HF_DEFAULT_LOSS = frozenset(
-    {
-        "transformers.Trainer",
-        "transformers.trainer.Trainer",
-        "transformers.Seq2SeqTrainer",
-        "transformers.trainer_seq2seq.Seq2SeqTrainer",
-    }
+# TRL's SFTTrainer: the Trainer's own loss (`frameworks.FACTS["trl-sft-trainer"]`).
+_TRL_SFT = frozenset(
+    {"trl.SFTTrainer", "trl.trainer.SFTTrainer", "trl.trainer.sft_trainer.SFTTrainer"}
 )
+
+# The Trainers whose own `compute_loss` returns the model's `loss` (`Trainer.compute_loss`).
+_HF_DEFAULT_LOSS = (
+    frozenset(
+        {
+            "transformers.Trainer",
+            "transformers.trainer.Trainer",
+            "transformers.Seq2SeqTrainer",
+            "transformers.trainer_seq2seq.Seq2SeqTrainer",
+        }
+    )
+    | _TRL_SFT
+)
+
+
+def _sft_pads_labels(ctx: FileContext) -> bool:
+    """Does the file build TRL's SFTTrainer with its default collator (no `data_collator=`,
+    no `**kwargs`) and without packing (no `packing=True` in the file: the SFTTrainer's
+    keyword, or its `SFTConfig`'s from 0.9)? That collator pads each micro-batch to its
+    longest row and sets the padding's labels to -100
+    (`frameworks.FACTS["trl-sft-trainer"]`): labels masked out of the loss."""
+    if not ctx.mentions("SFTTrainer"):
+        return False
+    for n in ast.walk(ctx.tree):
+        if (
+            isinstance(n, ast.keyword)
+            and n.arg == "packing"
+            and not (isinstance(n.value, ast.Constant) and n.value.value is False)
+        ):
+            return False  # packed (or packed by a setting): fixed-length blocks
+    for n in ast.walk(ctx.tree):
+        if not (isinstance(n, ast.Call) and (ctx.imports.qualname(n.func) or "") in _TRL_SFT):
+            continue
+        given = {k.arg for k in n.keywords}
+        if None not in given and "data_collator" not in given and len(n.args) <= 2:
+            return True
+    return False
 
 
 def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
@@ -1358,6 +1390,8 @@ def _undivided_sum(
     if k is None:
         return []
     for loss in ev.losses:
+        if _scaled_by_callee(ctx, flow.scope, loss):
+            continue  # divided by the steps where it is computed
         by = (
             f"is summed over the micro-batches of a step, with no division: the optimizer "
             f"steps every `{_text(k)}`"
@@ -1367,6 +1401,20 @@ def _undivided_sum(
             return [_finding(ctx, ev.node, "WB301", msg)]
         waiting.append((loss, ev.node, f"and {by}"))
     return []
+
+
+def _scaled_by_callee(ctx: FileContext, scope: Scope, loss: ast.expr) -> bool:
+    """Is `loss` what a function of the run returns that divides by the steps itself
+    (`Facts.scaled`): `lm_pass(args, model, batch).backward()`, or a name last assigned
+    such a call?"""
+    value: ast.expr | None = loss
+    if isinstance(loss, ast.Name):
+        a = scope.last_assignment(loss.id, loss.lineno + 1)
+        value = a.value if a is not None else None
+    if not isinstance(value, ast.Call) or ctx.resolver is None:
+        return False
+    r = ctx.resolver.resolve(value, scope)
+    return r is not None and r[0].scaled
 
 
 def _reciprocal_steps(
@@ -1510,7 +1558,8 @@ def _msg301(
     A mean over a count the code shows to vary (`V`) is always reported. The `loss`
     field of a model's output (`v`) is a mean over items the linter cannot count: exact
     when every micro-batch has the same item count, so it is left alone where the file
-    builds fixed-size batches (`drop_last=True`), where the forward pass was not given
+    builds fixed-size batches (`drop_last=True`) and masks no labels itself (rows fixed,
+    tokens counted elsewhere), where the forward pass was not given
     token inputs (`L`: `labels=`, `input_ids=`, `**batch`; a contrastive model's
     `query=`/`passage=` loss is a mean over rows) or where the file does not mask labels
     out of the loss (`frameworks.masks_labels`: a -100 label, `ignore_index`; one label
@@ -1523,15 +1572,14 @@ def _msg301(
             f"ignore_index) {divided}: micro-batches with fewer items weigh "
             "more, so the sum is not the whole-batch mean"
         )
+    shown = masks_labels(ctx.source)
     if (
         "v" not in tags
         or "L" not in tags
-        or not (
-            ctx.evidence.masks_labels
-            or ctx.evidence.package_masks_labels
-            or masks_labels(ctx.source)
-        )
-        or _FIXED_SIZE_RE.search(ctx.source)
+        or not (shown or ctx.evidence.masks_labels or ctx.evidence.package_masks_labels)
+        # fixed-size batches fix the rows, not the tokens: where this file masks labels
+        # itself, the count varies whatever `drop_last` says
+        or (_FIXED_SIZE_RE.search(ctx.source) and not shown)
     ):
         return ""
     return (

@@ -148,6 +148,19 @@ _ALL = (
         rules=("WB301",),
     ),
     Fact(
+        name="trl-sft-trainer",
+        framework="trl",
+        says="TRL's `SFTTrainer` trains with the Trainer's own loss, and without packing its "
+        "default collator pads each micro-batch to its longest row and sets the padding's "
+        "labels to -100: a mean over a count that varies",
+        where="trl/trainer/sft_trainer.py: SFTTrainer (0.5 to 0.11: no `compute_loss` of "
+        "its own; `data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, "
+        "mlm=False)` when none is given, transformers' collator, which sets `labels[labels "
+        "== pad_token_id] = -100`; 1.16: `compute_loss` returns `super().compute_loss(...)`, "
+        "its own `DataCollatorForLanguageModeling` pads labels with -100; both checked)",
+        rules=("WB301",),
+    ),
+    Fact(
         name="mmengine-optim-wrapper",
         framework="mmengine",
         says="mmengine's `BaseModel.train_step` sums the `loss` entries of the dict "
@@ -284,13 +297,15 @@ _FP16_WORDS = ('"16-mixed"', "'16-mixed'")
 # `Trainer(accumulate_grad_batches=4)` (any value but a literal 1), also through a dict
 # of arguments (`params["accumulate_grad_batches"] = args.k`, `{"accumulate_grad_batches":
 # k}`, then `Trainer(**params)`).
+# Not a literal 1 that is the whole value (`=1,`, `=1)`); `1 if debug else k` may be k.
+_NOT_ONE = r"(?!1[ \t]*(?:[,)\]}#;\n]|$))"
 _LIGHTNING_ACCUM_RE = re.compile(
-    r"accumulate_grad_batches(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*(?!1\b)[\w\"'.(\[]"
+    r"accumulate_grad_batches(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*" + _NOT_ONE + r"[\w\"'.(\[]"
 )
 # `optim_wrapper = dict(type=AmpOptimWrapper, ..., accumulative_counts=k)`, or
 # `accumulative_counts = 16` in an mmengine config (any value but a literal 1).
 _MMENGINE_ACCUM_RE = re.compile(
-    r"accumulative_counts(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*(?!1\b)[\w\"'.(\[]"
+    r"accumulative_counts(?:[\"']\s*\]\s*=|[\"']\s*:|\s*=)\s*" + _NOT_ONE + r"[\w\"'.(\[]"
 )
 
 

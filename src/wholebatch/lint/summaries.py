@@ -664,6 +664,7 @@ class Resolver:
             nograd_gathers=nograd_gathers,
             replicated=gathers and replicated,
             steps=steps,
+            scaled=any(_by_steps(d) for d in scope.divs),
         )
         if (tagged or mean) and self.returns_fn is not None:
             self._facts[id(d)] = out  # a recursive call back into d sees no return tags
@@ -873,18 +874,37 @@ def _may_return_mean(scope: Scope, hints: _MeanHints) -> bool:
         return True
     if not hints.loss or not _returns_value(scope):
         return False
+    returned = {
+        x.id
+        for st in scope.stmts
+        if isinstance(st.node, ast.Return) and st.node.value is not None
+        for x in ast.walk(st.node.value)
+        if isinstance(x, ast.Name)
+    }
     for st in scope.stmts:
         n = st.node
         # a `loss` field read anywhere (`loss = out["loss"]`, then `return loss`), or a
-        # first element returned (`return outputs[0]`: a model's loss, given labels)
+        # first element returned (`return outputs[0]`, or `loss = outputs[0]` then
+        # `return loss`: a model's loss, given labels)
+        first = isinstance(n, ast.Return) or (
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id in returned for t in n.targets)
+        )
         for x in st.walk():
             if (isinstance(x, ast.Attribute) and x.attr == "loss") or (
                 isinstance(x, ast.Subscript)
                 and isinstance(x.slice, ast.Constant)
-                and (x.slice.value == "loss" or (x.slice.value == 0 and isinstance(n, ast.Return)))
+                and (x.slice.value == "loss" or (x.slice.value == 0 and first))
             ):
                 return True
     return False
+
+
+def _by_steps(d: ast.BinOp | ast.AugAssign) -> bool:
+    """Is `d` a division by a name of a number of accumulation steps (`x / args.accum`,
+    `x /= grad_accum_steps`)?"""
+    right = d.right if isinstance(d, ast.BinOp) else d.value
+    return isinstance(d.op, ast.Div) and is_step_count_name(last_name(right) or "")
 
 
 def _selects_by_mask(scope: Scope) -> bool:
