@@ -22,6 +22,12 @@ code, and nothing else may be.
   or, from 4.46 where the model takes loss kwargs, not even that). The bad twin is
   reported at its return; the lint of 58c23da reports nothing. The good twin hands its
   `**kwargs` (the step's count, from 4.46) on to the model, unpinned.
+- `override-opaque-inputs` (the same fact; FlagEmbedding's rerankers, found by the
+  regression run of that change over the earlier corpora): an override that hands the
+  model the batch whole (`model(**inputs)`) does not show that the model is given
+  labels: a reranker's or a retriever's `loss` is a mean over rows, and the good twin
+  is not reported. The bad twin spells them out in a dict literal (`model(**{"input_ids":
+  ..., "labels": ...})`, orpo's form), reported where its loss is last assigned.
 - `override-kwargs-pinned` (the same fact under a pin below 4.46): there `**kwargs`
   hold no count, so handing them on changes nothing and the bad twin is reported (the
   lint of 58c23da does not); the good twin sums its token losses itself (a sum is
@@ -157,7 +163,22 @@ _HANDS_ON = """    def compute_loss(self, model, inputs, return_outputs=False, *
         return (out.loss, out) if return_outputs else out.loss
 """
 
-_HANDS_ON_PINNED = _HANDS_ON.replace("out.loss\n", "out.loss  # expect: WB301\n", 1)
+_OPAQUE = """    def compute_loss(self, model, inputs, return_outputs=False):
+        outputs = model(**inputs)
+        loss = outputs.loss
+        return (loss, outputs) if return_outputs else loss
+"""
+
+_SPELLED = """    def compute_loss(self, model, inputs, return_outputs=False):
+        outputs = model(**{"input_ids": inputs["input_ids"], "labels": inputs["labels"]})
+        loss = outputs.loss  # expect: WB301
+        return (loss, outputs) if return_outputs else loss
+"""
+
+_HANDS_ON_PINNED = """    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = model(input_ids=inputs["input_ids"], labels=inputs["labels"], **kwargs)
+        return (out.loss, out) if return_outputs else out.loss  # expect: WB301
+"""
 
 _SUMS = """    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
@@ -309,6 +330,7 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     ),
     "trainer-base-only": (_tree(_INHERITS, "LoggedTrainer"), _tree(_OWN_LOSS, "RankTrainer")),
     "override-calls-model": (_override(_CALLS_MODEL), _override(_HANDS_ON)),
+    "override-opaque-inputs": (_override(_SPELLED), _override(_OPAQUE)),
     "override-kwargs-pinned": (_override(_HANDS_ON_PINNED, _PIN), _override(_SUMS, _PIN)),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

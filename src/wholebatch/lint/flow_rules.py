@@ -22,6 +22,7 @@ from wholebatch.lint.accum import (
     count_over_steps,
     factors,
 )
+from wholebatch.lint.data import literal_kwargs, spelled_out
 from wholebatch.lint.dataflow import Flow, returned_tags
 from wholebatch.lint.deferred import defer, deferred_findings
 from wholebatch.lint.frameworks import (
@@ -307,13 +308,15 @@ def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) ->
     options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
     fact = FACTS["hf-trainer-compute-loss"]
     # Its own mean over a count it shows to vary (`V`), and a model's `loss` (`v`) that
-    # the override computes by calling the model itself: reading no `num_items_in_batch`
-    # and handing on no `**kwargs`, it gives the model no count in any version (4.46's
-    # count reaches a model only through the Trainer's own `compute_loss`), so the
-    # model's loss is this micro-batch's mean, judged by `_msg301`'s evidence.
+    # the override computes by calling the model itself with labels it spells out
+    # (`labels=...`, a dict literal's "labels"; an opaque `model(**inputs)` may be a
+    # reranker's mean over rows): reading no `num_items_in_batch` and handing on no
+    # `**kwargs`, it gives the model no count in any version (4.46's count reaches a
+    # model only through the Trainer's own `compute_loss`), so the model's loss is this
+    # micro-batch's mean, judged by `_msg301`'s evidence.
     # (Below 4.46, pinned, `**kwargs` hold no count either.)
     counted = _hands_on_kwargs(scope) and not ctx.evidence.hf_before_446
-    kept = {"V"} if counted else {"V", "v", "L"}
+    kept = {"V"} if counted or not _spells_labels(scope) else {"V", "v", "L"}
     for v in options:
         loss = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
         tags = flow.tags(loss) & kept
@@ -336,6 +339,21 @@ def _reads_step_items(scope: Scope) -> bool:
         for st in scope.stmts
         for n in st.walk()
     )
+
+
+def _spells_labels(scope: Scope) -> bool:
+    """Does the scope call something with labels by name (`model(input_ids=x,
+    labels=y)`, or `model(**inputs)` of a dict literal with a "labels" key)?"""
+    literals = literal_kwargs(st.walk() for st in scope.stmts)
+    for c in scope.calls:
+        for k in spelled_out(c, literals).keywords:
+            if k.arg in ("labels", "lm_labels"):
+                return True
+            if k.arg is None and isinstance(k.value, ast.Dict):  # `model(**{"labels": y})`
+                keys = [x.value for x in k.value.keys if isinstance(x, ast.Constant)]
+                if "labels" in keys or "lm_labels" in keys:
+                    return True
+    return False
 
 
 def _hands_on_kwargs(scope: Scope) -> bool:
