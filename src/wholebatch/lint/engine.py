@@ -676,7 +676,8 @@ def lint_run(
 
 # The files where a project pins its dependencies, beside the folder it is linted from.
 # (and a conda environment's pip section: `- transformers==4.31.0` in environment.yml)
-_PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "environment.yml", "environment.yaml")
+_ENV_FILES = ("environment.yml", "environment.yaml")
+_PIN_FILES = ("pyproject.toml", "setup.py", "setup.cfg", *_ENV_FILES)
 
 
 def _pins_old_transformers(given: list[str], files: Iterable[Path]) -> set[str]:
@@ -712,7 +713,13 @@ def _folder_pin(folder: Path) -> bool | None:
     except OSError:
         return None
     verdict: bool | None = None
-    for n in sorted(names):
+    # A conda environment file is an export of one machine's packages: it decides only
+    # where no install spec of the folder (requirements, pyproject.toml, setup.py) names
+    # transformers (pyreft's environment.yml pins 4.39.3 beside `transformers>=4.48.2`).
+    names.sort(key=lambda n: (n in _ENV_FILES, n))
+    for n in names:
+        if n in _ENV_FILES and verdict is not None:
+            break
         try:
             text = (folder / n).read_text(errors="replace")
         except OSError:
@@ -756,7 +763,8 @@ def _hydra_accumulates(sources: dict[Path, str]) -> bool:
 
 
 def _is_requirements(name: str) -> bool:
-    return name.startswith("requirements") and name.endswith((".txt", ".in"))
+    # (`requirement.txt` too: LESS's and LLM-Shearing's, which their setup.py reads)
+    return name.startswith("requirement") and name.endswith((".txt", ".in"))
 
 
 def _masked(

@@ -246,7 +246,7 @@ def _flow_scope(resolver: Resolver, results: Results, scope: Scope) -> list[Find
                 if _is_product(d)
                 for f in factors(d.right)  # type: ignore[union-attr]  # _is_product: a BinOp
             )
-    if not accum and scope.mods and _gated_steps(scope):
+    if not accum and ((scope.mods and _gated_steps(scope)) or _trip_steps(scope)):
         accum = True  # steps every k micro-batches: a mean summed over them (no division)
     if not accum and scope.withs and any(_accumulates(w) for w in scope.withs):
         accum = True  # a framework that divides by the steps itself
@@ -421,9 +421,11 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         old = (
             not flags
             and ctx.evidence.hf_before_446
-            and not any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS))
+            and not _own_step(cls)
             and not _replaces_train(cls)
         )
+        if old and _own_loss(cls):
+            continue  # its own `compute_loss` (`_hf_divides` judges it), and its heirs'
         if old and _base_only(ctx, cls):
             # a base the file builds only through its subclasses: each that inherits
             # the Trainer's loss is reported at its own `class` line instead
@@ -512,7 +514,7 @@ def _heirs(ctx: FileContext, base: ast.ClassDef) -> list[ast.ClassDef]:
             ]
             if (
                 _own_loss(sub)
-                or any(f.name in _HF_OWN_STEP for f in sub.body if isinstance(f, _DEFS))
+                or _own_step(sub)
                 or _replaces_train(sub)
                 or any(
                     q.endswith("Trainer")
@@ -582,9 +584,7 @@ def _subclass_model(ctx: FileContext, resolver: Resolver, cls: ast.ClassDef) -> 
     file trains (`MyTrainer(model=model, args=args)`), `cls` a direct subclass of the
     Trainer whose step and loop are the Trainer's own, its arguments not left at one
     step (`_one_micro_batch`). None if no such call."""
-    if any(f.name in _HF_OWN_STEP for f in cls.body if isinstance(f, _DEFS)) or (
-        _replaces_train(cls)
-    ):
+    if _own_step(cls) or _replaces_train(cls):
         return None
     for node in ast.walk(ctx.tree):
         if (
@@ -662,6 +662,25 @@ def _training_args_of_one(ctx: FileContext, value: ast.expr) -> bool:
 
 
 _HF_OWN_STEP = frozenset({"training_step", "_inner_training_loop"})
+
+
+def _own_step(cls: ast.ClassDef) -> bool:
+    """Does `cls` replace the Trainer's step: its own `training_step`, or its own
+    `_inner_training_loop` that never calls `self.training_step(...)`? A loop of its own
+    that still calls the Trainer's step (LLaVA-NeXT's `LLaVATrainer`, corpus 6) keeps the
+    step's division."""
+    own = {f.name: f for f in cls.body if isinstance(f, _DEFS)}
+    if "training_step" in own:
+        return True
+    loop = own.get("_inner_training_loop")
+    return loop is not None and not any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "training_step"
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+        for n in ast.walk(loop)
+    )
 
 
 def _replaces_train(cls: ast.ClassDef) -> bool:
@@ -981,6 +1000,8 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     recips = _reciprocal_steps(scope, periods, steps) if scope.divs else {}
     # WB301's sum of K means: the step gated by `% k == 0`, nothing divided by the steps
     gated = _gated_steps(scope) if not recips and scope.mods else {}
+    if not recips:
+        gated |= _trip_steps(scope)  # ... or a loop of k micro-batches, stepped after it
     undivided: list[Finding] = []  # `_undivided_sum`, unless the scope divides a loss
     waiting: list[tuple[ast.expr, ast.AST, str]] = []  # ... and those for a later caller
     divided = False
@@ -1298,7 +1319,7 @@ def _mean_over_steps(
 ) -> Iterator[Finding]:
     node = st.node
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
-        if _is_accum_count(node.value, periods, steps):
+        if _is_accum_count(node.value, periods, steps) and not _logged_sum(scope, node.target):
             msg = _msg301_passed(ctx, scope, flow.tags(node.target), node.target, node.value)
             if msg:
                 yield _finding(ctx, node, "WB301", msg)
@@ -1316,6 +1337,78 @@ def _mean_over_steps(
                 yield _finding(ctx, sub, "WB301", msg)
             else:
                 defer(ctx, flow, scope, sub.left, sub, f"divided by `{_text(sub.right)}`")
+
+
+def _logged_sum(scope: Scope, target: ast.expr) -> bool:
+    """Is `target` a name the scope only ever adds detached values to (`loss +=
+    mb_loss.detach()`, `.item()`), from a plain start (`loss = 0.0`, `torch.zeros(...)`)?
+    Dividing it (`loss /= num_microbatches`) scales a logged number, no gradient."""
+    if not isinstance(target, ast.Name):
+        return False
+    adds = 0
+    for st in scope.stmts:
+        n = st.node
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            if n.target.id != target.id or isinstance(n.op, ast.Div):
+                continue
+            v = n.value
+            if not (
+                isinstance(v, ast.Call)
+                and isinstance(v.func, ast.Attribute)
+                and v.func.attr in ("detach", "item")
+            ):
+                return False
+            adds += 1
+        elif (
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == target.id for t in n.targets)
+            and not _plain_start(n.value)
+        ):
+            return False
+    return adds > 0
+
+
+def _plain_start(value: ast.expr) -> bool:
+    """A number, or `torch.zeros(...)` / `torch.tensor(0.0)`: the start of a running sum."""
+    return isinstance(value, ast.Constant) or (
+        isinstance(value, ast.Call) and last_name(value.func) in FRESH_STARTS
+    )
+
+
+# Plain starts of a running sum: `torch.zeros(...)`, `torch.tensor(0.0)`.
+FRESH_STARTS = frozenset({"zeros", "tensor", "zeros_like", "float"})
+
+
+def _trip_steps(scope: Scope) -> dict[int, ast.expr]:
+    """The loops (by id) `for _ in range(k)`, `k` a number of micro-batches by its name
+    (`args.num_microbatches`, `grad_accum_steps`), that call backward and never step,
+    where the function steps after them -> `k`: each iteration one micro-batch of one
+    step (mistral-finetune's `train.py`, corpus 6), its backward accumulated."""
+    if not any(e.kind == STEP for e in scope.events):
+        return {}
+    loops: dict[int, ast.stmt] = {}
+    for ev in scope.events:
+        if ev.kind == BACKWARD and not ev.synthetic and ev.loops:
+            loops.setdefault(id(ev.loops[-1]), ev.loops[-1])
+    out: dict[int, ast.expr] = {}
+    for key, loop in loops.items():
+        if not (
+            isinstance(loop, ast.For)
+            and isinstance(loop.iter, ast.Call)
+            and isinstance(loop.iter.func, ast.Name)
+            and loop.iter.func.id == "range"
+            and len(loop.iter.args) == 1
+        ):
+            continue
+        k = loop.iter.args[0]
+        if not is_step_count_name(last_name(k) or ""):
+            continue
+        steps = [e for e in scope.events if e.kind == STEP]
+        if any(any(id(x) == key for x in e.loops) for e in steps):
+            continue  # it steps inside: no accumulation over its iterations
+        if any(getattr(e.node, "lineno", 0) > loop.lineno for e in steps):
+            out[key] = k
+    return out
 
 
 def _gated_steps(scope: Scope) -> dict[int, ast.expr]:
@@ -1384,7 +1477,8 @@ def _divides_loss(
             any(_is_accum_count(f, periods, steps) for f in factors(right))
             or (isinstance(right, ast.Name) and not assigned_in_loop(scope, st, right.id))
         )
-        and flow.tags(left) & _LOSS_TAGS
+        and (tags := flow.tags(left)) & _LOSS_TAGS
+        and "D" not in tags  # a detached sum (`loss += mb_loss.detach()`): logged only
         for left, right in pairs
     )
 

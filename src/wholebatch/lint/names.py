@@ -364,6 +364,16 @@ def counts_items(node: ast.expr) -> bool:
                 return True
         elif isinstance(n, ast.Call) and last_name(n.func) == "count_nonzero":
             return True
+        if (  # `torch.sum(mask)`: the function's form of a whole `mask.sum()`
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "sum"
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "torch"
+            and len(n.args) == 1
+            and not n.keywords
+        ):
+            return True
         # transformers' `num_items_in_batch` counts the whole step's items (all its
         # micro-batches, Trainer._get_num_items_in_batch): dividing by it is exact
         if (

@@ -953,7 +953,9 @@ def count_unless(node: ast.expr, scope: Scope) -> str | None:
     """The parameter P when `node` counts a micro-batch's items unless the caller sets P:
     `mask.sum(axis=axis)` (or `dim=`) in a function whose `axis` defaults to None, such as
     `masked_mean(values, mask, axis=None)`, a token mean where it is called without one
-    and a per-row mean with one. None otherwise."""
+    and a per-row mean with one; also with a guard against zero added or clamped on
+    (`mask.sum(dim=dim) + eps`, `.clamp(min=1)`: EasyR1's `masked_mean`). None otherwise."""
+    node = _unguarded(node)
     if not (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
@@ -966,6 +968,28 @@ def count_unless(node: ast.expr, scope: Scope) -> str | None:
         return None
     name = node.keywords[0].value.id
     return name if none_default(scope, name) else None
+
+
+def _unguarded(node: ast.expr) -> ast.expr:
+    """`x` of `x + eps`, `eps + x` (a constant or a plain name added), `x.clamp(min=c)`,
+    `x.clamp_min(c)`: a count kept off zero is still the count."""
+    while True:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            small = (ast.Constant, ast.Name, ast.Attribute)
+            if isinstance(node.right, small) and isinstance(node.left, ast.Call):
+                node = node.left
+                continue
+            if isinstance(node.left, small) and isinstance(node.right, ast.Call):
+                node = node.right
+                continue
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("clamp", "clamp_min", "clip")
+        ):
+            node = node.func.value
+            continue
+        return node
 
 
 def none_default(scope: Scope, name: str) -> bool:
