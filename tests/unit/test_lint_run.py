@@ -159,7 +159,14 @@ def test_the_held_out_manifest_and_its_judgment_in_the_docs() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["lint_corpus2.toml", "lint_corpus3.toml", "lint_corpus4.toml", "lint_corpus5.toml"]
+    "name",
+    [
+        "lint_corpus2.toml",
+        "lint_corpus3.toml",
+        "lint_corpus4.toml",
+        "lint_corpus5.toml",
+        "lint_corpus6.toml",
+    ],
 )
 def test_the_later_corpora_split_by_their_rule_and_judged_in_the_docs(name: str) -> None:
     # The second and third corpora: disjoint from every earlier set, split by the rule
@@ -179,6 +186,7 @@ def test_the_later_corpora_split_by_their_rule_and_judged_in_the_docs(name: str)
         "lint_corpus3.toml",
         "lint_corpus4.toml",
         "lint_corpus5.toml",
+        "lint_corpus6.toml",
     }
     others = set().union(
         *({r["repo"] for r in load(ROOT / "benchmarks" / e)["repo"]} for e in earlier - {name})
