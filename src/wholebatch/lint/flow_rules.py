@@ -999,9 +999,7 @@ def _check_scope(ctx: FileContext, scope: Scope) -> tuple[list[Finding], frozens
     trips = periods | accumulation_trips(scope) if any(map(_is_product, scope.divs)) else periods
     recips = _reciprocal_steps(scope, periods, steps) if scope.divs else {}
     # WB301's sum of K means: the step gated by `% k == 0`, nothing divided by the steps
-    gated = _gated_steps(scope) if not recips and scope.mods else {}
-    if not recips:
-        gated |= _trip_steps(scope)  # ... or a loop of k micro-batches, stepped after it
+    gated = _accumulation_gates(scope) if not recips else {}
     undivided: list[Finding] = []  # `_undivided_sum`, unless the scope divides a loss
     waiting: list[tuple[ast.expr, ast.AST, str]] = []  # ... and those for a later caller
     divided = False
@@ -1377,6 +1375,13 @@ def _plain_start(value: ast.expr) -> bool:
 
 # Plain starts of a running sum: `torch.zeros(...)`, `torch.tensor(0.0)`.
 FRESH_STARTS = frozenset({"zeros", "tensor", "zeros_like", "float"})
+
+
+def _accumulation_gates(scope: Scope) -> dict[int, ast.expr]:
+    """The loops whose iterations are the micro-batches of one step, with no division in
+    sight -> their `k`: stepped `if i % k == 0` (`_gated_steps`), or a loop of k
+    micro-batches stepped after it (`_trip_steps`)."""
+    return {**(_gated_steps(scope) if scope.mods else {}), **_trip_steps(scope)}
 
 
 def _trip_steps(scope: Scope) -> dict[int, ast.expr]:
