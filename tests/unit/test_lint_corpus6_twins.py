@@ -34,6 +34,13 @@ else may be. Each kind has one twin that the lint of 5d06de0 misjudges.
   micro-batch means. The bad twin is reported at its backward (5d06de0 reports
   nothing). The good twin divides each micro-batch's summed loss by the step's token
   count, counted before the loop.
+- `deepspeed-save-checkpoint` (WB104, fact `deepspeed-save-checkpoint`; DALLE-pytorch's
+  `train_vae.py`, whose engine is built in another file and saved through a helper:
+  this twin is the plain form): the engine `deepspeed.initialize` returns synchronises
+  every rank in `save_checkpoint` (a barrier; `test_deepspeed_save_checkpoint_syncs`
+  reads it in the installed deepspeed), so calling it under `if rank == 0:` hangs the
+  other ranks. The bad twin does so (5d06de0 reports nothing); the good twin saves on
+  every rank and writes its own file on rank 0 only.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus6_twins.py -q
 """
@@ -210,7 +217,33 @@ def _range(loss: str, bad: bool) -> Twin:
     return {"finetune/__init__.py": "", "finetune/loss.py": _LOSS_PY, "train.py": text}
 
 
+_DS_SAVE = """
+import deepspeed
+import torch
+import torch.distributed as dist
+
+
+def train(args, model, loader):
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model)
+    for step, batch in enumerate(loader):
+        engine.backward(engine(batch))
+        engine.step()
+    {save}
+"""
+
+_SAVE_ON_ROOT = """if dist.get_rank() == 0:
+        engine.save_checkpoint(args.out)  # expect: WB104"""
+
+_SAVE_EVERYWHERE = """engine.save_checkpoint(args.out)
+    if dist.get_rank() == 0:
+        torch.save({"step": step}, args.out + "/meta.pt")"""
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
+    "deepspeed-save-checkpoint": (
+        {"train.py": _DS_SAVE.replace("{save}", _SAVE_ON_ROOT)},
+        {"train.py": _DS_SAVE.replace("{save}", _SAVE_EVERYWHERE)},
+    ),
     "guarded-masked-mean": (
         _mean('loss = -masked_mean(logp[..., 0], mb["mask"])', True),
         _mean('loss = -masked_mean(logp[..., 0], mb["mask"], dim=-1).mean()', False),
@@ -231,3 +264,20 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
+
+
+def test_deepspeed_save_checkpoint_syncs() -> None:
+    # Fact `deepspeed-save-checkpoint`, read in the installed deepspeed: the engine's
+    # save_checkpoint calls `dist.barrier()` on every rank, outside any rank test, and
+    # says so in its docstring.
+    import inspect
+
+    import pytest
+
+    engine = pytest.importorskip("deepspeed.runtime.engine")
+    source = inspect.getsource(engine.DeepSpeedEngine.save_checkpoint)
+    body = source.split('"""')[-1]
+    assert "dist.barrier()" in body
+    barrier = next(line for line in body.splitlines() if "dist.barrier()" in line)
+    assert len(barrier) - len(barrier.lstrip()) == 8  # the method's own level: every rank
+    assert "hang waiting to synchronize" in inspect.getdoc(engine.DeepSpeedEngine.save_checkpoint)

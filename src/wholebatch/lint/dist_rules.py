@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from functools import partial
 
+from wholebatch.lint.frameworks import FACTS
 from wholebatch.lint.names import (
     dotted,
     is_on_replica_group,
@@ -29,7 +30,13 @@ from wholebatch.lint.names import (
     names_in,
     walk_local,
 )
-from wholebatch.lint.rank_local import backward_collectives, exit_of, partial_names, reads_partial
+from wholebatch.lint.rank_local import (
+    backward_collectives,
+    engine_collectives,
+    exit_of,
+    partial_names,
+    reads_partial,
+)
 from wholebatch.lint.rules import Finding, Hop, format_trace
 from wholebatch.lint.scope import FileContext, Scope, Stmt, finding as _finding
 
@@ -71,7 +78,9 @@ def _collectives(
             if q is not None and not is_on_subgroup(node):
                 out.append((q, node, ()))
             elif syncs and id(node) in syncs:
-                out.append((f"{_BACKWARD}{syncs[id(node)]}", node, ()))
+                name = syncs[id(node)]
+                kind = _ENGINE if name.endswith(".save_checkpoint") else _BACKWARD
+                out.append((f"{kind}{name}", node, ()))
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     if ctx.resolver is not None and scope.local_calls:
         kept = [s for s in stmts if s is not skip]
@@ -90,6 +99,7 @@ def _calls_collective(ctx: FileContext, scope: Scope) -> bool:
 
 
 _BACKWARD = "backward:"  # a backward through a DDP/FSDP model, by the model's name
+_ENGINE = "engine:"  # a DeepSpeed engine's synchronising method, `engine.save_checkpoint`
 
 
 def _what(q: str, call: ast.Call, trace: tuple[Hop, ...]) -> str:
@@ -100,6 +110,8 @@ def _what(q: str, call: ast.Call, trace: tuple[Hop, ...]) -> str:
             f"`{ast.unparse(call)}` (a backward through the DDP/FSDP-wrapped `{model}`, "
             "which reduces the gradients across ranks)"
         )
+    if q.startswith(_ENGINE):
+        return f"`{ast.unparse(call.func)}()` ({FACTS['deepspeed-save-checkpoint'].says})"
     if not trace:
         return f"`{_short(q)}`"
     callee = dotted(call.func) or last_name(call.func)
@@ -125,11 +137,13 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
     out: list[Finding] = []
     syncs = backward_collectives(ctx, scope) if exits and scope.has_exit else {}
+    engines = engine_collectives(ctx, scope)  # DeepSpeed's save_checkpoint: every rank
+    syncs = {**syncs, **engines}
     if _calls_collective(ctx, scope) or syncs:
         if _in_agreeing_halves(ctx, scope):
             return out
         if branches:
-            out += _rank_branches(ctx, scope)
+            out += _rank_branches(ctx, scope, engines)
         if exits and scope.has_exit:
             out += _early_exits(ctx, scope, syncs)
             seen = {(f.line, f.col) for f in out if f.code == "WB105"}
@@ -504,14 +518,16 @@ def _fwd_differentiable(ctx: FileContext, scope: Scope) -> bool:
 # -- WB104 ------------------------------------------------------------------------------
 
 
-def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
+def _rank_branches(
+    ctx: FileContext, scope: Scope, syncs: Mapping[int, str] | None = None
+) -> Iterator[Finding]:
     ifs = [n for n in scope.ifs if is_rank_test(n.test) or _membership_rank(n.test)]
     if not ifs:
         return
     unmatched: list[tuple[ast.If, str, ast.Call, tuple[Hop, ...]]] = []
     for node in ifs:
-        body = _collectives(ctx, node.body, scope)
-        other = _collectives(ctx, node.orelse, scope)
+        body = _collectives(ctx, node.body, scope, syncs=syncs)
+        other = _collectives(ctx, node.orelse, scope, syncs=syncs)
         body_names = {q for q, _, _ in body}
         other_names = {q for q, _, _ in other}
         unmatched += [(node, q, c, t) for q, c, t in body if q not in other_names]
@@ -527,7 +543,7 @@ def _rank_branches(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
         if len(holders[q]) > 1 or id(call) in seen or not is_rank_test(node.test):
             continue
         if id(node) not in agree:
-            agree[id(node)] = _one_sequence(ctx, scope, node)
+            agree[id(node)] = _one_sequence(ctx, scope, node, syncs=syncs)
         if agree[id(node)] or _served_by_callback(ctx, scope, node, call):
             continue
         seen.add(id(call))

@@ -148,6 +148,17 @@ _ALL = (
         rules=("WB301",),
     ),
     Fact(
+        name="deepspeed-save-checkpoint",
+        framework="deepspeed",
+        says="DeepSpeed's `save_checkpoint` synchronises every rank (a barrier, and "
+        "all-reduces of the tag): a rank that does not call it leaves the others waiting",
+        where="deepspeed/runtime/engine.py: DeepSpeedEngine.save_checkpoint (`dist.barrier()` "
+        "on every rank before saving; `_checkpoint_tag_validation` all-reduces the tag's "
+        "hash; its docstring: 'will hang waiting to synchronize with other processes if it's "
+        "called just for the process with rank 0'), checked against the installed deepspeed",
+        rules=("WB104", "WB105"),
+    ),
+    Fact(
         name="trl-sft-trainer",
         framework="trl",
         says="TRL's `SFTTrainer` trains with the Trainer's own loss, and without packing its "

@@ -16,10 +16,17 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from wholebatch.lint.frameworks import deepspeed_engines
 from wholebatch.lint.names import dotted, last_name, walk_local
 from wholebatch.lint.scope import BACKWARD, FileContext, Scope
 
-__all__ = ["backward_collectives", "exit_of", "partial_names", "reads_partial"]
+__all__ = [
+    "backward_collectives",
+    "engine_collectives",
+    "exit_of",
+    "partial_names",
+    "reads_partial",
+]
 
 # Collectives whose result combines every rank's own input (a broadcast's or scatter's
 # input matters on the source only, so a value handed to one is no per-rank part).
@@ -240,3 +247,27 @@ def _reaches(
         if not frontier:
             break
     return ""
+
+
+# Methods of the engine `deepspeed.initialize` returns that synchronise every rank
+# (`frameworks.FACTS["deepspeed-save-checkpoint"]`).
+_ENGINE_SYNCS = frozenset({"save_checkpoint"})
+
+
+def engine_collectives(ctx: FileContext, scope: Scope) -> dict[int, str]:
+    """id(call) -> the engine, for each `engine.save_checkpoint(...)` in the scope on a
+    name the file binds to `deepspeed.initialize`'s engine: every rank must call it (a
+    barrier, and all-reduces of the tag), so WB104 and WB105 take it for a collective."""
+    calls = [
+        c for c in scope.calls if isinstance(c.func, ast.Attribute) and c.func.attr in _ENGINE_SYNCS
+    ]
+    if not calls:
+        return {}
+    engines = deepspeed_engines(ctx.tree, ctx.imports.qualname)
+    out: dict[int, str] = {}
+    for c in calls:
+        assert isinstance(c.func, ast.Attribute)
+        d = dotted(c.func.value)
+        if d is not None and d in engines:
+            out[id(c)] = f"{d}.{c.func.attr}"
+    return out
