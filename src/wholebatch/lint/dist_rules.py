@@ -65,8 +65,10 @@ def _collectives(
     """Collectives called on the world group in `stmts` (sub-group calls are left out),
     directly or through a call to a function that calls one on every call: (qualified
     name, the call in `stmts`, the path through the called functions). `syncs`: the
-    backward calls that are collectives too (`rank_local.backward_collectives`), named
-    `backward:<model>`."""
+    other calls that are collectives too, by id, with their names: a backward through a
+    DDP/FSDP model (`rank_local.backward_collectives`, `backward:<model>`) and a DeepSpeed
+    engine's `save_checkpoint` (`rank_local.engine_collectives`, `engine:<engine>.
+    save_checkpoint`)."""
     out: list[_Coll] = []
     stack: list[ast.AST] = list(reversed(stmts))
     while stack:
@@ -78,9 +80,7 @@ def _collectives(
             if q is not None and not is_on_subgroup(node):
                 out.append((q, node, ()))
             elif syncs and id(node) in syncs:
-                name = syncs[id(node)]
-                kind = _ENGINE if name.endswith(".save_checkpoint") else _BACKWARD
-                out.append((f"{kind}{name}", node, ()))
+                out.append((syncs[id(node)], node, ()))
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     if ctx.resolver is not None and scope.local_calls:
         kept = [s for s in stmts if s is not skip]
@@ -136,9 +136,10 @@ def check_dist(ctx: FileContext) -> Iterator[Finding]:
 
 def _rank_rules(ctx: FileContext, scope: Scope, branches: bool, exits: bool) -> list[Finding]:
     out: list[Finding] = []
-    syncs = backward_collectives(ctx, scope) if exits and scope.has_exit else {}
-    engines = engine_collectives(ctx, scope)  # DeepSpeed's save_checkpoint: every rank
-    syncs = {**syncs, **engines}
+    backward = backward_collectives(ctx, scope) if exits and scope.has_exit else {}
+    # DeepSpeed's save_checkpoint: every rank calls it
+    engines = {k: f"{_ENGINE}{e}" for k, e in engine_collectives(ctx, scope).items()}
+    syncs = {**{k: f"{_BACKWARD}{m}" for k, m in backward.items()}, **engines}
     if _calls_collective(ctx, scope) or syncs:
         if _in_agreeing_halves(ctx, scope):
             return out

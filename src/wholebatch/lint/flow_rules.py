@@ -1369,12 +1369,12 @@ def _logged_sum(scope: Scope, target: ast.expr) -> bool:
 def _plain_start(value: ast.expr) -> bool:
     """A number, or `torch.zeros(...)` / `torch.tensor(0.0)`: the start of a running sum."""
     return isinstance(value, ast.Constant) or (
-        isinstance(value, ast.Call) and last_name(value.func) in FRESH_STARTS
+        isinstance(value, ast.Call) and last_name(value.func) in _FRESH_STARTS
     )
 
 
 # Plain starts of a running sum: `torch.zeros(...)`, `torch.tensor(0.0)`.
-FRESH_STARTS = frozenset({"zeros", "tensor", "zeros_like", "float"})
+_FRESH_STARTS = frozenset({"zeros", "tensor", "zeros_like", "float"})
 
 
 def _accumulation_gates(scope: Scope) -> dict[int, ast.expr]:
@@ -1389,7 +1389,8 @@ def _trip_steps(scope: Scope) -> dict[int, ast.expr]:
     (`args.num_microbatches`, `grad_accum_steps`), that call backward and never step,
     where the function steps after them -> `k`: each iteration one micro-batch of one
     step (mistral-finetune's `train.py`, corpus 6), its backward accumulated."""
-    if not any(e.kind == STEP for e in scope.events):
+    steps = [e for e in scope.events if e.kind == STEP]
+    if not steps:
         return {}
     loops: dict[int, ast.stmt] = {}
     for ev in scope.events:
@@ -1408,7 +1409,6 @@ def _trip_steps(scope: Scope) -> dict[int, ast.expr]:
         k = loop.iter.args[0]
         if not is_step_count_name(last_name(k) or ""):
             continue
-        steps = [e for e in scope.events if e.kind == STEP]
         if any(any(id(x) == key for x in e.loops) for e in steps):
             continue  # it steps inside: no accumulation over its iterations
         if any(getattr(e.node, "lineno", 0) > loop.lineno for e in steps):
@@ -1689,11 +1689,11 @@ def _msg301(
             f"ignore_index) {divided}: micro-batches with fewer items weigh "
             "more, so the sum is not the whole-batch mean"
         )
+    if "v" not in tags or "L" not in tags:
+        return ""
     shown = masks_labels(ctx.source)
     if (
-        "v" not in tags
-        or "L" not in tags
-        or not (shown or ctx.evidence.masks_labels or ctx.evidence.package_masks_labels)
+        not (shown or ctx.evidence.masks_labels or ctx.evidence.package_masks_labels)
         # fixed-size batches fix the rows, not the tokens: where this file masks labels
         # itself, the count varies whatever `drop_last` says
         or (_FIXED_SIZE_RE.search(ctx.source) and not shown)
