@@ -270,11 +270,14 @@ def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
         if (git / ".git").is_dir():  # a snapshot that came as a work tree
             git = git / ".git"
         listing = subprocess.run(
-            ["git", "--git-dir", str(git), "ls-tree", "-r", "--name-only", "-z", r["commit"]],
+            ["git", "--git-dir", str(git), "ls-tree", "-r", "-z", r["commit"]],
             capture_output=True,
             check=True,
         ).stdout.decode()
-        for path in (p for p in listing.split("\0") if p.endswith(_READ)):
+        for entry in filter(None, listing.split("\0")):
+            mode, path = entry.split(" ", 1)[0], entry.split("\t", 1)[1]
+            if not path.endswith(_READ):
+                continue
             blob = subprocess.run(
                 ["git", "--git-dir", str(git), "show", f"{r['commit']}:{path}"],
                 capture_output=True,
@@ -283,7 +286,10 @@ def _extract(mirror: Path, root: Path, repos: list[dict[str, Any]]) -> None:
             if blob.returncode == 0:
                 out = dest / path
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(blob.stdout)
+                if mode == "120000":  # a symbolic link stays one, as in a checkout
+                    out.symlink_to(blob.stdout.decode())
+                else:
+                    out.write_bytes(blob.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
