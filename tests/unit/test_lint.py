@@ -354,3 +354,17 @@ def test_examples_lint_clean_but_for_their_marked_mistakes() -> None:
     assert unmarked == [], "\n".join(f"{f.path}:{f.line}: {f.code} {f.message}" for f in unmarked)
     # `accelerator.backward(model(**mb).loss)` inside accumulate(): a mean of means.
     assert ("verify_hf.py", "WB301") in {(Path(f.path).name, f.code) for f in findings}
+
+
+def test_a_linked_file_is_judged_once_under_its_own_name(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    bad = (CASES / "wrong_wb3.py").read_text()
+    (tmp_path / "real" / "train.py").write_text(bad)
+    (tmp_path / "copy.py").symlink_to(tmp_path / "real" / "train.py")
+    (tmp_path / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    found, files = lint_paths([tmp_path])
+    assert files == 1 and found
+    assert {Path(f.path).name for f in found} == {"train.py"}
+    # Named alone, the link is judged: its target is under no folder given.
+    alone, _ = lint_paths([tmp_path / "copy.py"])
+    assert [(f.line, f.code) for f in alone] == [(f.line, f.code) for f in found]

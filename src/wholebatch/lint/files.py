@@ -63,32 +63,45 @@ def walk(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Walked]:
     order found: folders sorted), with their tier.
 
     Hidden folders, `__pycache__` and `node_modules` met while walking are skipped; a
-    path given explicitly is always used.
+    path given explicitly is always used. A file is judged once, whatever names it:
+    a symbolic link met while walking is skipped where its target is a file under a
+    folder given (judged under its own name there), a dangling one always.
 
     Raises:
         UsageError: a path that does not exist.
     """
+    given = [Path(raw) for raw in paths]
+    missing = next((p for p in given if not p.is_dir() and not p.is_file()), None)
+    if missing is not None:
+        raise UsageError(f"{missing}: no such file or folder")
+    folders = [p.resolve() for p in given if p.is_dir()]
     seen: set[Path] = set()
-    for raw in paths:
-        p = Path(raw)
+    for p in given:
         if p.is_dir():
             # A folder of tests given as such: its tests are what was asked for.
             asked = tier_of([*p.resolve().parts, ""]) == TEST
             for root, dirs, names in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
                 for name in sorted(names):
-                    if name.endswith(".py"):
-                        f = Path(root, name)
-                        if f not in seen:
-                            seen.add(f)
-                            tier = tier_of(f.relative_to(p).parts)
-                            yield Walked(path=f, tier=tier, shown=tier == CODE or asked)
-        elif p.is_file():
-            if p not in seen:
-                seen.add(p)
-                yield Walked(path=p, tier=tier_of([p.name]), shown=True)
-        else:
-            raise UsageError(f"{raw}: no such file or folder")
+                    f = Path(root, name)
+                    if not name.endswith(".py") or not _judged_here(f, folders):
+                        continue
+                    if f.resolve() not in seen:
+                        seen.add(f.resolve())
+                        tier = tier_of(f.relative_to(p).parts)
+                        yield Walked(path=f, tier=tier, shown=tier == CODE or asked)
+        elif p.resolve() not in seen:
+            seen.add(p.resolve())
+            yield Walked(path=p, tier=tier_of([p.name]), shown=True)
+
+
+def _judged_here(f: Path, folders: list[Path]) -> bool:
+    """Is `f`, met while walking, judged under this name: a file, not a link to a file
+    that the walk of `folders` meets under its own name?"""
+    if not f.is_symlink():
+        return True
+    target = f.resolve()
+    return target.is_file() and not any(target.is_relative_to(d) for d in folders)
 
 
 def iter_python_files(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
