@@ -3,6 +3,8 @@ linter and, with `--baseline REV`, with the linter of an earlier revision (its `
 read from git into a temporary folder), and print which twin each judges right.
 
     .venv/bin/python -m benchmarks.lint_twins --baseline 75b74af
+    .venv/bin/python -m benchmarks.lint_twins --twins tests.unit.test_lint_corpus7_twins \
+        --baseline 05417c5                       # another file's TWINS
 
 A twin is judged right when the findings are exactly its `# expect:` lines. The test
 tier (tests/unit/test_lint_twins.py) requires every twin right on this tree; this
@@ -12,6 +14,7 @@ command shows that the linter before the change misjudged at least one twin of e
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -114,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     """Print each twin's verdict now (and at `--baseline`); returns 1 if one is wrong now."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lint_twins")
     parser.add_argument("--baseline", default="", help="also lint with src/ at this revision")
+    parser.add_argument("--twins", default="", help="the module whose TWINS to lint")
     args = parser.parse_args(argv)
+    twins = importlib.import_module(args.twins).TWINS if args.twins else TWINS
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp, "cases")
-        for kind, (bad, good) in TWINS.items():
+        for kind, (bad, good) in twins.items():
             write(root / f"{kind}.bad", bad)
             write(root / f"{kind}.good", good)
         want = {case.name: expected(case) for case in root.iterdir()}
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong_now = 0
     header = f"{'twin':38} {'now':6} {args.baseline or ''}"
     print(header)
-    for kind in TWINS:
+    for kind in twins:
         row = []
         for side in ("bad", "good"):
             case = f"{kind}.{side}"
@@ -142,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(row))
     if then:
         misjudged = sum(
-            any(then[f"{k}.{s}"] != want[f"{k}.{s}"] for s in ("bad", "good")) for k in TWINS
+            any(then[f"{k}.{s}"] != want[f"{k}.{s}"] for s in ("bad", "good")) for k in twins
         )
-        print(f"kinds with a twin misjudged at {args.baseline}: {misjudged} of {len(TWINS)}")
+        print(f"kinds with a twin misjudged at {args.baseline}: {misjudged} of {len(twins)}")
     return 1 if wrong_now else 0
 
 

@@ -564,51 +564,92 @@ def _served_by_callback(ctx: FileContext, scope: Scope, the_if: ast.If, call: as
     other branch's ranks matches (a leader/worker server: rank 0 registers a request
     handler, `button.click(fn=generate)`, whose every call makes the collectives the
     workers wait for in a loop, `while True: barrier(); broadcast_object_list(args)`)?
-    Only when the callback's collectives are one sequence and the worker's branch (or
-    the one function it calls) makes exactly that sequence, once or as a loop of it."""
+    Only when the callbacks' collectives are each one sequence and the worker's branch
+    (or the one function it calls) makes exactly such a sequence, once or as a loop of
+    it, or is one loop each of whose paths (a dispatch on a broadcast command, `if op ==
+    TRAIN: self.run_training()`) a callback makes (a path that leaves is the worker's
+    way out)."""
     side, other = the_if.body, the_if.orelse
     if not any(n is call for st in side for n in ast.walk(st)):
         side, other = other, side
-    worker = _one_path(ctx, scope, side)
+    wscope, wstmts = _worker_body(ctx, scope, side)
+    worker = _one_path(ctx, wscope, wstmts)
     if worker is None or not worker:
         return False
-    for f in _callbacks(ctx, other):
-        served = _one_path(ctx, ctx.scope_of[id(f)], f.body)
-        if served and worker in (served, (f"loop({', '.join(served)})",)):
-            return True
-    return False
+    served = {_one_path(ctx, ctx.scope_of[id(f)], f.body) for f in _callbacks(ctx, scope, other)}
+    served -= {None, ()}
+    if any(worker in (s, (f"loop({', '.join(s)})",)) for s in served if s is not None):
+        return True
+    body = [st for st in wstmts if not _is_docstring(st)]
+    if len(body) != 1 or not isinstance(body[0], _LOOPS):
+        return False
+    paths = _Paths(ctx, wscope, True, None).of(body[0].body)
+    kept = {p for p in paths or () if not p or p[-1] != _LEAVES}
+    return bool(kept) and kept <= served
 
 
-def _one_path(ctx: FileContext, scope: Scope, stmts: list[ast.stmt]) -> tuple[str, ...] | None:
-    """The one sequence of collectives every path through `stmts` makes (through the
-    body of a module function that `stmts` only calls, `worker_func()`); None if more."""
+def _is_docstring(st: ast.stmt) -> bool:
+    return isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)
+
+
+def _worker_body(
+    ctx: FileContext, scope: Scope, stmts: list[ast.stmt]
+) -> tuple[Scope, list[ast.stmt]]:
+    """`stmts`, or the body of the one function of this file they only call
+    (`worker_func()`, `self.run_subscriber_loop()`)."""
     if (
         len(stmts) == 1
         and isinstance(st := stmts[0], ast.Expr)
         and isinstance(st.value, ast.Call)
-        and isinstance(st.value.func, ast.Name)
-        and (f := ctx.module_functions.get(st.value.func.id)) is not None
+        and (f := _own_function(ctx, scope, st.value.func)) is not None
     ):
-        scope, stmts = ctx.scope_of[id(f)], f.body
+        return ctx.scope_of[id(f)], f.body
+    return scope, stmts
+
+
+def _one_path(ctx: FileContext, scope: Scope, stmts: list[ast.stmt]) -> tuple[str, ...] | None:
+    """The one sequence of collectives every path through `stmts` makes; None if more."""
     paths = _Paths(ctx, scope, False, None).of(stmts)
     return next(iter(paths)) if paths is not None and len(paths) == 1 else None
 
 
-def _callbacks(ctx: FileContext, stmts: list[ast.stmt], depth: int = 2) -> list[_Def]:
-    """The module functions `stmts` hands over as values (`click(fn=generate)`), not
-    calls, there or in the module functions they call (`depth` calls down)."""
+def _own_function(ctx: FileContext, scope: Scope, ref: ast.expr) -> _Def | None:
+    """The function `ref` names in this file: a module function (`worker_func`), or a
+    method of the class `scope` belongs to (`self.run_subscriber_loop`), defined in its
+    body."""
+    if isinstance(ref, ast.Name):
+        return ctx.module_functions.get(ref.id)
+    if (
+        scope.cls is not None
+        and isinstance(ref, ast.Attribute)
+        and isinstance(ref.value, ast.Name)
+        and ref.value.id == "self"
+    ):
+        for st in scope.cls.body:
+            if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef) and st.name == ref.attr:
+                return st
+    return None
+
+
+def _callbacks(ctx: FileContext, scope: Scope, stmts: list[ast.stmt], depth: int = 2) -> list[_Def]:
+    """The functions of this file `stmts` hands over as values (`click(fn=generate)`,
+    `bind(infer_func=self.infer)`), not calls, there or in the functions they call
+    (`depth` calls down)."""
     out: list[_Def] = []
     called: set[int] = set()
     for n in (x for st in stmts for x in ast.walk(st)):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+        if isinstance(n, ast.Call):
             called.add(id(n.func))
-            f = ctx.module_functions.get(n.func.id)
+            f = _own_function(ctx, scope, n.func)
             if f is not None and depth > 0:
-                out += _callbacks(ctx, f.body, depth - 1)
-        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in called:
-            f = ctx.module_functions.get(n.id)
-            if f is not None:
-                out.append(f)
+                out += _callbacks(ctx, ctx.scope_of[id(f)], f.body, depth - 1)
+        elif (
+            isinstance(n, ast.Name | ast.Attribute)
+            and isinstance(n.ctx, ast.Load)
+            and id(n) not in called
+            and (f := _own_function(ctx, scope, n)) is not None
+        ):
+            out.append(f)
     return out
 
 

@@ -1,0 +1,83 @@
+"""Bad and good twins of what corpus 7 showed after its judgment (issue 33; both halves of
+benchmarks/lint_corpus7.toml, tuned on after the evaluation half was judged at
+05417c5), written for these tests: each twin is a small tree of files, linted as a
+folder; a line ending in `# expect: WBnnn` must be flagged with that code, and nothing
+else may be. Each kind has one twin that the lint of 05417c5 misjudges
+(`python -m benchmarks.lint_twins --twins tests.unit.test_lint_corpus7_twins
+--baseline 05417c5`).
+
+- `method-server-dispatch` (WB104; NeMo-Aligner's critic and reward servers): rank 0
+  binds request handlers that are methods (`bind(infer_func=self.server_train)`), each
+  broadcasting a command and then making what the command asks; the other ranks call a
+  method, `self.run_subscriber_loop()`, looping on `broadcast(command)` and dispatching
+  on it. Every path of the worker's loop is a sequence a handler makes, so no rank
+  skips a collective: the good twin is not reported (05417c5 reports the worker call).
+  The bad twin's worker has an arm that all-reduces, which no handler does.
+
+    PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
+"""
+
+from __future__ import annotations
+
+from benchmarks.lint_twins import twin_tests
+
+Twin = dict[str, str]
+
+_SERVER = """
+import torch
+import torch.distributed as dist
+
+TRAIN, SAVE = 1, 2
+
+
+class Server:
+    def __init__(self, model, serve):
+        self.model, self.serve = model, serve
+
+    def handle_train(self, batch):
+        dist.broadcast(torch.tensor(TRAIN), 0)
+        return self.train_step(batch)
+
+    def handle_save(self):
+        dist.broadcast(torch.tensor(SAVE), 0)
+        self.save()
+
+    def train_step(self, batch=None):
+        loss = self.model(batch).mean()
+        loss.backward()
+        dist.barrier()
+        return loss.item()
+
+    def save(self):
+        dist.barrier()
+
+    def run(self):
+        if dist.get_rank() == 0:
+            self.serve(train=self.handle_train, save=self.handle_save)
+        else:
+            self.worker_loop(){mark}
+
+    def worker_loop(self):
+        while True:
+            command = torch.tensor(0)
+            dist.broadcast(command, 0)
+            if command.item() == TRAIN:
+                self.train_step()
+            elif command.item() == SAVE:
+                {save}
+            else:
+                raise RuntimeError(f"unknown command {command.item()}")
+"""
+
+
+TWINS: dict[str, tuple[Twin, Twin]] = {
+    "method-server-dispatch": (
+        {
+            "server.py": _SERVER.replace("{mark}", "  # expect: WB104").replace(
+                "{save}", "dist.all_reduce(torch.zeros(1))"
+            )
+        },
+        {"server.py": _SERVER.replace("{mark}", "").replace("{save}", "self.save()")},
+    ),
+}
+test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)
