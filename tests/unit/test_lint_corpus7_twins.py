@@ -13,6 +13,12 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   on it. Every path of the worker's loop is a sequence a handler makes, so no rank
   skips a collective: the good twin is not reported (05417c5 reports the worker call).
   The bad twin's worker has an arm that all-reduces, which no handler does.
+- `nested-handler-server` (WB104; minimal-llama's tinypar demos): the handler rank 0
+  registers and the function that broadcasts are both nested in the function that
+  serves (`def respond(...)` handed to `submit`, calling a nested `generate(prompt)`
+  that broadcasts the prompt); the other ranks loop on `generate(None)`. The good twin
+  is not reported (05417c5 reports the worker loop); the bad twin's handler answers
+  from a cache and never broadcasts.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -69,6 +75,32 @@ class Server:
                 raise RuntimeError(f"unknown command {command.item()}")
 """
 
+_NESTED = """
+import torch
+import torch.distributed as dist
+
+
+def serve(model, ui, length):
+    rank = dist.get_rank()
+
+    def generate(prompt):
+        tokens = torch.zeros(length, dtype=torch.long)
+        if prompt is not None:
+            tokens[: len(prompt)] = torch.tensor(prompt)
+        dist.broadcast(tokens, 0)
+        return model(tokens)
+
+    if rank == 0:
+
+        def respond(prompt):
+            {answer}
+
+        ui.submit(respond)
+    else:
+        while True:
+            generate(None){mark}
+"""
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -78,6 +110,14 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             )
         },
         {"server.py": _SERVER.replace("{mark}", "").replace("{save}", "self.save()")},
+    ),
+    "nested-handler-server": (
+        {
+            "serve.py": _NESTED.replace("{mark}", "  # expect: WB104").replace(
+                "{answer}", "return ui.cache[tuple(prompt)]"
+            )
+        },
+        {"serve.py": _NESTED.replace("{mark}", "").replace("{answer}", "return generate(prompt)")},
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -614,11 +614,17 @@ def _one_path(ctx: FileContext, scope: Scope, stmts: list[ast.stmt]) -> tuple[st
 
 
 def _own_function(ctx: FileContext, scope: Scope, ref: ast.expr) -> _Def | None:
-    """The function `ref` names in this file: a module function (`worker_func`), or a
-    method of the class `scope` belongs to (`self.run_subscriber_loop`), defined in its
-    body."""
+    """The function `ref` names in this file: a module function (`worker_func`), a
+    function nested in another whose name no other function of the file has (a handler
+    defined where it is registered, `def respond(...)`), or a method of the class
+    `scope` belongs to (`self.run_subscriber_loop`), defined in its body."""
     if isinstance(ref, ast.Name):
-        return ctx.module_functions.get(ref.id)
+        if ref.id in ctx.module_functions:
+            return ctx.module_functions[ref.id]
+        defs = ctx.defs_by_name.get(ref.id, [])
+        if len(defs) == 1 and ctx.scope_of[id(defs[0])].cls is None:
+            return defs[0]
+        return None
     if (
         scope.cls is not None
         and isinstance(ref, ast.Attribute)
