@@ -19,6 +19,11 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   that broadcasts the prompt); the other ranks loop on `generate(None)`. The good twin
   is not reported (05417c5 reports the worker loop); the bad twin's handler answers
   from a cache and never broadcasts.
+- `mean-branch-line` (WB301; X-R1's GRPO trainer): a `compute_loss` override assigns
+  its loss in branches on a `loss_type`, the token mean (`sum / mask.sum()`) first and a
+  sum over a constant after it; the finding names the branch that is the mean. The bad
+  twin is reported at that line (05417c5 names the later, exact branch); the good twin
+  normalises every branch by constants.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -101,6 +106,26 @@ def serve(model, ui, length):
             generate(None){mark}
 """
 
+_BRANCHES = """
+from transformers import Trainer
+
+
+class PolicyTrainer(Trainer):
+    model_accepts_loss_kwargs = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        per_token = model(inputs["input_ids"]).logits.logsumexp(-1)
+        mask = inputs["completion_mask"]
+        if self.args.loss_type == "token":
+            {first}
+        else:
+            loss = (per_token * mask).sum() / (mask.size(0) * self.args.max_length)
+        return loss
+"""
+
+_TOKEN_MEAN = "loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)  # expect: WB301"
+_ROW_CONSTANT = "loss = (per_token * mask).sum() / mask.size(0)"
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -118,6 +143,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             )
         },
         {"serve.py": _NESTED.replace("{mark}", "").replace("{answer}", "return generate(prompt)")},
+    ),
+    "mean-branch-line": (
+        {"trainer.py": _BRANCHES.replace("{first}", _TOKEN_MEAN)},
+        {"trainer.py": _BRANCHES.replace("{first}", _ROW_CONSTANT)},
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -323,11 +323,23 @@ def _hf_divides(ctx: FileContext, flow: Flow, scope: Scope, node: ast.Return) ->
         says = fact.says if "V" in tags else f"{fact.says}, which this override never gives it"
         msg = _msg301(ctx, tags, loss, None, by=says)
         if msg:
-            where = (
-                scope.last_assignment(loss.id, node.lineno) if isinstance(loss, ast.Name) else None
-            )
+            where = _assigned_with(flow, scope, loss, node.lineno, tags)
             return [_finding(ctx, where or node, "WB301", msg)]
     return []
+
+
+def _assigned_with(
+    flow: Flow, scope: Scope, loss: ast.expr, line: int, tags: set[str]
+) -> ast.Assign | None:
+    """Where the returned name `loss` is last assigned a value that carries `tags` (the
+    branch that is the mean: `if loss_type == "bnpo": loss = sum / mask.sum()` rather
+    than the `dr_grpo` branch after it, a sum over a constant); else its last
+    assignment."""
+    if not isinstance(loss, ast.Name):
+        return None
+    found = scope.assignments(loss.id, line)
+    carrying = [a for a in found if flow.tags(a.value) & tags] or found
+    return carrying[-1] if carrying else None
 
 
 def _reads_step_items(scope: Scope) -> bool:

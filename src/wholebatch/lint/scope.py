@@ -261,16 +261,19 @@ class Scope:
     def last_assignment(self, name: str, line: int) -> ast.Assign | None:
         """The scope's last plain assignment of `name` (`name = value`) on a line before
         `line`, if any."""
-        where = None
-        for st in self.stmts:
-            n = st.node
-            if (
-                isinstance(n, ast.Assign)
-                and n.lineno < line
-                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
-            ):
-                where = n
-        return where
+        found = self.assignments(name, line)
+        return found[-1] if found else None
+
+    def assignments(self, name: str, line: int) -> list[ast.Assign]:
+        """The scope's plain assignments of `name` (`name = value`) on lines before
+        `line`, in source order."""
+        return [
+            n
+            for n in (st.node for st in self.stmts)
+            if isinstance(n, ast.Assign)
+            and n.lineno < line
+            and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+        ]
 
     def collectives(self, imports: Imports) -> list[tuple[str, ast.Call]]:
         """(qualified name, call) of every collective called in this scope."""
