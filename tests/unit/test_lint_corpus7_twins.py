@@ -24,6 +24,10 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   sum over a constant after it; the finding names the branch that is the mean. The bad
   twin is reported at that line (05417c5 names the later, exact branch); the good twin
   normalises every branch by constants.
+- `zeroed-then-one-step` (WB201; GLM's `train_step`): a function zeroes the gradients,
+  then loops over micro-batches until the one step that sets its `complete` flag, which
+  the loop tests to leave: each call steps once on fresh gradients. The good twin is
+  not reported (05417c5 reports the step); the bad twin never zeroes.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -126,6 +130,28 @@ class PolicyTrainer(Trainer):
 _TOKEN_MEAN = "loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)  # expect: WB301"
 _ROW_CONSTANT = "loss = (per_token * mask).sum() / mask.size(0)"
 
+_ONE_STEP = """
+def train_step(model, optimizer, batches, accumulation_steps):
+    {zero}
+    count = 0
+    while True:
+        complete = False
+        loss = model(next(batches)).sum()
+        loss.backward()
+        count += 1
+        if count == accumulation_steps:
+            optimizer.step(){mark}
+            complete = True
+        if complete:
+            break
+    return count
+
+
+def train(model, optimizer, batches, steps):
+    for _ in range(steps):
+        train_step(model, optimizer, batches, 4)
+"""
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -147,6 +173,14 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "mean-branch-line": (
         {"trainer.py": _BRANCHES.replace("{first}", _TOKEN_MEAN)},
         {"trainer.py": _BRANCHES.replace("{first}", _ROW_CONSTANT)},
+    ),
+    "zeroed-then-one-step": (
+        {
+            "train.py": _ONE_STEP.replace("{zero}", "model.train()").replace(
+                "{mark}", "  # expect: WB201"
+            )
+        },
+        {"train.py": _ONE_STEP.replace("{zero}", "optimizer.zero_grad()").replace("{mark}", "")},
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -76,6 +76,16 @@ def _listed(check: _ScopeCheck, ctx: FileContext, scope: Scope) -> list[Finding]
     return list(check(ctx, scope))
 
 
+_LOOPS_AND_DEFS = (
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.Lambda,
+)
+
+
 # -- WB201 ------------------------------------------------------------------------------
 
 
@@ -108,6 +118,8 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
             zeroed = any(e.kind in (ZERO, SETGRAD) for e in inside)
             if not zeroed and loop is not step.loops[0] and _on_last_iteration(step, loop):
                 continue  # one step per pass of the enclosing loop: is it zeroed there?
+            if not zeroed and _leaves_after_step(loop, step) and _zeroed_before(scope, loop, step):
+                break  # zeroed, then one step, then out: each entry of the loop starts clean
             if not zeroed and not _fresh_each_iteration(scope, loop, step.recv):
                 own = [e for e in backs if not e.synthetic]
                 back = (
@@ -127,6 +139,73 @@ def _never_zeroed(ctx: FileContext, scope: Scope) -> Iterator[Finding]:
                 yield replace(f, trace=trace)
                 break
             break
+
+
+def _leaves_after_step(loop: ast.stmt, step: Event) -> bool:
+    """Does `loop` end once `step` has run: the step's block sets a flag (`complete =
+    True`) that the loop tests later to leave it (`if complete: break`)? A loop that
+    accumulates until its one step and then stops (GLM's `train_step`)."""
+    flags: set[str] = set()
+    for block in _blocks(loop):
+        at = next((i for i, st in enumerate(block) if _holds(st, step.node)), None)
+        if at is None:
+            continue
+        for st in block[at + 1 :]:
+            if (
+                isinstance(st, ast.Assign)
+                and isinstance(st.value, ast.Constant)
+                and st.value.value is True
+            ):
+                flags |= {t.id for t in st.targets if isinstance(t, ast.Name)}
+    if not flags:
+        return False
+    return any(
+        isinstance(n, ast.If)
+        and isinstance(n.test, ast.Name)
+        and n.test.id in flags
+        and n.lineno > _line(step)
+        and bool(n.body)
+        and isinstance(n.body[0], ast.Break)
+        for n in _own_nodes(loop)
+    )
+
+
+def _blocks(loop: ast.stmt) -> Iterator[list[ast.stmt]]:
+    """The statement lists of `loop`'s body and of the compound statements in it, not
+    those of nested loops or functions."""
+    for n in [loop, *_own_nodes(loop)]:
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(n, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                if n is loop and name != "body":
+                    continue
+                yield block
+
+
+def _own_nodes(loop: ast.stmt) -> Iterator[ast.AST]:
+    """The nodes inside `loop`'s body, not inside a nested loop or function."""
+    stack: list[ast.AST] = list(getattr(loop, "body", []))
+    while stack:
+        n = stack.pop()
+        yield n
+        if not isinstance(n, _LOOPS_AND_DEFS):
+            stack.extend(ast.iter_child_nodes(n))
+
+
+def _holds(st: ast.stmt, node: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(st))
+
+
+def _zeroed_before(scope: Scope, loop: ast.stmt, step: Event) -> bool:
+    """Is the gradient zeroed in this scope before `loop`, outside it, in the loops that
+    hold the step (the same pass of them)?"""
+    return any(
+        e.kind in (ZERO, SETGRAD)
+        and loop not in e.loops
+        and all(outer in step.loops for outer in e.loops)
+        and _line(e) < loop.lineno
+        for e in scope.events
+    )
 
 
 def _loop_index_bound(loop: ast.stmt) -> tuple[str, str] | None:
