@@ -28,6 +28,12 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   then loops over micro-batches until the one step that sets its `complete` flag, which
   the loop tests to leave: each call steps once on fresh gradients. The good twin is
   not reported (05417c5 reports the step); the bad twin never zeroes.
+- `labels-not-scored` (WB301; InternVL's stage-2 retrieval model): a model of the run
+  whose `forward` takes `labels` and no `**kwargs` is a mean over its micro-batch's
+  labels only where a cross-entropy scores something computed from them; one that
+  builds its own targets over a fixed number of pairs (image-text matching) is a mean
+  over a fixed count. The good twin's model does so and is not reported (05417c5 reports
+  the Trainer); the bad twin's cross-entropy scores the shifted labels.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -35,6 +41,7 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
 from __future__ import annotations
 
 from benchmarks.lint_twins import twin_tests
+from tests.unit.test_lint_loss_kwargs_twins import _PROMPTS, _SFT
 
 Twin = dict[str, str]
 
@@ -152,6 +159,47 @@ def train(model, optimizer, batches, steps):
         train_step(model, optimizer, batches, 4)
 """
 
+_PAIR_MODEL = """
+import torch
+import torch.nn.functional as F
+from torch.nn import Linear
+from transformers import PreTrainedModel
+
+
+class ToyForCausalLM(PreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.head = Linear(config.hidden_size, config.vocab_size)
+        self.match = Linear(config.hidden_size, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        hidden = self.embed(input_ids)
+        logits = self.head(hidden)
+        {loss}
+        return (loss, logits)
+"""
+
+_SCORES_LABELS = "loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())"
+_OWN_PAIRS = (
+    "pairs = self.match(hidden[:, 0])\n"
+    "        targets = torch.zeros(len(pairs), dtype=torch.long)\n"
+    "        loss = F.cross_entropy(pairs, targets)"
+)
+
+
+def _pair_run(loss: str, mark: str) -> Twin:
+    return {
+        "requirements.txt": "transformers\ntorch\n",
+        "models/__init__.py": "",
+        "models/toy.py": _PAIR_MODEL.replace("{loss}", loss),
+        "data.py": _PROMPTS.format(),
+        "train.py": _SFT.format(
+            mark=mark,
+            build="    model = ToyForCausalLM.from_pretrained(path)",
+            args="    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()",
+        ),
+    }
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -181,6 +229,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             )
         },
         {"train.py": _ONE_STEP.replace("{zero}", "optimizer.zero_grad()").replace("{mark}", "")},
+    ),
+    "labels-not-scored": (
+        _pair_run(_SCORES_LABELS, "  # expect: WB301"),
+        _pair_run(_OWN_PAIRS, ""),
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -734,13 +734,36 @@ def uncounted_forward(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     a = fn.args
     if a.kwarg is not None or "labels" not in {p.arg for p in (*a.args, *a.kwonlyargs)}:
         return False
+    derived, losses = {"labels"}, set()  # names computed from `labels`; CE modules
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and _ce_call(n.value):
+            losses |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    for _ in range(3):  # assignments in any order: a few passes reach the closure
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and _reads(n.value, derived):
+                derived |= {x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+    # A cross-entropy (or a module built as one) scoring something computed from `labels`:
+    # a mean over the labels it leaves unmasked (not one over rows it builds itself).
     return any(
         isinstance(n, ast.Call)
-        and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", ""))
-        in _CE_NAMES
-        and not any(k.arg == "reduction" for k in n.keywords)
+        and (
+            _ce_call(n)
+            or (isinstance(n.func, ast.Name) and n.func.id in losses)
+            or (isinstance(n.func, ast.Call) and _ce_call(n.func))  # `CrossEntropyLoss()(x, y)`
+        )
+        and any(_reads(x, derived) for x in (*n.args[1:], *(k.value for k in n.keywords)))
         for n in ast.walk(fn)
     )
+
+
+def _ce_call(n: ast.Call) -> bool:
+    """A call of a cross-entropy (function or module) with no `reduction=`: a mean."""
+    name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+    return name in _CE_NAMES and not any(k.arg == "reduction" for k in n.keywords)
+
+
+def _reads(expr: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(expr))
 
 
 def hf_compute_loss(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
