@@ -34,6 +34,10 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   builds its own targets over a fixed number of pairs (image-text matching) is a mean
   over a fixed count. The good twin's model does so and is not reported (05417c5 reports
   the Trainer); the bad twin's cross-entropy scores the shifted labels.
+- `detached-log-division` (WB301; InternLM-XComposer's reward trainer): `loss.detach() /
+  k`, the number a step returns for the log, carries no gradient. The good twin
+  backpropagates a token sum and logs the mean so divided (05417c5 reports the log
+  line); the bad twin backpropagates the mean divided by the steps.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -201,6 +205,25 @@ def _pair_run(loss: str, mark: str) -> Twin:
     }
 
 
+_LOGGED = """
+import torch.nn.functional as F
+
+
+def train(model, loader, optimizer, accumulation_steps, log):
+    for i, batch in enumerate(loader):
+        logits = model(batch["input_ids"]).flatten(0, 1)
+        labels = batch["labels"].flatten()
+        loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        {backward}
+        log(loss.detach() / accumulation_steps)
+        if (i + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+_SUMMED = 'F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").backward()'
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -233,6 +256,14 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "labels-not-scored": (
         _pair_run(_SCORES_LABELS, "  # expect: WB301"),
         _pair_run(_OWN_PAIRS, ""),
+    ),
+    "detached-log-division": (
+        {
+            "train.py": _LOGGED.replace(
+                "{backward}", "(loss / accumulation_steps).backward()  # expect: WB301"
+            )
+        },
+        {"train.py": _LOGGED.replace("{backward}", _SUMMED)},
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

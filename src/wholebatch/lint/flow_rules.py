@@ -1341,12 +1341,23 @@ def _mean_over_steps(
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods, steps)
+            and not _detached(sub.left)
         ):
             msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
             else:
                 defer(ctx, flow, scope, sub.left, sub, f"divided by `{_text(sub.right)}`")
+
+
+def _detached(value: ast.expr) -> bool:
+    """Is `value` a detached copy (`loss.detach()`, `loss.item()`): divided, it is a
+    number for the log (`loss.detach() / k`, what a Trainer's step returns), no gradient."""
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in ("detach", "item")
+    )
 
 
 def _logged_sum(scope: Scope, target: ast.expr) -> bool:
