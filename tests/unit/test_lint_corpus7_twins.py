@@ -38,6 +38,12 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   k`, the number a step returns for the log, carries no gradient. The good twin
   backpropagates a token sum and logs the mean so divided (05417c5 reports the log
   line); the bad twin backpropagates the mean divided by the steps.
+- `megatron-step-maker` (WB301, fact `megatron-schedules-loss`; NeMo-Aligner's models):
+  the forward step handed to Megatron's schedules is the function a call returns
+  (`forward_step_func=self.get_forward_output_and_loss_func()`), and its loss function is
+  nested in it. The bad twin's loss function returns a masked token mean (reported at
+  its return; 05417c5 never reads the made step). The good twin divides the token sum
+  by the step's token count, a constant of the model.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -223,6 +229,45 @@ def train(model, loader, optimizer, accumulation_steps, log):
 
 _SUMMED = 'F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").backward()'
 
+_MEGATRON = """
+import torch
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+
+class PolicyModel:
+    def __init__(self, model, tokens_per_step):
+        self.model, self.tokens_per_step = model, tokens_per_step
+
+    def get_forward_output_and_loss_func(self):
+        def fwd_output_and_loss_func(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["tokens"])
+            mask = batch["mask"]
+
+            def loss_func(logprobs):
+                summed = (logprobs * mask).sum()
+                loss = {loss}
+                return loss, {"loss": loss.detach()}{mark}
+
+            return output, loss_func
+
+        return fwd_output_and_loss_func
+
+    def train_step(self, batches, num_microbatches):
+        fwd_bwd = get_forward_backward_func()
+        return fwd_bwd(
+            forward_step_func=self.get_forward_output_and_loss_func(),
+            data_iterator=iter(batches),
+            model=self.model,
+            num_microbatches=num_microbatches,
+            forward_only=False,
+        )
+"""
+
+
+def _megatron(loss: str, mark: str) -> Twin:
+    return {"policy.py": _MEGATRON.replace("{loss}", loss).replace("{mark}", mark)}
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -264,6 +309,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             )
         },
         {"train.py": _LOGGED.replace("{backward}", _SUMMED)},
+    ),
+    "megatron-step-maker": (
+        _megatron("summed / mask.sum()", "  # expect: WB301"),
+        _megatron("summed / self.tokens_per_step", ""),
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

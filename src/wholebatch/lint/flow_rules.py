@@ -768,9 +768,12 @@ def _pipeline_loss(ctx: FileContext, scope: Scope) -> bool:
 
 def _megatron_loss(ctx: FileContext, scope: Scope) -> bool:
     """Is the scope a loss function the file's forward step hands Megatron's schedules
-    (`frameworks.megatron_losses`), in a file that imports megatron?"""
+    (`frameworks.megatron_losses`), in a file that imports megatron? A method is none:
+    the step hands over a function by its name (`return output, loss_func`), and a
+    method of that name (`self.loss_func`, called by it) is another function."""
     return (
         not isinstance(scope.node, ast.Module)
+        and scope.cls is None
         and ctx.mentions("forward_step")
         and "megatron" in ctx.imports.roots
         and scope.name in _framework_names(ctx, megatron_losses)

@@ -669,15 +669,23 @@ def _returned_functions(maker: ast.FunctionDef | ast.AsyncFunctionDef) -> set[st
 def megatron_losses(tree: ast.Module, qualname: Callable[[ast.expr], str | None]) -> set[str]:
     """The names of the loss functions a file hands Megatron's pipeline schedules: the
     `f` of `partial(f, ...)` (or `f` itself) in the returned tuple of a forward step, a
-    function given as `forward_step_func=` or named `forward_step` (Megatron's name for
+    function given as `forward_step_func=` (or returned by the call given there), or named
+    `forward_step` (Megatron's name for
     the function `pretrain(..., forward_step, ...)` and `get_forward_backward_func()(...)`
     call: it returns `(output_tensor, loss_func)`)."""
-    steps = {"forward_step"}
+    steps, makers = {"forward_step"}, set()
     for call in ast.walk(tree):
         if isinstance(call, ast.Call):
             for k in call.keywords:
                 if k.arg == "forward_step_func" and isinstance(k.value, ast.Name):
                     steps.add(k.value.id)
+                elif k.arg == "forward_step_func" and isinstance(k.value, ast.Call):
+                    # `forward_step_func=self.get_forward_output_and_loss_func()`: the
+                    # function that call returns (NeMo's models)
+                    makers.add(last_name(k.value.func))
+    for f in ast.walk(tree):
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name in makers:
+            steps |= _returned_functions(f)
     out: set[str] = set()
     for f in ast.walk(tree):
         if not (isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name in steps):
