@@ -44,6 +44,11 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   nested in it. The bad twin's loss function returns a masked token mean (reported at
   its return; 05417c5 never reads the made step). The good twin divides the token sum
   by the step's token count, a constant of the model.
+- `mmengine-gather` (WB101, fact `mmengine-dist-all-gather`; mmpretrain's BLIP-2
+  retriever): `mmengine.dist.all_gather(x)` returns the list torch.distributed's gather
+  fills, with no gradient: the bad twin's contrastive loss against the gathered
+  features is reported at the gather (05417c5 reports nothing). The good twin gathers
+  with torch.distributed.nn's differentiable all_gather.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -269,6 +274,22 @@ def _megatron(loss: str, mark: str) -> Twin:
     return {"policy.py": _MEGATRON.replace("{loss}", loss).replace("{mark}", mark)}
 
 
+_MM_GATHER = """
+import torch
+import torch.nn.functional as F
+{imports}
+
+
+def contrastive_loss(image_encoder, text_encoder, images, texts, rank, temperature=0.07):
+    image_feat = image_encoder(images)
+    text_feat = text_encoder(texts)
+    all_text = torch.cat({gather}(text_feat)){mark}
+    logits = image_feat @ all_text.t() / temperature
+    targets = torch.arange(len(image_feat)) + rank * len(image_feat)
+    return F.cross_entropy(logits, targets)
+"""
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -313,6 +334,22 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "megatron-step-maker": (
         _megatron("summed / mask.sum()", "  # expect: WB301"),
         _megatron("summed / self.tokens_per_step", ""),
+    ),
+    "mmengine-gather": (
+        {
+            "loss.py": _MM_GATHER.format(
+                imports="import mmengine.dist as dist",
+                gather="dist.all_gather",
+                mark="  # expect: WB101",
+            )
+        },
+        {
+            "loss.py": _MM_GATHER.format(
+                imports="import torch.distributed.nn as dist_nn",
+                gather="dist_nn.all_gather",
+                mark="",
+            )
+        },
     ),
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -21,6 +21,7 @@ from tests.support.lint_twins import TWINS
 from tests.unit.test_lint_corpus2_twins import TWINS as CORPUS2_TWINS
 from tests.unit.test_lint_corpus5_twins import TWINS as CORPUS5_TWINS
 from tests.unit.test_lint_corpus6_twins import TWINS as CORPUS6_TWINS
+from tests.unit.test_lint_corpus7_twins import TWINS as CORPUS7_TWINS
 from tests.unit.test_lint_false_alarm_twins import TWINS as FALSE_ALARM_TWINS
 from tests.unit.test_lint_framework_divides_twins import TWINS as DIVIDES_TWINS
 from tests.unit.test_lint_local_exit_twins import TWINS as LOCAL_EXIT_TWINS
@@ -74,6 +75,8 @@ _DECIDED_BY = {
     "trl-sft-trainer": "trl-sft-default-collator",
     # tests/unit/test_lint_corpus6_twins.py (and its test of deepspeed's source)
     "deepspeed-save-checkpoint": "deepspeed-save-checkpoint",
+    # tests/unit/test_lint_corpus7_twins.py
+    "mmengine-dist-all-gather": "mmengine-gather",
 }
 
 
@@ -93,6 +96,7 @@ def test_every_fact_is_documented_and_decided() -> None:
             LOCAL_EXIT_TWINS,
             CORPUS5_TWINS,
             CORPUS6_TWINS,
+            CORPUS7_TWINS,
         )
         assert any(by in t for t in twins) or by in globals(), name
 

@@ -236,6 +236,17 @@ _ALL = (
         rules=("WB105",),
     ),
     Fact(
+        name="mmengine-dist-all-gather",
+        framework="mmengine",
+        says="mmengine's `dist.all_gather(data)` returns the list that "
+        "`torch.distributed.all_gather` fills, which carries no gradient",
+        where="mmengine/dist/dist.py: all_gather (`gather_list = [torch.empty_like(data, "
+        "...)]`; `torch_dist.all_gather(gather_list, data_on_device, group)`; `return "
+        "cast_data_device(gather_list, input_device)`; `[data]` itself in one process) "
+        "(read at open-mmlab/mmengine 00cfc11)",
+        rules=("WB101",),
+    ),
+    Fact(
         name="fsdp-no-sync",
         framework="torch",
         says="FSDP decides in its post-backward hook whether to reduce-scatter: a "

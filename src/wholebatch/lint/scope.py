@@ -85,6 +85,9 @@ _DIFFERENTIABLE_GATHERS = frozenset(
 # Lightning's `all_gather` (unless `sync_grads=True`).
 _FRAMEWORK_GATHERS = {"gather": ("accelerator",), "all_gather": ("self", "fabric")}
 _VALUE_GATHER_NAMES = frozenset({"allgather", "all_gather", "gather"})
+# Gathers that return the list torch.distributed.all_gather fills: no gradient, ever
+# (`frameworks.FACTS["mmengine-dist-all-gather"]`).
+_PLAIN_VALUE_GATHERS = frozenset({"mmengine.dist.all_gather", "mmengine.dist.dist.all_gather"})
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
 _T = TypeVar("_T")
 _Loop = ast.For | ast.AsyncFor | ast.While
@@ -731,6 +734,8 @@ class FileContext:
         q = self.imports.qualname(func) or ""
         if q in _DIFFERENTIABLE_GATHERS:
             return "no_grad" if nograd else None
+        if q in _PLAIN_VALUE_GATHERS:
+            return "mmengine's dist.all_gather is not differentiable"
         if not isinstance(func, ast.Attribute):
             return None
         owner = last_name(func.value)
