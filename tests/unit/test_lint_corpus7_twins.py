@@ -49,6 +49,18 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   fills, with no gradient: the bad twin's contrastive loss against the gathered
   features is reported at the gather (05417c5 reports nothing). The good twin gathers
   with torch.distributed.nn's differentiable all_gather.
+- WB105's rank-local exits nested under another test (MiniCPM-V's VLMEvalKit `run.py`,
+  yolov3's `train.py`; the open_clip_train peer's two error returns too):
+  `nested-continue-in-rank-block` (`if rank == 0:` holding `if task_is_test:
+  continue`, as `if rank == 0 and task_is_test: continue` is judged),
+  `nested-return-membership-upper-rank` (`if RANK in {-1, 0}: ... if stop: return`),
+  `literal-rank-list` (the rank tested against a literal list of ranks names those
+  ranks; `in (-1,)`, "not distributed", is the same on every rank),
+  `upper-case-rank-constant` (`LOCAL_RANK = int(os.getenv(...))` is a rank),
+  `exit-knows-guard` (what the leaving rank knows between the rank test and the exit:
+  `if not distributed: return` skips only a barrier behind `if distributed:`) and
+  `rank-test-around-loop` (a rank test around the loop holds the collectives after the
+  exit too). 05417c5 misses every bad twin.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -289,6 +301,176 @@ def contrastive_loss(image_encoder, text_encoder, images, texts, rank, temperatu
     return F.cross_entropy(logits, targets)
 """
 
+# -- WB105: rank-local exits nested under another test ---------------------------------
+
+
+# 1. `continue` under an ordinary condition inside `if rank == 0:` in a per-task loop
+#    (wrapped in try/except, the closing barrier behind `if world > 1:`).
+_TASKS = """
+import torch.distributed as dist
+
+
+def run_tasks(tasks, rank, world, opts):
+    for task in tasks:
+        try:
+            if world > 1:
+                dist.barrier()
+            preds = task.predict()
+            if rank == 0:
+                {body}
+        except RuntimeError:
+            print("task failed")
+        if world > 1:
+            dist.barrier()
+"""
+_TASKS_BAD = """if task.name.endswith("_test"):
+                    print("no labels")
+                    continue  # expect: WB105
+                if opts.predict_only:
+                    continue  # expect: WB105
+                task.score(preds)"""
+_TASKS_GOOD = """if task.name.endswith("_test") or opts.predict_only:
+                    print("nothing to score")
+                else:
+                    task.score(preds)"""
+
+# 2. `return` under an ordinary condition inside `if RANK in {-1, 0}:` in the batch loop,
+#    with RANK an upper-case module constant; the other ranks go on to the next
+#    backward through the DDP model and to the epoch's broadcast.
+_EPOCHS = """
+import os
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+RANK = int(os.getenv("RANK", "-1"))
+
+
+def fit(model, loader, opt, hooks, epochs):
+    model = DDP(model)
+    stop = False
+    for epoch in range(epochs):
+        for x, y in loader:
+            loss = model(x, y).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if RANK in {{-1, 0}}:
+                hooks.after_batch(loss.item())
+{check}
+        if RANK != -1:
+            flag = [stop if RANK == 0 else None]
+            dist.broadcast_object_list(flag, 0)
+            stop = flag[0]
+        if stop:
+            break
+"""
+_EPOCHS_BAD = """                if hooks.should_stop:
+                    return  # expect: WB105"""
+_EPOCHS_GOOD = """                if hooks.should_stop:
+                    stop = True"""
+
+# 3. a literal list of rank numbers, tested directly: the same as `rank == 0`; the
+#    "not distributed" sentinel list `(-1,)` is the same on every rank.
+_PICK = """
+import torch.distributed as dist
+
+
+def save_and_sync(state, local_rank, path):
+    if local_rank {test}:
+        return{mark}
+    state.save(path)
+    dist.barrier()
+"""
+
+# 4. the rank as an upper-case module constant, tested with `==`; `RANK == -1` (not
+#    distributed) is the same on every rank.
+_UPPER = """
+import os
+
+import torch.distributed as dist
+
+LOCAL_RANK = int(os.getenv("LOCAL_RANK", -1))
+
+
+def gather_metrics(metrics):
+    out = [None] * dist.get_world_size()
+    for name, value in metrics.items():
+        if LOCAL_RANK {test}:
+            continue{mark}
+        dist.all_gather_object(out, (name, value))
+    return out
+"""
+
+# 5. what the exiting rank knows on its way out: `if rank == 0: if not distributed:
+#    return` skips only the barrier behind `if distributed:` (which no rank then calls);
+#    the bad twin leaves on a test that says nothing about the barrier's guard.
+_KNOWN = """
+import torch.distributed as dist
+
+
+def export(model, rank, distributed, path):
+    if rank == 0:
+        {test}
+            return{mark}
+        model.export(path)
+    if distributed:
+        dist.barrier()
+"""
+
+# 6. a `continue` inside a loop that a
+#    rank test holds: the collectives after it in the loop run on that rank only, so
+#    the exit skips nothing the others make; the bad twin puts the rank test inside
+#    the loop, around the `continue`.
+_AROUND_BAD = """
+import torch.distributed as dist
+
+
+def report(rows, rank):
+    for row in rows:
+        if rank == 0:
+            if row.empty:
+                continue  # expect: WB105
+            print(row)
+        dist.barrier()
+"""
+_AROUND_GOOD = """
+import torch.distributed as dist
+
+
+def report(rows, rank):
+    if rank == 0:
+        for row in rows:
+            if row.empty:
+                continue
+            print(row)
+    dist.barrier()
+"""
+
+_EXITS: dict[str, tuple[str, str]] = {
+    "nested-continue-in-rank-block": (
+        _TASKS.format(body=_TASKS_BAD),
+        _TASKS.format(body=_TASKS_GOOD),
+    ),
+    "nested-return-membership-upper-rank": (
+        _EPOCHS.format(check=_EPOCHS_BAD),
+        _EPOCHS.format(check=_EPOCHS_GOOD),
+    ),
+    "literal-rank-list": (
+        _PICK.format(test="in [0]", mark="  # expect: WB105"),
+        _PICK.format(test="in (-1,)", mark=""),
+    ),
+    "upper-case-rank-constant": (
+        _UPPER.format(test="== 0", mark="  # expect: WB105"),
+        _UPPER.format(test="== -1", mark=""),
+    ),
+    "exit-knows-guard": (
+        _KNOWN.format(test="if not model.ready:", mark="  # expect: WB105"),
+        _KNOWN.format(test="if not distributed:", mark=""),
+    ),
+    "rank-test-around-loop": (_AROUND_BAD, _AROUND_GOOD),
+}
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -351,5 +533,6 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
             )
         },
     ),
+    **{kind: ({"train.py": bad}, {"train.py": good}) for kind, (bad, good) in _EXITS.items()},
 }
 test_twin_is_judged_as_marked, test_each_kind_has_a_bad_and_a_good_twin = twin_tests(TWINS)

@@ -702,10 +702,73 @@ def _rank_local(st: ast.If, agreed: set[str], partial: list[tuple[int, str]]) ->
     """Can `st`'s condition differ between ranks: a rank test, a NaN check not agreed,
     or a test of a per-rank part that a later collective combines (`if sk_l1 == 0:`
     before `t[2] = sk_l1; dist.all_reduce(t)`)?"""
-    if is_rank_local_test(st.test, agreed):
+    if is_rank_local_test(st.test, agreed) or _picks_ranks(st.test):
         return True
     later = {n for line, n in partial if line > st.lineno} - agreed
     return bool(later) and reads_partial(st.test, later)
+
+
+def _picks_ranks(test: ast.expr) -> bool:
+    """`RANK in {-1, 0}`, `local_rank not in (0, 1)`: the rank tested against a literal
+    list of rank numbers names particular ranks, as `rank == 0` does (a test against a
+    list a program builds, `rank in tp_ranks`, is a sub-group's, and stays out). A list
+    of negative numbers only (`rank in (-1,)`: "not distributed") is the same on every
+    rank."""
+    for n in ast.walk(test):
+        if (
+            isinstance(n, ast.Compare)
+            and len(n.ops) == 1
+            and isinstance(n.ops[0], ast.In | ast.NotIn)
+            and is_rank_ref(n.left)
+            and isinstance(c := n.comparators[0], ast.Set | ast.Tuple | ast.List)
+            and c.elts
+        ):
+            values = [_int_of(e) for e in c.elts]
+            if all(v is not None for v in values) and any(v >= 0 for v in values if v is not None):
+                return True
+    return False
+
+
+def _int_of(node: ast.expr) -> int | None:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _int_of(node.operand)
+        return None if v is None else -v
+    return node.value if isinstance(node, ast.Constant) and type(node.value) is int else None
+
+
+# Where a rank-local exit is judged from: the statements above the rank-local `if`, its
+# block and index there, the `if`, whether the exit is in its body, and what else the
+# exiting rank knows (the conditions between that `if` and the exit).
+_Owner = tuple[_Chain, list[ast.stmt], int, ast.If, bool, tuple[tuple[str, bool], ...]]
+
+
+def _rank_owner(
+    chain: _Chain,
+    here: tuple[list[ast.stmt], ast.If, bool],
+    jump: ast.stmt,
+    splits: Callable[[ast.If], bool],
+) -> _Owner | None:
+    """The nearest rank-local `if` (`splits`) above `here` (the block holding the `if` a
+    branch of which leaves by `jump`, that `if`, whether the branch is its body) of
+    whose branch the exit is part: `if rank == 0: ... if dataset_is_test: continue`
+    leaves on rank 0 only, whatever the inner condition, as `if rank == 0 and
+    dataset_is_test: continue` does. A `continue`/`break` looks no higher than its loop
+    (a rank test around the loop holds the collectives after the exit too)."""
+    block, inner, in_body = here
+    known = list(_holds(inner.test, in_body))
+    below = block
+    for k in range(len(chain) - 1, -1, -1):
+        outer, j, owner = chain[k]
+        if isinstance(owner, _LOOPS):
+            if not isinstance(jump, ast.Return):
+                return None
+        elif isinstance(owner, ast.If):
+            body = below is owner.body
+            if splits(owner):
+                return chain[:k], outer, j, owner, body, tuple(known)
+            known += _holds(owner.test, body)
+        below = outer
+    return None
 
 
 def _early_exits(ctx: FileContext, scope: Scope, syncs: Mapping[int, str]) -> Iterator[Finding]:
@@ -715,47 +778,66 @@ def _early_exits(ctx: FileContext, scope: Scope, syncs: Mapping[int, str]) -> It
     # (block, index in block, statement) from the scope down to the current block
     chain: list[tuple[list[ast.stmt], int, ast.stmt]] = []
 
+    def splits(st: ast.If) -> bool:
+        return _rank_local(
+            st, {n for line, names in agreed if line <= st.lineno for n in names}, partial
+        ) and not any(  # `if not all_ranks_agree(ok):` is the fix itself: agreed there.
+            isinstance(n, ast.Call) and ctx.imports.collective(n) is not None
+            for n in ast.walk(st.test)
+        )
+
     def visit(block: list[ast.stmt]) -> Iterator[Finding]:
         for i, st in enumerate(block):
             if isinstance(st, _DEFS):
                 continue
-            if (
-                isinstance(st, ast.If)
-                and _rank_local(
-                    st, {n for line, names in agreed if line <= st.lineno for n in names}, partial
-                )
-                # `if not all_ranks_agree(ok):` is the fix itself: agreed in the condition.
-                and not any(
-                    isinstance(n, ast.Call) and ctx.imports.collective(n) is not None
-                    for n in ast.walk(st.test)
-                )
-            ):
+            if isinstance(st, ast.If):
                 exits = [(b, j) for b in (st.body, st.orelse) if (j := exit_of(b)) is not None]
                 if len(exits) == 1:
                     branch, jump = exits[0]
-                    hit = _first_after(
-                        ctx, scope, (block, i, chain), jump, st, branch is st.body, syncs
-                    )
-                    if hit is not None and _one_sequence(ctx, scope, st, (chain, block, i), syncs):
-                        hit = None  # it joins the same collectives before it leaves
-                    if hit is not None:
-                        q, call, trace = hit
-                        kind = type(jump).__name__.lower()
-                        f = _finding(
-                            ctx,
-                            jump,
-                            "WB105",
-                            f"rank-local `{kind}` under `{ast.unparse(st.test)}` skips "
-                            f"{_what(q, call, trace)} at line {call.lineno}, which the other "
-                            f"ranks still call: they hang{_path(trace, ctx.path)}",
-                        )
-                        yield replace(f, trace=trace)
+                    at: _Owner | None = (chain, block, i, st, branch is st.body, ())
+                    if not splits(st):
+                        at = _rank_owner(chain, (block, st, branch is st.body), jump, splits)
+                    if at is not None:
+                        yield from _exit_finding(ctx, scope, at, st, jump, syncs)
             for sub in _sub_blocks(st):
                 chain.append((block, i, st))
                 yield from visit(sub)
                 chain.pop()
 
     yield from visit(body)
+
+
+def _exit_finding(
+    ctx: FileContext,
+    scope: Scope,
+    at: _Owner,
+    inner: ast.If,
+    jump: ast.stmt,
+    syncs: Mapping[int, str],
+) -> Iterator[Finding]:
+    """WB105 for `jump`, a branch of `inner` that leaves, judged from the rank-local `if`
+    of `at` (`inner` itself, or one it sits in)."""
+    above, block, i, the_if, in_body, known = at
+    hit = _first_after(ctx, scope, (block, i, above), jump, the_if, in_body, syncs, known)
+    if hit is not None and _one_sequence(ctx, scope, the_if, (above, block, i), syncs):
+        hit = None  # it joins the same collectives before it leaves
+    if hit is None:
+        return
+    q, call, trace = hit
+    kind = type(jump).__name__.lower()
+    test = ast.unparse(inner.test)
+    in_else = not any(n is jump for st in inner.body for n in ast.walk(st))
+    where = f"`not ({test})`" if in_else else f"`{test}`"
+    if inner is not the_if:
+        where += f" inside `if {ast.unparse(the_if.test)}` (line {the_if.lineno})"
+    f = _finding(
+        ctx,
+        jump,
+        "WB105",
+        f"rank-local `{kind}` under {where} skips {_what(q, call, trace)} at line "
+        f"{call.lineno}, which the other ranks still call: they hang{_path(trace, ctx.path)}",
+    )
+    yield replace(f, trace=trace)
 
 
 def _is_exit(st: ast.stmt) -> bool:
@@ -770,10 +852,11 @@ def _first_after(
     the_if: ast.If,
     in_body: bool,
     syncs: Mapping[int, str],
+    known: tuple[tuple[str, bool], ...] = (),
 ) -> _Coll | None:
     """The first collective the exiting rank skips but the others reach (`where`: the
     block holding `the_if`, its index there, the statements above; `in_body`: the exit
-    is in the `if`'s body)."""
+    is in the `if`'s body; `known`: what else the exiting rank knows)."""
     block, i, chain = where
     rest: list[ast.stmt] = list(block[i + 1 :])
     for outer, j, owner in reversed(chain):
@@ -787,7 +870,7 @@ def _first_after(
         # What the exiting rank knows on its way out (`if not fsdp and not is_rank0:
         # return`: fsdp is off); a collective guarded by the opposite (`if fsdp:`) is one
         # that no rank reaches on that path, so skipping it hangs nobody.
-        exiting = set(_holds(the_if.test, in_body))
+        exiting = {*_holds(the_if.test, in_body), *known}
         if exiting:
             guards: dict[int, tuple[tuple[str, bool], ...]] = {}
             _guarded(rest, (), guards)

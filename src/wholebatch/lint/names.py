@@ -449,11 +449,11 @@ def is_scaler_name(name: str) -> bool:
 
 
 def is_rank_ref(node: ast.AST) -> bool:
-    """Is `node` a rank (`rank`, `self.local_rank`, `dist.get_rank()`, `is_main_process`)?"""
-    if isinstance(node, ast.Name):
-        return node.id in _RANK_NAMES
-    if isinstance(node, ast.Attribute):
-        return node.attr in _RANK_NAMES
+    """Is `node` a rank (`rank`, `self.local_rank`, `dist.get_rank()`, `is_main_process`),
+    or its module constant in capitals (`RANK = int(os.getenv("RANK", -1))`, `LOCAL_RANK`)?"""
+    if isinstance(node, ast.Name | ast.Attribute):
+        name = node.id if isinstance(node, ast.Name) else node.attr
+        return name in _RANK_NAMES or (name.isupper() and name.lower() in _RANK_NAMES)
     if isinstance(node, ast.Call):
         return last_name(node.func) in _RANK_FUNCS
     return False
