@@ -126,6 +126,19 @@ _REDUCERS = frozenset(
     {"sum", "mean", "add", "add_", "reduce", "nansum", "sum_to_size", "all_reduce", "fsum"}
 )
 _IGNORE_CRITERIA = frozenset({"CrossEntropyLoss", "NLLLoss"})
+# PyTorch's functional losses that average over their input's items by default.
+_MEAN_LOSSES = frozenset(
+    {
+        "cross_entropy",
+        "nll_loss",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+    }
+)
 _BUILTINS = frozenset(dir(builtins))
 # What a tag becomes where it meets a similarity product (see `m:` and `N:`).
 _MET = {"m:": "g:", "n:": "N:"}
@@ -409,6 +422,8 @@ class Flow:
         self._inputs: set[str] | None = None  # computed on first need (`_data_tags`)
         self._literals: dict[str, list[ast.keyword]] | None = None  # (`_spelled`)
         self._stored: set[str] | None = None  # computed on first need (`_assign`)
+        self._records: set[str] | None = None  # computed on first need (`_namedtuples`)
+        self._unrecorded: set[int] = set()  # tuple places a `return` gives no record (`_return`)
         # An autograd.Function's forward runs with gradient recording off (tested in
         # tests/unit/test_lint_dist_twins.py): its hand-written backward is the gradient,
         # so nothing gathered there lacks one (WB102 judges that backward).
@@ -576,6 +591,8 @@ class Flow:
             out |= {"V", *self._targets(n)}
         if name == "mean" and not n.keywords and "M" in self._mean_input(n):
             out |= {"V", "S"}  # `losses[mask].mean()`: over as many items as the mask keeps
+        elif name in _MEAN_LOSSES and self._selected_loss(n):
+            out |= {"V", "S"}  # `F.cross_entropy(logits[mask], y[mask])`: the same mean
         d = dotted(n.func)
         if (
             d is not None
@@ -587,6 +604,22 @@ class Flow:
             if value is not None:  # `self.criterion(logits, labels)`, built so
                 out |= self._ignored_targets(n, value)
         return out
+
+    def _selected_loss(self, n: ast.Call) -> bool:
+        """Is `n` a PyTorch loss averaging (its default `reduction="mean"`) the items a
+        boolean mask of the data selects from its input (`F.cross_entropy(logits[mask],
+        ids[mask])`, `F.mse_loss(pred[mask], y[mask])`): a mean over as many items as the
+        mask keeps, as `losses[mask].mean()` is? A sum, a reduction the call does not
+        show, and a function of the run of that name are none."""
+        reduction = _kwarg(n, ("reduction",))
+        if reduction is not None and not _mean_literal(reduction):
+            return False
+        if isinstance(n.func, ast.Name) and n.func.id not in self.ctx.imports.aliases:
+            return False  # a local function of that name, not PyTorch's
+        first = _kwarg(n, ("input",)) or (n.args[0] if n.args else None)
+        return (
+            first is not None and "M" in self.tags(first) and not self.resolver.own(n, self.scope)
+        )
 
     def _ignored_targets(self, n: ast.Call, ignore: ast.expr) -> set[str]:
         """`t:NAME` for the parameters the target of loss call `n` derives from, where its
@@ -807,7 +840,11 @@ class Flow:
             elif tag[:1] == "@":
                 # a tuple's element-wise tags (`@2`, `@1:V`, `@1:W:axis`), mapped alike
                 i, _, inner = tag.partition(":")
-                if not inner or inner in ("V", "v"):
+                if (
+                    not inner
+                    or inner in ("V", "v")
+                    or (inner[:1] == "@" and (":" not in inner or inner[-2:] in (":V", ":v")))
+                ):
                     out.add(tag)
                 elif inner.startswith("W:"):
                     out.update(f"{i}:{t}" for t in self._mean_of(inner[2:], args))
@@ -1238,6 +1275,51 @@ class Flow:
         self.returns.add(f"@{n}")
         for i, e in enumerate(value.elts):
             self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
+            parts = self._record_parts(e)
+            if parts is not None:
+                # `return loss, LossBreakdown(gen_loss, critic_loss)`: a record in the
+                # tuple, followed one level down (`@1:@2`, `@1:@0:V`)
+                self.returns.add(f"@{i}:@{len(parts)}")
+                for j, p in enumerate(parts):
+                    self.returns.update(f"@{i}:@{j}:{t}" for t in self.tags(p) if _is_mean(t))
+            else:
+                self._unrecorded.add(i)
+            lengths = {t for t in self.returns if t.startswith(f"@{i}:@") and t.count(":") == 1}
+            if i in self._unrecorded or len(lengths) > 1:
+                # records of different lengths, or not a record, in this place: whole only
+                self.returns = {t for t in self.returns if not t.startswith(f"@{i}:@")}
+
+    def _record_parts(self, e: ast.expr) -> list[ast.expr] | None:
+        """The fields of `e`, a tuple literal or a namedtuple of this file built by
+        position (`LossBreakdown(loss, None)`), in order; None for anything else."""
+        if isinstance(e, ast.Tuple):
+            elts = e.elts
+        elif (
+            isinstance(e, ast.Call)
+            and isinstance(e.func, ast.Name)
+            and not e.keywords
+            and e.func.id in self._namedtuples()
+        ):
+            elts = e.args
+        else:
+            return None
+        return None if any(isinstance(x, ast.Starred) for x in elts) else list(elts)
+
+    def _namedtuples(self) -> set[str]:
+        """The names this file binds to a `namedtuple(...)` (or derives from NamedTuple)."""
+        if self._records is None:
+            self._records = {
+                t.id
+                for call, targets in self.ctx.assign_calls
+                if last_name(call.func) == "namedtuple"
+                for t in targets
+                if isinstance(t, ast.Name)
+            } | {
+                name
+                for name, cls in self.ctx.class_by_name.items()
+                if any(last_name(b) == "NamedTuple" for b in cls.bases)
+            }
+        return self._records
 
     def _data_tags(self, value: ast.expr, tags: set[str]) -> set[str]:
         """`Z` for a value with no gradient path (computed here under `torch.no_grad()`,

@@ -489,6 +489,17 @@ def _resolved(modules: ModuleMap, f: Path, names: list[str]) -> dict[str, Path]:
     return {n: hit for n in names if (hit := modules.resolve(f, n)) is not None}
 
 
+def _with_theirs(resolved: dict[Path, dict[str, Path]], f: Path) -> dict[str, Path]:
+    """The files the names `f` imports mean, and those the names its imports import mean
+    (`from .modeling import Model` in the package `__init__` it imports): where two
+    sub-projects of the tree hold modules of one name, the ones of `f`'s own project."""
+    hits = dict(resolved.get(f, {}))
+    for g in list(hits.values()):
+        for name, h in resolved.get(g, {}).items():
+            hits.setdefault(name, h)
+    return hits
+
+
 @contextlib.contextmanager
 def _aliases(
     program: Program, modules: ModuleMap, hits: dict[str, Path], by_file: dict[Path, ModuleFacts]
@@ -644,7 +655,7 @@ def lint_run(
     for f in import_order(list(sources), deps):
         source = sources.pop(f)
         module = modules.own.get(f, "")
-        with _aliases(program, modules, resolved[f], by_file):
+        with _aliases(program, modules, _with_theirs(resolved, f), by_file):
             follows = bool(module) and any(
                 program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
             )
@@ -788,6 +799,9 @@ def _masked(
             return name.split(".")[0]
         return str(f.parent)
 
+    # a script that loads a dataset from disk reads what a script of its folder saved
+    # there (`ds.save_to_disk(...)`): the tokenizing script's labels are its labels
+    deps = _with_saved_data(sources, deps, shown)
     groups: dict[str, set[Path]] = {}
     beside: dict[str, str] = {}  # a package's key -> the folder that holds it
     for f in sources:
@@ -813,7 +827,32 @@ def _masked(
             or (near is not None and own(f) == near)
             or (inside is not None and str(f).startswith(inside))
             or (wide and key.startswith(os.path.join(own(f), "")))
+            # and, for a script, a folder beneath its own imported alongside it: a
+            # namespace package without `__init__.py` (`pkg/constants.py` writes the
+            # -100, `pkg/train/trainer.py`, imported as `pkg.train.trainer`, trains)
+            or (wide and near is None and own(f).startswith(os.path.join(key, "")))
         )
+    return out
+
+
+def _with_saved_data(
+    sources: dict[Path, str], deps: dict[Path, list[Path]], marked: set[Path]
+) -> dict[Path, list[Path]]:
+    """`deps` with an edge from each file that loads a Hugging Face dataset from disk
+    (`datasets.load_from_disk(path)`) to each file of its folder that masks labels and
+    saves one (`ds.save_to_disk(path)`, a tokenizing script run before it): no import
+    joins them, the files on disk do, so the saved labels are the loaded ones (WB301)."""
+    savers: dict[Path, list[Path]] = {}
+    for f in sorted(marked):
+        if "save_to_disk(" in sources[f]:
+            savers.setdefault(f.parent, []).append(f)
+    if not savers:
+        return deps
+    out = dict(deps)
+    for f, text in sources.items():
+        near = [g for g in savers.get(f.parent, ()) if g != f]
+        if near and "load_from_disk(" in text:
+            out[f] = [*deps.get(f, ()), *near]
     return out
 
 

@@ -264,6 +264,11 @@ class ModuleFacts:
         forwards: class name -> whether the `forward` it defines is a model's own mean
             loss that no item count reaches (`frameworks.uncounted_forward`), for the
             classes that define one (WB301 through a Trainer).
+        trainers: class name -> `class` line of the file's direct subclasses of the HF
+            Trainer that keep its loss and step (`flow_rules`): another file that builds
+            one with a model the Trainer gives no item count is reported there (WB301).
+        counting_off: the classes that set `accepts_loss_kwargs = False` in their body
+            (`frameworks.loss_kwargs_attr`): the Trainer gives them no item count.
     """
 
     path: str
@@ -274,6 +279,8 @@ class ModuleFacts:
     layers: dict[int, str] = field(default_factory=dict)
     apply_aliases: dict[str, str] = field(default_factory=dict)
     forwards: dict[str, bool] = field(default_factory=dict)
+    counting_off: set[str] = field(default_factory=set)
+    trainers: dict[str, int] = field(default_factory=dict)
 
 
 class Program:
@@ -411,6 +418,22 @@ class Program:
             if isinstance(target, str):
                 return self.uncounted(target, depth + 1)
         return False
+
+    def default_trainer(self, cls: str) -> tuple[str, int] | None:
+        """(file, `class` line) of the class with absolute name `cls` where it is a
+        direct subclass of the HF Trainer keeping its loss and step
+        (`ModuleFacts.trainers`); None otherwise."""
+        mod_name, _, cls_name = self.canonical(cls).rpartition(".")
+        mod = self.modules.get(mod_name)
+        line = mod.trainers.get(cls_name) if mod is not None else None
+        return (mod.path, line) if mod is not None and line is not None else None
+
+    def counting_off(self, cls: str) -> bool:
+        """Does the class with absolute name `cls` set `accepts_loss_kwargs = False`
+        (`ModuleFacts.counting_off`)?"""
+        mod_name, _, cls_name = cls.rpartition(".")
+        mod = self.modules.get(mod_name)
+        return mod is not None and cls_name in mod.counting_off
 
     def method(self, cls: str, name: str, depth: int = 0) -> Facts | None:
         """The facts of method `name` of the class with absolute name `cls`, or its bases."""

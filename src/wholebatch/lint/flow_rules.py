@@ -40,10 +40,11 @@ from wholebatch.lint.frameworks import (
     labels_copy_inputs,
     lightning_class,
     loss_entries,
+    loss_kwargs_attr,
     masks_labels,
     megatron_losses,
     pipeline_losses,
-    uncounted_forward,
+    uncounted_model,
 )
 from wholebatch.lint.names import counts_items, dotted, is_step_count_name, last_name, position
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
@@ -219,6 +220,7 @@ def check_flow(ctx: FileContext) -> Iterator[Finding]:
     assert results is not None  # attach() sets it
     if ctx.scopes and ("model_accepts_loss_kwargs" in ctx.source or "Trainer" in ctx.source):
         yield from ctx.guarded(ctx.scopes[0], partial(_hf_flag_findings, ctx, resolver))
+        ctx.guarded(ctx.scopes[0], partial(_note_default_trainers, ctx))
     for scope in ctx.scopes:
         if scope.stmts:
             yield from ctx.guarded(scope, partial(_flow_scope, resolver, results, scope))
@@ -408,7 +410,11 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
     ev = ctx.evidence
     shown = masks_labels(ctx.source) or _sft_pads_labels(ctx)
     masked = ev.masks_labels or shown
-    if not (masked or (ev.hf_before_446 and ev.package_masks_labels)):
+    # the package's own masking (`llava/constants.py`'s -100 for `llava/train/train.py`,
+    # a folder without `__init__.py`) is evidence for the model's own mean, which the
+    # Trainer divides below 4.46 or where it gives the model no count (`_counted_model`)
+    wide = masked or ev.package_masks_labels
+    if not wide:
         return out
     if not shown and labels_copy_inputs(ctx.source):
         # its own data path: labels copied from the input ids, nothing masked (the
@@ -416,12 +422,13 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         return out
     if ev.hf_before_446:
         out += [_finding(ctx, c, "WB301", _OLD_TRAINER) for c in _plain_trainers(ctx)]
-    elif masked:
+    else:
         out += [
-            _finding(ctx, c, "WB301", _NO_COUNT.format(cls=model))
+            _finding(ctx, c, "WB301", _no_count(ctx, resolver, model))
             for c in _plain_trainers(ctx)
             if (model := _counted_model(ctx, resolver, c)) is not None
         ]
+        out += _run_trainer_findings(ctx, resolver)
     for cls in ctx.class_by_name.values():
         flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
@@ -452,7 +459,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         # any version: a call of this subclass in the file trains a model of the run
         # whose `forward` takes no `**kwargs` (`_counted_model`)
         model = None
-        if not flags and masked and not ctx.evidence.hf_before_446:
+        if not flags and wide and not ctx.evidence.hf_before_446:
             model = _subclass_model(ctx, resolver, cls)
             flags = [cls] if model is not None else []
         if not flags:
@@ -463,7 +470,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         msg = (
             _OLD_TRAINER
             if old
-            else _NO_COUNT.format(cls=model)
+            else _no_count(ctx, resolver, model)
             if model is not None
             else "with `model_accepts_loss_kwargs = False` the Trainer gives the model no "
             "`num_items_in_batch`: its `loss` is a mean over this micro-batch's unmasked "
@@ -471,6 +478,62 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
             "fewer tokens weigh more"
         )
         out += [_finding(ctx, f, "WB301", msg) for f in flags]
+    return out
+
+
+def _note_default_trainers(ctx: FileContext) -> list[Finding]:
+    """Keep, for the files that build them (`_run_trainer_findings`), the file's direct
+    subclasses of the HF Trainer that keep its loss and step, where nothing reports them
+    at their `class` line already (no pin below 4.46, no `model_accepts_loss_kwargs =
+    False` of their own)."""
+    if ctx.evidence.hf_before_446:
+        return []
+    for cls in ctx.class_by_name.values():
+        if (
+            any((ctx.imports.qualname(b) or "") in _HF_DEFAULT_LOSS for b in cls.bases)
+            and not hf_counting_off(cls)
+            and not _own_loss(cls)
+            and not _own_step(cls)
+            and not _replaces_train(cls)
+        ):
+            ctx.default_trainers[cls.name] = cls.lineno
+    return []
+
+
+def _run_trainer_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
+    """WB301 at the `class` line of a Trainer subclass of another file of the run
+    (`_note_default_trainers`) that this file builds (`MyTrainer(model=model, ...)`, its
+    arguments not left at one step) to train a model the Trainer gives no item count
+    (`_counted_model`): as `_subclass_model` reports a subclass built in its own file."""
+    program = resolver.program
+    if program is None:
+        return []
+    out: list[Finding] = []
+    for n in ast.walk(ctx.tree):
+        name = dotted(n.func) if isinstance(n, ast.Call) else None
+        if name is None or name.split(".")[0] in ctx.class_by_name:
+            continue
+        assert isinstance(n, ast.Call)
+        target = resolver.global_name(name)
+        at = program.default_trainer(target) if target is not None else None
+        if at is None or at[0] == ctx.path or _one_micro_batch(ctx, n):
+            continue
+        model = _counted_model(ctx, resolver, n)
+        if model is None:
+            continue
+        line, col = position(n)
+        hop = Hop(path=ctx.path, line=line, col=col, function="", note=f"trains a `{model}`")
+        out.append(
+            Finding(
+                path=at[0],
+                line=at[1],
+                col=1,
+                code="WB301",
+                message=_no_count(ctx, resolver, model),
+                fix=RULES["WB301"].fix,
+                trace=(hop,),
+            )
+        )
     return out
 
 
@@ -550,12 +613,30 @@ _OLD_TRAINER = (
 
 
 _NO_COUNT = (
-    "the model `{cls}` of the run takes no `**kwargs` in its `forward`, so the Trainer "
+    "the model `{cls}` of the run {why}, so the Trainer "
     "gives it no `num_items_in_batch` (`model_accepts_loss_kwargs` is False): its own "
     f"`loss` is a mean over this micro-batch's labels, and "
     f"{FACTS['hf-trainer-compute-loss'].says}: micro-batches with fewer unmasked labels "
     "weigh more"
 )
+
+
+def _no_count(ctx: FileContext, resolver: Resolver, cls: str) -> str:
+    """`_NO_COUNT` for the model class `cls` (`_counted_model`): why the Trainer gives it
+    no item count, its forward's signature or its `accepts_loss_kwargs = False`."""
+    local = ctx.class_by_name.get(cls)
+    if local is not None:
+        off = loss_kwargs_attr(local) is False
+    else:
+        target = resolver.global_name(cls)
+        off = (
+            target is not None
+            and resolver.program is not None
+            and (resolver.program.counting_off(target))
+        )
+    why = "sets `accepts_loss_kwargs = False`" if off else "takes no `**kwargs` in its `forward`"
+    return _NO_COUNT.format(cls=cls, why=why)
+
 
 # A model built from a class: `Model(config)`, `Model.from_pretrained(path)`.
 _MODEL_MAKERS = frozenset({"from_pretrained", "from_config", "_from_config"})
@@ -616,7 +697,7 @@ def _uncounted(ctx: FileContext, resolver: Resolver, cls: str) -> bool:
     local = ctx.class_by_name.get(cls)
     if local is not None:
         fw = next((f for f in local.body if isinstance(f, _DEFS) and f.name == "forward"), None)
-        return fw is not None and uncounted_forward(fw)
+        return fw is not None and uncounted_model(local, fw, resolver.facts(fw).returns)
     target = resolver.global_name(cls)
     return (
         target is not None and resolver.program is not None and (resolver.program.uncounted(target))
@@ -1339,18 +1420,38 @@ def _mean_over_steps(
             else:  # a caller in another file may show the mean (`deferred`)
                 defer(ctx, flow, scope, node.target, node, f"divided by `{_text(node.value)}`")
         return
+    logged = _log_entries(node)
     for sub in st.walk():
         if (
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods, steps)
             and not _detached(sub.left)
+            and id(sub) not in logged
         ):
             msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
             if msg:
                 yield _finding(ctx, sub, "WB301", msg)
             else:
                 defer(ctx, flow, scope, sub.left, sub, f"divided by `{_text(sub.right)}`")
+
+
+def _log_entries(node: ast.AST) -> set[int]:
+    """The ids of the values of a dict literal with string keys that a statement hands
+    straight to a call whose result it drops (`accum_log(logs, {"loss": l / k})`,
+    `wandb.log({...})`): a record for the log, which nothing backpropagates."""
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+        return set()
+    call = node.value
+    if last_name(call.func) == "backward":
+        return set()
+    out: set[int] = set()
+    for arg in (*call.args, *(k.value for k in call.keywords)):
+        if isinstance(arg, ast.Dict) and all(
+            isinstance(k, ast.Constant) and isinstance(k.value, str) for k in arg.keys
+        ):
+            out |= {id(v) for v in arg.values}
+    return out
 
 
 def _detached(value: ast.expr) -> bool:

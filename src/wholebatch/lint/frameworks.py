@@ -40,12 +40,14 @@ __all__ = [
     "labels_copy_inputs",
     "lightning_class",
     "loss_entries",
+    "loss_kwargs_attr",
     "masks_labels",
     "megatron_losses",
     "names_transformers",
     "pipeline_losses",
     "scaled_grads_hook",
     "uncounted_forward",
+    "uncounted_model",
     "yaml_accumulates",
 ]
 
@@ -743,7 +745,9 @@ HF_TRAINERS = (
 _CE_NAMES = frozenset({"CrossEntropyLoss", "cross_entropy", "NLLLoss", "nll_loss"})
 
 
-def uncounted_forward(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def uncounted_forward(
+    fn: ast.FunctionDef | ast.AsyncFunctionDef, *, signature: bool = True
+) -> bool:
     """Is `fn` (a model's `forward`) one that computes its own mean token loss from a
     `labels` parameter (a cross-entropy with no `reduction=`) and takes no `**kwargs`?
     Then transformers' Trainer never passes it `num_items_in_batch`
@@ -751,8 +755,10 @@ def uncounted_forward(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     its loss is a mean over the micro-batch's own labels
     (`FACTS["hf-trainer-compute-loss"]`)."""
     a = fn.args
-    if a.kwarg is not None or "labels" not in {p.arg for p in (*a.args, *a.kwonlyargs)}:
-        return False
+    if (signature and a.kwarg is not None) or "labels" not in {
+        p.arg for p in (*a.args, *a.kwonlyargs)
+    }:
+        return False  # (`signature=False`: the class's `accepts_loss_kwargs` decides)
     derived, losses = {"labels"}, set()  # names computed from `labels`; CE modules
     for n in ast.walk(fn):
         if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and _ce_call(n.value):
@@ -783,6 +789,40 @@ def _ce_call(n: ast.Call) -> bool:
 
 def _reads(expr: ast.AST, names: set[str]) -> bool:
     return any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(expr))
+
+
+def loss_kwargs_attr(cls: ast.ClassDef) -> bool | None:
+    """The value a model class gives `accepts_loss_kwargs` in its body (`accepts_loss_kwargs
+    = False`, a class attribute), None where it gives none. transformers' Trainer reads
+    it, where the model has it, as `model_accepts_loss_kwargs` instead of looking for
+    `**kwargs` in the forward's signature (`FACTS["hf-trainer-compute-loss"]`)."""
+    for st in cls.body:
+        value = st.value if isinstance(st, ast.Assign | ast.AnnAssign) else None
+        targets = st.targets if isinstance(st, ast.Assign) else [getattr(st, "target", None)]
+        if (
+            isinstance(value, ast.Constant)
+            and isinstance(value.value, bool)
+            and any(isinstance(t, ast.Name) and t.id == "accepts_loss_kwargs" for t in targets)
+        ):
+            return value.value
+    return None
+
+
+def uncounted_model(
+    cls: ast.ClassDef, fn: ast.FunctionDef | ast.AsyncFunctionDef, returns: frozenset[str] | None
+) -> bool:
+    """Is the model class `cls`, whose `forward` is `fn` (its summary's return tags
+    `returns`), one the Trainer gives no `num_items_in_batch` while it returns a mean of
+    its own over its labels: a forward with no `**kwargs` (`uncounted_forward`), or, the
+    signature aside, `accepts_loss_kwargs = False` in the class (`loss_kwargs_attr`) and
+    a forward of `labels` that returns a mean over a data-dependent count (`V`, `v`) or
+    scores them by a cross-entropy mean? A class that sets it True is given the count."""
+    flag = loss_kwargs_attr(cls)
+    if flag is None:
+        return uncounted_forward(fn)
+    params = {p.arg for p in (*fn.args.args, *fn.args.kwonlyargs)}
+    mean = bool(returns and returns & {"V", "v"}) or uncounted_forward(fn, signature=False)
+    return not flag and "labels" in params and mean
 
 
 def hf_compute_loss(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

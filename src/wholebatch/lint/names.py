@@ -241,6 +241,8 @@ class Imports:
 
     aliases: dict[str, str] = field(default_factory=dict)
     relative: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # the modules of `from pkg.model import *` (absolute imports), in order
+    stars: list[str] = field(default_factory=list)
     # module-level `name = a.b.c` assignments, resolved by `finish` once every import is known
     _bound: list[tuple[str, ast.expr]] = field(default_factory=list)
     # the top-level packages the aliases name (`deepspeed`, `megatron`), set by `finish`:
@@ -264,6 +266,9 @@ class Imports:
                     aliases.setdefault(root, root)
         elif node.module and node.level == 0:
             for a in node.names:
+                if a.name == "*":
+                    self.stars.append(node.module)
+                    continue
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         elif node.level:
             prefix = f"{node.module}." if node.module else ""

@@ -68,6 +68,7 @@ class ModuleMap:
         # Two files with one name (scripts in different folders): neither is importable
         # by that name with certainty, so neither is resolved.
         self.file: dict[str, Path] = {n: fs[0] for n, fs in by_name.items() if len(fs) == 1}
+        self._shared = {n: fs for n, fs in by_name.items() if len(fs) > 1}
         for fs in by_name.values():
             if len(fs) > 1:
                 for f in fs:
@@ -98,17 +99,43 @@ class ModuleMap:
                 if cand in self._files:
                     return cand
         hit = self.file.get(name)
-        return hit if hit is not None else self._by_path(name)
+        if hit is None and name in self._shared:
+            hit = _nearest(f, name, self._shared[name])
+        return hit if hit is not None else self._by_path(name, f)
 
-    def _by_path(self, name: str) -> Path | None:
+    def _by_path(self, name: str, near: Path | None = None) -> Path | None:
         """The one file of the run whose path ends as `name` spells it (`a/b/c.py`, or
-        `a/b/c/__init__.py`): a module under folders without `__init__.py`."""
+        `a/b/c/__init__.py`): a module under folders without `__init__.py`. Where several
+        do (sub-projects of one tree, each with its own `internvl/model/`), the one of
+        the importer's own project (`_nearest`)."""
         parts = tuple(name.split("."))
         if len(parts) < 2:
             return None
         n = len(parts)
         hits = [f for f, fp in self._by_tail.get((parts[-2], parts[-1]), ()) if fp[-n:] == parts]
+        if len(hits) > 1 and near is not None:
+            return _nearest(near, name, hits)
         return hits[0] if len(hits) == 1 else None
+
+
+def _nearest(near: Path, name: str, hits: Sequence[Path]) -> Path | None:
+    """Of the files `hits` that module `name` may be, the one imported from a folder
+    above the importer `near` (the project folder Python runs it from puts its own
+    package first), the nearest such folder if several; None if none lies so."""
+    depth = len(name.split("."))
+    bases: list[tuple[int, Path]] = []
+    for h in hits:
+        base = h.parent if h.stem == "__init__" else h
+        for _ in range(depth):
+            base = base.parent
+        if base in near.parents:
+            bases.append((len(base.parts), h))
+    if not bases:
+        return None
+    bases.sort(key=lambda b: -b[0])
+    if len(bases) > 1 and bases[0][0] == bases[1][0]:
+        return None
+    return bases[0][1]
 
 
 def module_name(

@@ -380,6 +380,9 @@ class FileContext:
         # WB301 (deferred): function qual -> its divisions of a parameter's call, which
         # a caller in another file may complete (`facts.Deferred`)
         self.deferred: dict[str, list[Deferred]] = {}
+        # WB301 (flow_rules): this file's direct subclasses of the HF Trainer that keep
+        # its loss and step, class name -> its line, for the files that build them
+        self.default_trainers: dict[str, int] = {}
         # what the frameworks' readers (`frameworks.pipeline_losses`, ...) found in the
         # tree, by reader: each walks the whole tree, and rules ask once per scope
         self.framework_names: dict[str, set[str]] = {}

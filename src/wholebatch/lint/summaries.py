@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from wholebatch.lint.facts import Effect, Facts, ModuleFacts, Origins, Program
-from wholebatch.lint.frameworks import masks_labels, uncounted_forward
+from wholebatch.lint.frameworks import loss_kwargs_attr, masks_labels, uncounted_model
 from wholebatch.lint.names import (
     counts_items,
     dotted,
@@ -184,6 +184,14 @@ class Resolver:
         root, _, rest = name.partition(".")
         full = self.absolute(root)
         if full is None:
+            # a name a star import of the run may bind (`from llava.model import *`):
+            # the first such module of the run that defines or re-exports it
+            if root in self.ctx.class_by_name or root in self.ctx.module_functions:
+                return None
+            for star in self.ctx.imports.stars:
+                hit = self.program.lookup(f"{star}.{name}")
+                if hit is not None:
+                    return hit
             return None
         return self.program.lookup(f"{full}.{rest}" if rest else full)
 
@@ -782,6 +790,7 @@ class Resolver:
             f = self._with_deferred(d)
             if f.interesting:
                 out.functions[name] = f
+        out.trainers = dict(ctx.default_trainers)
         for cls in ctx.classes:
             bases: list[str] = []
             for b in cls.bases:
@@ -795,10 +804,13 @@ class Resolver:
                     full = self.absolute(root)
                     bases.append((f"{full}.{rest}" if rest else full) if full else bn)
             out.classes.setdefault(cls.name, tuple(bases))
+            if loss_kwargs_attr(cls) is False:
+                out.counting_off.add(cls.name)
             for st in cls.body:
                 if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
                     if st.name == "forward":
-                        out.forwards.setdefault(cls.name, uncounted_forward(st))
+                        returns = self.facts(st).returns
+                        out.forwards.setdefault(cls.name, uncounted_model(cls, st, returns))
                     f = self._with_deferred(st)
                     if f.interesting:
                         out.functions.setdefault(f"{cls.name}.{st.name}", f)
@@ -933,10 +945,13 @@ _IGNORE_KW_RE = re.compile(r"\bignore_index\s*=\s*[-\w.]*")
 
 # -100 written, not read: assigned (`IGNORE_INDEX = -100`, `labels[pad] = -100`,
 # `label_pad_token_id=-100`) or filled in (`masked_fill(pad, -100)`, `full_like(x, -100)`);
-# not compared (`labels.eq(-100)`, `!= -100`). A padding collator writes it too.
+# not compared (`labels.eq(-100)`, `!= -100`). A padding collator writes it too, and so
+# does a list of them (`labels = [-100] * len(prompt) + target`).
 _WRITES_100_RE = re.compile(
     r"(?<![=!<>])=\s*-100(?![\d.])|\b\w*(?:fill_?|full(?:_like)?)\([^\n]*?,\s*-100(?![\d.])"
     r"|\blabel_pad_token_id\b|DataCollatorFor(?:Seq2Seq|LanguageModeling|CompletionOnlyLM)"
+    # a list of -100s built to pad or mask labels (`[-100] * n + y`, `ids + [-100]`)
+    r"|\[\s*-100\s*(?:\]\s*[*+]|for\b)|\+\s*\[\s*-100\s*\]"
 )
 
 
