@@ -61,6 +61,16 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   `if not distributed: return` skips only a barrier behind `if distributed:`) and
   `rank-test-around-loop` (a rank test around the loop holds the collectives after the
   exit too). 05417c5 misses every bad twin.
+- `wordless-helper-module` (WB301; NeMo-Aligner's `utils.masked_mean`): a helper module
+  that holds none of the rules' words (`(values * mask).sum() / mask.sum()` and no
+  `loss`) is summarised where a training file imports it, so the mean it returns is
+  seen at the call. The good twin's helper sums; 05417c5 misses the bad twin.
+- `cast-mask-selection` (WB301; the same helper's `values[mask.bool()].mean()`): a mask
+  cast where it indexes is still a mask of the data. The good twin indexes by a fixed
+  slice.
+- `megatron-step-assigned` (WB301, fact `megatron-schedules-loss`; NeMo-Aligner's
+  distillation model): the step handed to Megatron is a name assigned the maker's call
+  (`fwd_loss_fn = self.get_forward_output_and_loss_func()`).
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -471,6 +481,31 @@ _EXITS: dict[str, tuple[str, str]] = {
     "rank-test-around-loop": (_AROUND_BAD, _AROUND_GOOD),
 }
 
+_HELPER = """
+def masked_mean(values, mask):
+    return {body}
+"""
+
+_HELPER_TRAIN = """
+from helpers import masked_mean
+
+
+def train(model, loader, optimizer, accumulation_steps):
+    for i, batch in enumerate(loader):
+        loss = masked_mean(model(batch["x"]), batch["mask"]) / accumulation_steps{mark}
+        loss.backward()
+        if (i + 1) % accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+def _helper(body: str, mark: str) -> Twin:
+    return {
+        "helpers.py": _HELPER.replace("{body}", body),
+        "train.py": _HELPER_TRAIN.replace("{mark}", mark),
+    }
+
 
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
@@ -530,6 +565,42 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
                 imports="import torch.distributed.nn as dist_nn",
                 gather="dist_nn.all_gather",
                 mark="",
+            )
+        },
+    ),
+    "wordless-helper-module": (
+        _helper("(values * mask).sum() / mask.sum()", "  # expect: WB301"),
+        _helper("(values * mask).sum()", ""),
+    ),
+    "cast-mask-selection": (
+        _helper("values[mask.bool()].mean()", "  # expect: WB301"),
+        _helper("values[:, :16].mean()", ""),
+    ),
+    "megatron-step-assigned": (
+        {
+            "policy.py": _MEGATRON.replace("{loss}", "summed / mask.sum()")
+            .replace("{mark}", "  # expect: WB301")
+            .replace(
+                "forward_step_func=self.get_forward_output_and_loss_func(),",
+                "forward_step_func=fwd_loss_fn,",
+            )
+            .replace(
+                "fwd_bwd = get_forward_backward_func()",
+                "fwd_bwd = get_forward_backward_func()\n"
+                "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
+            )
+        },
+        {
+            "policy.py": _MEGATRON.replace("{loss}", "summed / self.tokens_per_step")
+            .replace("{mark}", "")
+            .replace(
+                "forward_step_func=self.get_forward_output_and_loss_func(),",
+                "forward_step_func=fwd_loss_fn,",
+            )
+            .replace(
+                "fwd_bwd = get_forward_backward_func()",
+                "fwd_bwd = get_forward_backward_func()\n"
+                "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
             )
         },
     ),

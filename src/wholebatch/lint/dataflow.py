@@ -373,6 +373,15 @@ def _whole(tags: set[str]) -> set[str]:
     return {t for t in tags if t[:1] != "@"}
 
 
+def _detached_copy(e: ast.expr) -> bool:
+    """`x.detach()`, `x.item()`, `x.mean().detach()`: a value with no gradient."""
+    return (
+        isinstance(e, ast.Call)
+        and isinstance(e.func, ast.Attribute)
+        and e.func.attr in ("detach", "item")
+    )
+
+
 def _element(tags: set[str], i: int) -> set[str]:
     """The tags of element `i` of a tuple with element-wise tags (`@N`, `@I:TAG`): its
     own mean tags, and the whole tuple's other tags."""
@@ -662,7 +671,14 @@ class Flow:
     def _mask_index(self, s: ast.expr) -> bool:
         """Is the index `s` of `x[s]` a boolean mask of the data, which keeps a
         different number of items on every micro-batch: a comparison with the data
-        (`x[target != pad]`) or a name of a mask (`masks`, `loss_mask`)?"""
+        (`x[target != pad]`) or a name of a mask (`masks`, `loss_mask`), cast or not
+        (`mask.bool()`, `mask.to(torch.bool)`)?"""
+        if (
+            isinstance(s, ast.Call)
+            and isinstance(s.func, ast.Attribute)
+            and s.func.attr in ("bool", "to", "type")
+        ):
+            return self._mask_index(s.func.value)
         if isinstance(s, ast.Compare):
             return not all(_only_fixed(self.tags(x)) for x in (s.left, *s.comparators))
         if isinstance(s, ast.Name | ast.Attribute):
@@ -1274,7 +1290,8 @@ class Flow:
         assert isinstance(value, ast.Tuple)
         self.returns.add(f"@{n}")
         for i, e in enumerate(value.elts):
-            self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
+            if not _detached_copy(e):  # `policy_loss.detach()`: a number for the log
+                self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
             parts = self._record_parts(e)
             if parts is not None:
                 # `return loss, LossBreakdown(gen_loss, critic_loss)`: a record in the

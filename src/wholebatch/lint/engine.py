@@ -649,6 +649,7 @@ def lint_run(
     program.engine_makers, program.engine_attrs = deepspeed_run_engines(sources.values())
     program.roots = {name.split(".")[0] for name in modules.own.values()}
     program.roots |= {n.split(".")[0] for hits in resolved.values() for n in hits}
+    helpers = _imported_helpers(sources, deps)
     by_file: dict[Path, ModuleFacts] = {}
     layers = _LayerUses()
     with_noqa: dict[str, str] = {}  # sources with a noqa comment, read once findings are known
@@ -656,9 +657,6 @@ def lint_run(
         source = sources.pop(f)
         module = modules.own.get(f, "")
         with _aliases(program, modules, _with_theirs(resolved, f), by_file):
-            follows = bool(module) and any(
-                program.followed(n) for n in imports[f] if n.split(".")[0] in program.roots
-            )
             found, facts = _lint_text(
                 source,
                 str(f),
@@ -666,7 +664,7 @@ def lint_run(
                 program,
                 module,
                 modules.package.get(f, False),
-                follows,
+                bool(module) and (f in helpers or _follows(program, imports[f])),
                 report=str(f) in run,
             )
         if facts is not None:
@@ -683,6 +681,22 @@ def lint_run(
         out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
     )
     return Report(findings=kept, files=len(files), hidden=hidden)
+
+
+def _follows(program: Program, imported: list[str]) -> bool:
+    """Does a file import a summary of the run worth following (`Program.followed`, as
+    the files imported before it have left the program)?"""
+    return any(program.followed(n) for n in imported if n.split(".")[0] in program.roots)
+
+
+def _imported_helpers(sources: dict[Path, str], deps: dict[Path, list[Path]]) -> set[Path]:
+    """The files of the run that a file holding some rule's words imports, directly or
+    through one more file: a helper module with none of those words (`utils.py`'s
+    `masked_mean`, `(values * mask).sum() / mask.sum()`) still needs its summaries, for
+    the calls into it to be followed."""
+    worded = [f for f, text in sources.items() if any(w in text for w in _ANY_WORD)]
+    first = {g for f in worded for g in deps.get(f, ())}
+    return first | {h for g in first for h in deps.get(g, ())}
 
 
 # The files where a project pins its dependencies, beside the folder it is linted from.

@@ -687,11 +687,20 @@ def megatron_losses(tree: ast.Module, qualname: Callable[[ast.expr], str | None]
     the function `pretrain(..., forward_step, ...)` and `get_forward_backward_func()(...)`
     call: it returns `(output_tensor, loss_func)`)."""
     steps, makers = {"forward_step"}, set()
+    made = {  # `fwd_loss_fn = self.get_forward_output_and_loss_func(...)`
+        t.id: last_name(n.value.func)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     for call in ast.walk(tree):
         if isinstance(call, ast.Call):
             for k in call.keywords:
                 if k.arg == "forward_step_func" and isinstance(k.value, ast.Name):
                     steps.add(k.value.id)
+                    if k.value.id in made:
+                        makers.add(made[k.value.id])
                 elif k.arg == "forward_step_func" and isinstance(k.value, ast.Call):
                     # `forward_step_func=self.get_forward_output_and_loss_func()`: the
                     # function that call returns (NeMo's models)

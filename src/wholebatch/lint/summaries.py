@@ -150,7 +150,7 @@ class Resolver:
             counts=not src or any(w in src for w in _COUNT_WORDS),
             ignore_index=not src or "ignore_index" in src,
             loss=not src or "loss" in src,
-            selects=not src or "mask]" in src,
+            selects=not src or "mask]" in src or _CAST_MASK_RE.search(src) is not None,
             default_ignore=not src or "cross_entropy" in src or "nll_loss" in src,
         )
         ctx.resolver = self
@@ -839,6 +839,9 @@ class _MeanHints:
     default_ignore: bool  # a loss that ignores -100 labels by default (`F.cross_entropy`)
 
 
+# A mask cast where it indexes (`values[mask.bool()]`, `x[mask.to(torch.bool)]`).
+_CAST_MASK_RE = re.compile(r"mask\.(?:bool|to|type)\([^\]\n]*\)\]")
+
 # PyTorch's losses that default to `ignore_index=-100` (also `dataflow`).
 DEFAULT_IGNORING = frozenset({"cross_entropy", "nll_loss"})
 
@@ -923,12 +926,21 @@ def _selects_by_mask(scope: Scope) -> bool:
     """Does the scope select items by a mask (`loss[rand_span_mask]`), whose `.mean()`
     is a mean over a varying count (`M`, `dataflow`)?"""
     return any(
-        isinstance(x, ast.Subscript)
-        and isinstance(x.slice, ast.Name | ast.Attribute)
-        and "mask" in last_name(x.slice).lower()
+        isinstance(x, ast.Subscript) and _mask_slice(x.slice)
         for st in scope.stmts
         for x in st.walk()
     )
+
+
+def _mask_slice(s: ast.expr) -> bool:
+    """A mask's name as an index (`loss[loss_mask]`), cast or not (`mask.bool()`)."""
+    while (
+        isinstance(s, ast.Call)
+        and isinstance(s.func, ast.Attribute)
+        and s.func.attr in ("bool", "to", "type")
+    ):
+        s = s.func.value
+    return isinstance(s, ast.Name | ast.Attribute) and "mask" in last_name(s).lower()
 
 
 def writes_masked_labels(text: str) -> bool:
