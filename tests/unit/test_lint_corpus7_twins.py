@@ -71,6 +71,9 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
 - `megatron-step-assigned` (WB301, fact `megatron-schedules-loss`; NeMo-Aligner's
   distillation model): the step handed to Megatron is a name assigned the maker's call
   (`fwd_loss_fn = self.get_forward_output_and_loss_func()`).
+- `predict-only-trainer` (WB301; BELLE's `zero_inference.py`, corpus 4): a Trainer built
+  with `train_dataset=None` to `predict()` trains nothing; the good twin is not reported
+  (05417c5 reports its call), the bad twin trains.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -78,7 +81,7 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
 from __future__ import annotations
 
 from benchmarks.lint_twins import twin_tests
-from tests.unit.test_lint_loss_kwargs_twins import _PROMPTS, _SFT
+from tests.unit.test_lint_loss_kwargs_twins import _PROMPTS, _SFT, _TOY_MODEL
 
 Twin = dict[str, str]
 
@@ -507,6 +510,20 @@ def _helper(body: str, mark: str) -> Twin:
     }
 
 
+def _predicting(data: str, mark: str) -> Twin:
+    return {
+        "requirements.txt": "transformers\ntorch\n",
+        "models/__init__.py": "",
+        "models/toy.py": _TOY_MODEL.format(kwargs=""),
+        "data.py": _PROMPTS.format(),
+        "train.py": _SFT.format(
+            mark=mark,
+            build="    model = ToyForCausalLM.from_pretrained(path)",
+            args="    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()",
+        ).replace("train_dataset=train", f"train_dataset={data}"),
+    }
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -603,6 +620,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
                 "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
             )
         },
+    ),
+    "predict-only-trainer": (
+        _predicting("train", "  # expect: WB301"),
+        _predicting("None", ""),
     ),
     **{kind: ({"train.py": bad}, {"train.py": good}) for kind, (bad, good) in _EXITS.items()},
 }

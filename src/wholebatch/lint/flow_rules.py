@@ -721,7 +721,11 @@ def _one_micro_batch(ctx: FileContext, trainer: ast.Call) -> bool:
     `TrainingArguments(...)` call (the name's last assignment above the Trainer) that
     leaves `gradient_accumulation_steps` at 1 (a literal 1, or not given and no
     `**kwargs`)? Then nothing is accumulated or divided. Arguments parsed from the
-    command line or a config may accumulate."""
+    command line or a config may accumulate. A Trainer given `train_dataset=None` (one
+    built to `predict()` or `evaluate()`) trains nothing at all."""
+    data = next((k.value for k in trainer.keywords if k.arg == "train_dataset"), None)
+    if isinstance(data, ast.Constant) and data.value is None:
+        return True
     given = next((k.value for k in trainer.keywords if k.arg == "args"), None)
     if given is None and len(trainer.args) > 1:
         given = trainer.args[1]
