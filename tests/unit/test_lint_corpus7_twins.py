@@ -74,6 +74,12 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
 - `predict-only-trainer` (WB301; BELLE's `zero_inference.py`, corpus 4): a Trainer built
   with `train_dataset=None` to `predict()` trains nothing; the good twin is not reported
   (05417c5 reports its call), the bad twin trains.
+- `trl-ppo-base` (WB301; LIMO's vendored LLaMA-Factory `CustomPPOTrainer(PPOTrainer,
+  Trainer)`): a class that also derives from TRL's PPO trainer trains through that
+  trainer's own loop (`step()` before TRL 0.12, its own `train()` after, read in a copy
+  of 0.12's), never through the transformers Trainer's `training_step`. The good twin is
+  not reported under a pin below 4.46 (05417c5 reports its `class` line); the bad twin
+  derives from the Trainer alone.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -524,6 +530,34 @@ def _predicting(data: str, mark: str) -> Twin:
     }
 
 
+_PPO_BASE = """
+from transformers import Trainer
+{imports}
+
+
+class CustomTrainer({bases}):{mark}
+    def log_stats(self, stats):
+        self.log(stats)
+"""
+
+_PPO_DATA = """
+IGNORE_INDEX = -100
+
+
+def build(prompt_ids, answer_ids):
+    return {"input_ids": prompt_ids + answer_ids, "labels": [IGNORE_INDEX] * len(prompt_ids) + answer_ids}
+"""
+
+
+def _ppo_base(bases: str, imports: str, mark: str) -> Twin:
+    return {
+        "requirements.txt": "transformers==4.37.2\ntrl==0.9.6\n",
+        "data.py": _PPO_DATA,
+        "trainer.py": _PPO_BASE.format(bases=bases, imports=imports, mark=mark),
+        "train.py": "from data import build\nfrom trainer import CustomTrainer\n",
+    }
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -624,6 +658,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "predict-only-trainer": (
         _predicting("train", "  # expect: WB301"),
         _predicting("None", ""),
+    ),
+    "trl-ppo-base": (
+        _ppo_base("Trainer", "", "  # expect: WB301"),
+        _ppo_base("PPOTrainer, Trainer", "from trl import PPOTrainer", ""),
     ),
     **{kind: ({"train.py": bad}, {"train.py": good}) for kind, (bad, good) in _EXITS.items()},
 }

@@ -433,7 +433,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
         # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
         bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
-        if not any(q in _HF_DEFAULT_LOSS for q in bases):
+        if not any(q in _HF_DEFAULT_LOSS for q in bases) or _trl_rl_loop(bases):
             continue
         # (a subclass that replaces the step or the loop, `training_step`,
         # `_inner_training_loop`, divides, or not, by its own code)
@@ -535,6 +535,14 @@ def _run_trainer_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]
             )
         )
     return out
+
+
+def _trl_rl_loop(bases: list[str]) -> bool:
+    """Does a class also derive from TRL's PPO trainer (`class CustomPPOTrainer(PPOTrainer,
+    Trainer)`, LLaMA-Factory's)? It trains through that trainer's own loop (`step()` in
+    TRL before 0.12, its own `train()` after), never through the transformers Trainer's
+    `training_step` and its division."""
+    return any(q.startswith("trl.") and q.rpartition(".")[2] == "PPOTrainer" for q in bases)
 
 
 def _own_loss(cls: ast.ClassDef) -> bool:
