@@ -166,6 +166,7 @@ def test_the_held_out_manifest_and_its_judgment_in_the_docs() -> None:
         "lint_corpus4.toml",
         "lint_corpus5.toml",
         "lint_corpus6.toml",
+        "lint_corpus7.toml",
     ],
 )
 def test_the_later_corpora_split_by_their_rule_and_judged_in_the_docs(name: str) -> None:
@@ -187,6 +188,7 @@ def test_the_later_corpora_split_by_their_rule_and_judged_in_the_docs(name: str)
         "lint_corpus4.toml",
         "lint_corpus5.toml",
         "lint_corpus6.toml",
+        "lint_corpus7.toml",
     }
     others = set().union(
         *({r["repo"] for r in load(ROOT / "benchmarks" / e)["repo"]} for e in earlier - {name})
