@@ -696,7 +696,15 @@ def _imported_helpers(sources: dict[Path, str], deps: dict[Path, list[Path]]) ->
     the calls into it to be followed."""
     worded = [f for f, text in sources.items() if any(w in text for w in _ANY_WORD)]
     first = {g for f in worded for g in deps.get(f, ())}
-    return first | {h for g in first for h in deps.get(g, ())}
+    near = first | {h for g in first for h in deps.get(g, ())}
+    # only a helper that returns a mean or a quotient is worth its summaries
+    return {g for g in near if _RETURNS_MEAN_RE.search(sources.get(g, "")) is not None}
+
+
+# `return (values * mask).sum() / mask.sum()`, `return values[mask].mean()`
+_RETURNS_MEAN_RE = re.compile(
+    r"^[ \t]+return\b[^\n]*(?:[\w)\]]\s*/\s*[\w(]|\.mean\()", re.MULTILINE
+)
 
 
 # The files where a project pins its dependencies, beside the folder it is linted from.

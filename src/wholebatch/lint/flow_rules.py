@@ -705,7 +705,7 @@ def _uncounted(ctx: FileContext, resolver: Resolver, cls: str) -> bool:
     local = ctx.class_by_name.get(cls)
     if local is not None:
         fw = next((f for f in local.body if isinstance(f, _DEFS) and f.name == "forward"), None)
-        return fw is not None and uncounted_model(local, fw, resolver.facts(fw).returns)
+        return fw is not None and uncounted_model(local, fw, lambda: resolver.facts(fw).returns)
     target = resolver.global_name(cls)
     return (
         target is not None and resolver.program is not None and (resolver.program.uncounted(target))

@@ -818,20 +818,27 @@ def loss_kwargs_attr(cls: ast.ClassDef) -> bool | None:
 
 
 def uncounted_model(
-    cls: ast.ClassDef, fn: ast.FunctionDef | ast.AsyncFunctionDef, returns: frozenset[str] | None
+    cls: ast.ClassDef,
+    fn: ast.FunctionDef | ast.AsyncFunctionDef,
+    returns: Callable[[], frozenset[str] | None],
 ) -> bool:
-    """Is the model class `cls`, whose `forward` is `fn` (its summary's return tags
-    `returns`), one the Trainer gives no `num_items_in_batch` while it returns a mean of
-    its own over its labels: a forward with no `**kwargs` (`uncounted_forward`), or, the
-    signature aside, `accepts_loss_kwargs = False` in the class (`loss_kwargs_attr`) and
-    a forward of `labels` that returns a mean over a data-dependent count (`V`, `v`) or
-    scores them by a cross-entropy mean? A class that sets it True is given the count."""
+    """Is the model class `cls`, whose `forward` is `fn` (`returns()`: its summary's
+    return tags, asked for only where needed), one the Trainer gives no
+    `num_items_in_batch` while it returns a mean of its own over its labels: a forward
+    with no `**kwargs` (`uncounted_forward`), or, the signature aside, `accepts_loss_kwargs
+    = False` in the class (`loss_kwargs_attr`) and a forward of `labels` that returns a
+    mean over a data-dependent count (`V`, `v`) or scores them by a cross-entropy mean? A
+    class that sets it True is given the count."""
     flag = loss_kwargs_attr(cls)
     if flag is None:
         return uncounted_forward(fn)
     params = {p.arg for p in (*fn.args.args, *fn.args.kwonlyargs)}
-    mean = bool(returns and returns & {"V", "v"}) or uncounted_forward(fn, signature=False)
-    return not flag and "labels" in params and mean
+    if flag or "labels" not in params:
+        return False
+    if uncounted_forward(fn, signature=False):
+        return True
+    tags = returns()
+    return bool(tags and tags & {"V", "v"})
 
 
 def hf_compute_loss(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

@@ -809,7 +809,7 @@ class Resolver:
             for st in cls.body:
                 if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
                     if st.name == "forward":
-                        returns = self.facts(st).returns
+                        returns = partial(lambda d: self.facts(d).returns, st)
                         out.forwards.setdefault(cls.name, uncounted_model(cls, st, returns))
                     f = self._with_deferred(st)
                     if f.interesting:
