@@ -61,7 +61,7 @@ class Masker(nn.Module):
         return token_loss + aux_loss, Parts(token_loss, aux_loss)
 """
 
-_MASKED_TRAIN = """
+_TRAIN_LOOP = """
 from model import Masker
 
 
@@ -76,32 +76,15 @@ class Trainer:
     def step(self):
         for _ in range(self.grad_accum_every):
             ids = next(self.dl_iter)
-            loss, parts = self.model(ids)
+            {unpack} = self.model(ids)
             self.accelerator.backward({backprop} / self.grad_accum_every){mark}
         self.optim.step()
         self.optim.zero_grad()
 """
-
-_RECORD_TRAIN = """
-from model import Masker
-
-
-class Trainer:
-    def __init__(self, accelerator, loader, optim, grad_accum_every):
-        self.model = Masker(64, 100)
-        self.accelerator = accelerator
-        self.dl_iter = iter(loader)
-        self.optim = optim
-        self.grad_accum_every = grad_accum_every
-
-    def step(self):
-        for _ in range(self.grad_accum_every):
-            ids = next(self.dl_iter)
-            _, (token_loss, aux_loss) = self.model(ids)
-            self.accelerator.backward({which} / self.grad_accum_every){mark}
-        self.optim.step()
-        self.optim.zero_grad()
-"""
+_MASKED_TRAIN = _TRAIN_LOOP.replace("{unpack}", "loss, parts")
+_RECORD_TRAIN = _TRAIN_LOOP.replace("{unpack}", "_, (token_loss, aux_loss)").replace(
+    "{backprop}", "{which}"
+)
 
 _LOG_TRAIN = """
 from model import Masker

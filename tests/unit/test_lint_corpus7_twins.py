@@ -516,6 +516,20 @@ def _helper(body: str, mark: str) -> Twin:
     }
 
 
+def _assigned_step(loss: str, mark: str) -> Twin:
+    """`_megatron`'s step handed over as a name assigned the maker's call."""
+    text = _megatron(loss, mark)["policy.py"]
+    text = text.replace(
+        "forward_step_func=self.get_forward_output_and_loss_func(),",
+        "forward_step_func=fwd_loss_fn,",
+    ).replace(
+        "fwd_bwd = get_forward_backward_func()",
+        "fwd_bwd = get_forward_backward_func()\n"
+        "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
+    )
+    return {"policy.py": text}
+
+
 def _predicting(data: str, mark: str) -> Twin:
     return {
         "requirements.txt": "transformers\ntorch\n",
@@ -628,32 +642,8 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
         _helper("values[:, :16].mean()", ""),
     ),
     "megatron-step-assigned": (
-        {
-            "policy.py": _MEGATRON.replace("{loss}", "summed / mask.sum()")
-            .replace("{mark}", "  # expect: WB301")
-            .replace(
-                "forward_step_func=self.get_forward_output_and_loss_func(),",
-                "forward_step_func=fwd_loss_fn,",
-            )
-            .replace(
-                "fwd_bwd = get_forward_backward_func()",
-                "fwd_bwd = get_forward_backward_func()\n"
-                "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
-            )
-        },
-        {
-            "policy.py": _MEGATRON.replace("{loss}", "summed / self.tokens_per_step")
-            .replace("{mark}", "")
-            .replace(
-                "forward_step_func=self.get_forward_output_and_loss_func(),",
-                "forward_step_func=fwd_loss_fn,",
-            )
-            .replace(
-                "fwd_bwd = get_forward_backward_func()",
-                "fwd_bwd = get_forward_backward_func()\n"
-                "        fwd_loss_fn = self.get_forward_output_and_loss_func()",
-            )
-        },
+        _assigned_step("summed / mask.sum()", "  # expect: WB301"),
+        _assigned_step("summed / self.tokens_per_step", ""),
     ),
     "predict-only-trainer": (
         _predicting("train", "  # expect: WB301"),
