@@ -80,6 +80,12 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   of 0.12's), never through the transformers Trainer's `training_step`. The good twin is
   not reported under a pin below 4.46 (05417c5 reports its `class` line); the bad twin
   derives from the Trainer alone.
+- `script-in-package-folder` (WB301; MiniCPM-V's `finetune/`): a folder with an
+  `__init__.py` whose scripts are run as scripts (`python finetune.py` there) imports
+  its neighbours by their bare names (`from dataset import ...`); such an import that no
+  other file of the run answers is the neighbour, so the labels the dataset masks reach
+  the trainer's override. The bad twin is reported (05417c5 misses it); the good twin's
+  dataset copies its labels unmasked.
 
     PYTHONPATH=src .venv/bin/python -m pytest tests/unit/test_lint_corpus7_twins.py -q
 """
@@ -572,6 +578,40 @@ def _ppo_base(bases: str, imports: str, mark: str) -> Twin:
     }
 
 
+_PKG_TRAINER = """
+import torch.nn as nn
+from transformers import Trainer
+
+
+class ChatTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss_fct = nn.CrossEntropyLoss()
+        logits = outputs.logits.view(-1, outputs.logits.size(-1))
+        loss = loss_fct(logits, labels.view(-1)){mark}
+        return (loss, outputs) if return_outputs else loss
+"""
+
+_PKG_DATA = """
+import torch
+
+
+def example(ids, prompt_len):
+    {labels}
+    return {{"input_ids": ids, "labels": target}}
+"""
+
+
+def _script_package(labels: str, mark: str) -> Twin:
+    return {
+        "finetune/__init__.py": "",
+        "finetune/dataset.py": _PKG_DATA.format(labels=labels),
+        "finetune/trainer.py": _PKG_TRAINER.replace("{mark}", mark),
+        "finetune/finetune.py": "from dataset import example\nfrom trainer import ChatTrainer\n",
+    }
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -652,6 +692,13 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "trl-ppo-base": (
         _ppo_base("Trainer", "", "  # expect: WB301"),
         _ppo_base("PPOTrainer, Trainer", "from trl import PPOTrainer", ""),
+    ),
+    "script-in-package-folder": (
+        _script_package(
+            "target = torch.full_like(ids, -100)\n    target[prompt_len:] = ids[prompt_len:]",
+            "  # expect: WB301",
+        ),
+        _script_package("target = ids.clone()", ""),
     ),
     **{kind: ({"train.py": bad}, {"train.py": good}) for kind, (bad, good) in _EXITS.items()},
 }

@@ -101,7 +101,22 @@ class ModuleMap:
         hit = self.file.get(name)
         if hit is None and name in self._shared:
             hit = _nearest(f, name, self._shared[name])
-        return hit if hit is not None else self._by_path(name, f)
+        if hit is None:
+            hit = self._by_path(name, f)
+        if hit is None:
+            # a script in a package's folder run as a script (`python finetune.py` beside
+            # an `__init__.py`): its folder is first on `sys.path` all the same, so an
+            # absolute import no other file of the run answers is its neighbour
+            rel = Path(*name.split("."))
+            hit = next(
+                (
+                    c
+                    for c in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py")
+                    if c in self._files and c != f
+                ),
+                None,
+            )
+        return hit
 
     def _by_path(self, name: str, near: Path | None = None) -> Path | None:
         """The one file of the run whose path ends as `name` spells it (`a/b/c.py`, or
