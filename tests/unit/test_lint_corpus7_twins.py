@@ -80,8 +80,8 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   of 0.12's), never through the transformers Trainer's `training_step`. The good twin is
   not reported under a pin below 4.46 (05417c5 reports its `class` line); the bad twin
   derives from the Trainer alone.
-- `script-in-package-folder` (WB301; MiniCPM-V's `finetune/`): a folder with an
-  `__init__.py` whose scripts are run as scripts (`python finetune.py` there) imports
+- `script-in-package-folder` (WB301; MiniCPM-V's `finetune/`): a script (an `if __name__
+  == "__main__":` guard) in a folder with an `__init__.py`, run as a script, imports
   its neighbours by their bare names (`from dataset import ...`); such an import that no
   other file of the run answers is the neighbour, so the labels the dataset masks reach
   the trainer's override. The bad twin is reported (05417c5 misses it); the good twin's
@@ -603,12 +603,26 @@ def example(ids, prompt_len):
 """
 
 
+_PKG_SCRIPT = """
+from dataset import example
+from trainer import ChatTrainer
+
+
+def main(model, args, rows):
+    ChatTrainer(model=model, args=args, train_dataset=[example(r, 4) for r in rows]).train()
+
+
+if __name__ == "__main__":
+    main(None, None, [])
+"""
+
+
 def _script_package(labels: str, mark: str) -> Twin:
     return {
         "finetune/__init__.py": "",
         "finetune/dataset.py": _PKG_DATA.format(labels=labels),
         "finetune/trainer.py": _PKG_TRAINER.replace("{mark}", mark),
-        "finetune/finetune.py": "from dataset import example\nfrom trainer import ChatTrainer\n",
+        "finetune/finetune.py": _PKG_SCRIPT,
     }
 
 

@@ -619,10 +619,10 @@ def lint_run(
     sources = _read_all(files, codes, out)
     run = {str(f) for f in sources}
     cache: dict[Path, list[str]] = {}
-    named = ModuleMap(list(sources), _relative(sources))
+    named = _module_map(sources)
     names = {f: (n, named.package[f]) for f, n in named.name.items()}
     _add_context(sources, names, cache)
-    modules = ModuleMap(list(sources), _relative(sources)) if len(sources) > len(run) else named
+    modules = _module_map(sources) if len(sources) > len(run) else named
     imports = {f: _imports(sources, f, names, cache) for f in sources}
     resolved = {f: _resolved(modules, f, ns) for f, ns in imports.items()}
     deps = {f: [g for g in hits.values() if g != f] for f, hits in resolved.items()}
@@ -681,6 +681,17 @@ def lint_run(
         out, walked, with_noqa, lambda hit: layers.settled(program, hit), tests
     )
     return Report(findings=kept, files=len(files), hidden=hidden)
+
+
+# A script's guard at the module's own level: `if __name__ == "__main__":`.
+_MAIN_GUARD_RE = re.compile(r"""^if\s+__name__\s*==\s*["']__main__["']""", re.MULTILINE)
+
+
+def _module_map(sources: dict[Path, str]) -> ModuleMap:
+    """The module names of `sources`, knowing which use relative imports and which run
+    as scripts (a module-level `if __name__ == "__main__":` guard)."""
+    scripts = {f for f, text in sources.items() if _MAIN_GUARD_RE.search(text)}
+    return ModuleMap(list(sources), _relative(sources), scripts)
 
 
 def _follows(program: Program, imported: list[str]) -> bool:

@@ -14,6 +14,7 @@ means some call stays unknown for one file: no finding rather than a false one.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,11 +42,17 @@ class ModuleMap:
         files: the files of the run.
         relative: those of them that use relative imports (`from . import x`): they sit
             in a package, through a folder without `__init__.py` if need be.
+        scripts: those of them run as scripts (an `if __name__ == "__main__":` guard):
+            their own folder is first on `sys.path`, whatever `__init__.py` lies there.
     """
 
     def __init__(
-        self, files: Sequence[Path], relative: set[Path] | frozenset[Path] = frozenset()
+        self,
+        files: Sequence[Path],
+        relative: set[Path] | frozenset[Path] = frozenset(),
+        scripts: set[Path] | frozenset[Path] = frozenset(),
     ) -> None:
+        self.scripts = frozenset(scripts)
         self.name: dict[Path, str] = {}
         self.own: dict[Path, str] = {}  # every file's name from its folders, shared or not
         self.package: dict[Path, bool] = {}
@@ -103,10 +110,10 @@ class ModuleMap:
             hit = _nearest(f, name, self._shared[name])
         if hit is None:
             hit = self._by_path(name, f)
-        if hit is None:
+        if hit is None and f in self.scripts and _script_folder(f, name):
             # a script in a package's folder run as a script (`python finetune.py` beside
-            # an `__init__.py`): its folder is first on `sys.path` all the same, so an
-            # absolute import no other file of the run answers is its neighbour
+            # an empty `__init__.py`): its folder is first on `sys.path` all the same, so
+            # an absolute import no other file of the run answers is its neighbour
             rel = Path(*name.split("."))
             hit = next(
                 (
@@ -131,6 +138,13 @@ class ModuleMap:
         if len(hits) > 1 and near is not None:
             return _nearest(near, name, hits)
         return hits[0] if len(hits) == 1 else None
+
+
+def _script_folder(f: Path, name: str) -> bool:
+    """May script `f` import module `name` from its own folder: a name that is not the
+    standard library's (`types`, `__future__`; a neighbour of that name would shadow it,
+    but a script that means the neighbour is rare and the mistake costly)?"""
+    return name.split(".")[0] not in sys.stdlib_module_names
 
 
 def _nearest(near: Path, name: str, hits: Sequence[Path]) -> Path | None:
