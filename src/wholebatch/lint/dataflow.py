@@ -97,12 +97,14 @@ from wholebatch.lint.data import (
 from wholebatch.lint.facts import Facts, Origin
 from wholebatch.lint.names import (
     counts_items,
+    detached_copy,
     dotted,
     is_count_expr,
     is_rank_ref,
     is_sum_reduction,
     last_name,
     position,
+    uncast,
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import FileContext, Scope, Stmt
@@ -371,15 +373,6 @@ def _is_mean(tag: str) -> bool:
 def _whole(tags: set[str]) -> set[str]:
     """`tags` without the element-wise ones (`@`): a value that is not the tuple."""
     return {t for t in tags if t[:1] != "@"}
-
-
-def _detached_copy(e: ast.expr) -> bool:
-    """`x.detach()`, `x.item()`, `x.mean().detach()`: a value with no gradient."""
-    return (
-        isinstance(e, ast.Call)
-        and isinstance(e.func, ast.Attribute)
-        and e.func.attr in ("detach", "item")
-    )
 
 
 def _element(tags: set[str], i: int) -> set[str]:
@@ -673,12 +666,7 @@ class Flow:
         different number of items on every micro-batch: a comparison with the data
         (`x[target != pad]`) or a name of a mask (`masks`, `loss_mask`), cast or not
         (`mask.bool()`, `mask.to(torch.bool)`)?"""
-        if (
-            isinstance(s, ast.Call)
-            and isinstance(s.func, ast.Attribute)
-            and s.func.attr in ("bool", "to", "type")
-        ):
-            return self._mask_index(s.func.value)
+        s = uncast(s)
         if isinstance(s, ast.Compare):
             return not all(_only_fixed(self.tags(x)) for x in (s.left, *s.comparators))
         if isinstance(s, ast.Name | ast.Attribute):
@@ -1290,7 +1278,7 @@ class Flow:
         assert isinstance(value, ast.Tuple)
         self.returns.add(f"@{n}")
         for i, e in enumerate(value.elts):
-            if not _detached_copy(e):  # `policy_loss.detach()`: a number for the log
+            if not detached_copy(e):  # `policy_loss.detach()`: a number for the log
                 self.returns.update(f"@{i}:{t}" for t in self.tags(e) if _is_mean(t))
             parts = self._record_parts(e)
             if parts is not None:

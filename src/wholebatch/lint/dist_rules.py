@@ -21,6 +21,7 @@ from functools import partial
 from wholebatch.lint.frameworks import FACTS
 from wholebatch.lint.names import (
     dotted,
+    int_literal,
     is_on_replica_group,
     is_on_subgroup,
     is_rank_local_test,
@@ -723,17 +724,10 @@ def _picks_ranks(test: ast.expr) -> bool:
             and isinstance(c := n.comparators[0], ast.Set | ast.Tuple | ast.List)
             and c.elts
         ):
-            values = [_int_of(e) for e in c.elts]
+            values = [int_literal(e) for e in c.elts]
             if all(v is not None for v in values) and any(v >= 0 for v in values if v is not None):
                 return True
     return False
-
-
-def _int_of(node: ast.expr) -> int | None:
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        v = _int_of(node.operand)
-        return None if v is None else -v
-    return node.value if isinstance(node, ast.Constant) and type(node.value) is int else None
 
 
 # Where a rank-local exit is judged from: the statements above the rank-local `if`, its
@@ -794,11 +788,12 @@ def _early_exits(ctx: FileContext, scope: Scope, syncs: Mapping[int, str]) -> It
                 exits = [(b, j) for b in (st.body, st.orelse) if (j := exit_of(b)) is not None]
                 if len(exits) == 1:
                     branch, jump = exits[0]
-                    at: _Owner | None = (chain, block, i, st, branch is st.body, ())
+                    in_body = branch is st.body
+                    at: _Owner | None = (chain, block, i, st, in_body, ())
                     if not splits(st):
-                        at = _rank_owner(chain, (block, st, branch is st.body), jump, splits)
+                        at = _rank_owner(chain, (block, st, in_body), jump, splits)
                     if at is not None:
-                        yield from _exit_finding(ctx, scope, at, st, jump, syncs)
+                        yield from _exit_finding(ctx, scope, at, (st, in_body), jump, syncs)
             for sub in _sub_blocks(st):
                 chain.append((block, i, st))
                 yield from visit(sub)
@@ -811,12 +806,14 @@ def _exit_finding(
     ctx: FileContext,
     scope: Scope,
     at: _Owner,
-    inner: ast.If,
+    here: tuple[ast.If, bool],
     jump: ast.stmt,
     syncs: Mapping[int, str],
 ) -> Iterator[Finding]:
-    """WB105 for `jump`, a branch of `inner` that leaves, judged from the rank-local `if`
-    of `at` (`inner` itself, or one it sits in)."""
+    """WB105 for `jump`, leaving by a branch of the `if` of `here` (and whether that
+    branch is its body), judged from the rank-local `if` of `at` (that `if` itself, or
+    one it sits in)."""
+    inner, inner_body = here
     above, block, i, the_if, in_body, known = at
     hit = _first_after(ctx, scope, (block, i, above), jump, the_if, in_body, syncs, known)
     if hit is not None and _one_sequence(ctx, scope, the_if, (above, block, i), syncs):
@@ -826,8 +823,7 @@ def _exit_finding(
     q, call, trace = hit
     kind = type(jump).__name__.lower()
     test = ast.unparse(inner.test)
-    in_else = not any(n is jump for st in inner.body for n in ast.walk(st))
-    where = f"`not ({test})`" if in_else else f"`{test}`"
+    where = f"`{test}`" if inner_body else f"`not ({test})`"
     if inner is not the_if:
         where += f" inside `if {ast.unparse(the_if.test)}` (line {the_if.lineno})"
     f = _finding(

@@ -86,12 +86,13 @@ def walk(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Walked]:
                     f = Path(root, name)
                     if not name.endswith(".py") or not _judged_here(f, folders):
                         continue
-                    if f.resolve() not in seen:
-                        seen.add(f.resolve())
+                    real = f.resolve()
+                    if real not in seen:
+                        seen.add(real)
                         tier = tier_of(f.relative_to(p).parts)
                         yield Walked(path=f, tier=tier, shown=tier == CODE or asked)
-        elif p.resolve() not in seen:
-            seen.add(p.resolve())
+        elif (real := p.resolve()) not in seen:
+            seen.add(real)
             yield Walked(path=p, tier=tier_of([p.name]), shown=True)
 
 

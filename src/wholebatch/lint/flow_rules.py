@@ -46,7 +46,14 @@ from wholebatch.lint.frameworks import (
     pipeline_losses,
     uncounted_model,
 )
-from wholebatch.lint.names import counts_items, dotted, is_step_count_name, last_name, position
+from wholebatch.lint.names import (
+    counts_items,
+    detached_copy,
+    dotted,
+    is_step_count_name,
+    last_name,
+    position,
+)
 from wholebatch.lint.rules import RULES, Finding, Hop, format_trace
 from wholebatch.lint.scope import (
     BACKWARD,
@@ -1438,7 +1445,7 @@ def _mean_over_steps(
             isinstance(sub, ast.BinOp)
             and isinstance(sub.op, ast.Div)
             and _is_accum_count(sub.right, periods, steps)
-            and not _detached(sub.left)
+            and not detached_copy(sub.left)
             and id(sub) not in logged
         ):
             msg = _msg301_passed(ctx, scope, flow.tags(sub.left), sub.left, sub.right)
@@ -1464,16 +1471,6 @@ def _log_entries(node: ast.AST) -> set[int]:
         ):
             out |= {id(v) for v in arg.values}
     return out
-
-
-def _detached(value: ast.expr) -> bool:
-    """Is `value` a detached copy (`loss.detach()`, `loss.item()`): divided, it is a
-    number for the log (`loss.detach() / k`, what a Trainer's step returns), no gradient."""
-    return (
-        isinstance(value, ast.Call)
-        and isinstance(value.func, ast.Attribute)
-        and value.func.attr in ("detach", "item")
-    )
 
 
 def _logged_sum(scope: Scope, target: ast.expr) -> bool:

@@ -17,7 +17,9 @@ __all__ = [
     "DIST_GATHERS",
     "Imports",
     "counts_items",
+    "detached_copy",
     "dotted",
+    "int_literal",
     "is_count_expr",
     "is_nonfinite_test",
     "is_on_replica_group",
@@ -33,6 +35,7 @@ __all__ = [
     "masking_param",
     "names_in",
     "position",
+    "uncast",
     "walk_local",
 ]
 
@@ -502,10 +505,31 @@ def _is_membership(test: ast.expr) -> bool:
     )
 
 
-def _int(node: ast.expr) -> int | None:
+def detached_copy(e: ast.expr) -> bool:
+    """`x.detach()`, `x.item()`, `x.mean().detach()`: a copy with no gradient (divided
+    by the steps, a number for the log)."""
+    return (
+        isinstance(e, ast.Call)
+        and isinstance(e.func, ast.Attribute)
+        and e.func.attr in ("detach", "item")
+    )
+
+
+def uncast(e: ast.expr) -> ast.expr:
+    """`mask` of `mask.bool()`, `mask.to(torch.bool)`, `mask.type(...)`: what a cast
+    converts (a mask used as an index, cast or not)."""
+    while isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in _CASTS:
+        e = e.func.value
+    return e
+
+
+_CASTS = frozenset({"bool", "to", "type"})
+
+
+def int_literal(node: ast.expr) -> int | None:
     """The value of an integer literal (`3`, `-1`), else None."""
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        inner = _int(node.operand)
+        inner = int_literal(node.operand)
         return None if inner is None else -inner
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
@@ -545,7 +569,7 @@ def _is_distributed_test(node: ast.Compare) -> bool:
         op = _FLIPPED.get(type(op), ast.Is)()
     if not is_rank_ref(left):
         return False
-    c = _int(right)
+    c = int_literal(right)
     if c is not None:
         same = _SAME_ON_EVERY_RANK.get(type(op))
         return same is not None and same(c)

@@ -98,32 +98,36 @@ class ModuleMap:
         A file outside any package runs as a script, and Python puts the script's own
         folder first on `sys.path`: a module beside it (`utils.py`, or `models/loss.py`
         under a folder without `__init__.py`, a namespace package) wins over any other
-        file of that name, such as a `utils.py` in a sub-folder.
+        file of that name, such as a `utils.py` in a sub-folder. A script inside a
+        package's folder (`python finetune.py` beside an `__init__.py`) has its folder
+        first all the same: an absolute import that no other file of the run answers, and
+        not a standard-library name, is its neighbour.
         """
         if "." not in self.own.get(f, "."):
-            rel = Path(*name.split("."))
-            for cand in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py"):
-                if cand in self._files:
-                    return cand
+            beside = self._neighbour(f, name)
+            if beside is not None:
+                return beside
         hit = self.file.get(name)
         if hit is None and name in self._shared:
             hit = _nearest(f, name, self._shared[name])
         if hit is None:
             hit = self._by_path(name, f)
-        if hit is None and f in self.scripts and _script_folder(f, name):
-            # a script in a package's folder run as a script (`python finetune.py` beside
-            # an empty `__init__.py`): its folder is first on `sys.path` all the same, so
-            # an absolute import no other file of the run answers is its neighbour
-            rel = Path(*name.split("."))
-            hit = next(
-                (
-                    c
-                    for c in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py")
-                    if c in self._files and c != f
-                ),
-                None,
-            )
+        if hit is None and f in self.scripts and name.split(".")[0] not in _STDLIB:
+            hit = self._neighbour(f, name, other=True)
         return hit
+
+    def _neighbour(self, f: Path, name: str, *, other: bool = False) -> Path | None:
+        """The file of the run that module `name` is in `f`'s own folder, if any (`other`:
+        not `f` itself)."""
+        rel = Path(*name.split("."))
+        return next(
+            (
+                c
+                for c in (f.parent / rel.with_suffix(".py"), f.parent / rel / "__init__.py")
+                if c in self._files and not (other and c == f)
+            ),
+            None,
+        )
 
     def _by_path(self, name: str, near: Path | None = None) -> Path | None:
         """The one file of the run whose path ends as `name` spells it (`a/b/c.py`, or
@@ -140,11 +144,9 @@ class ModuleMap:
         return hits[0] if len(hits) == 1 else None
 
 
-def _script_folder(f: Path, name: str) -> bool:
-    """May script `f` import module `name` from its own folder: a name that is not the
-    standard library's (`types`, `__future__`; a neighbour of that name would shadow it,
-    but a script that means the neighbour is rare and the mistake costly)?"""
-    return name.split(".")[0] not in sys.stdlib_module_names
+# A script's neighbour named like a standard-library module would shadow it, but a script
+# that means the neighbour is rare and reading it so is costly (torch's `types.py`).
+_STDLIB = sys.stdlib_module_names
 
 
 def _nearest(near: Path, name: str, hits: Sequence[Path]) -> Path | None:

@@ -43,6 +43,7 @@ from wholebatch.lint.names import (
     last_name,
     masking_param,
     position,
+    uncast,
 )
 from wholebatch.lint.rules import Hop
 from wholebatch.lint.scope import (
@@ -558,6 +559,10 @@ class Resolver:
 
     # -- summaries ------------------------------------------------------------------------
 
+    def _returns_of(self, d: _Def) -> frozenset[str] | None:
+        """The return tags of `d`'s summary (asked for only where needed)."""
+        return self.facts(d).returns
+
     def facts(self, d: _Def) -> Facts:
         """The summary of a function of this file (computed once; recursion counts as unknown)."""
         key = id(d)
@@ -809,7 +814,7 @@ class Resolver:
             for st in cls.body:
                 if isinstance(st, ast.FunctionDef | ast.AsyncFunctionDef):
                     if st.name == "forward":
-                        returns = partial(lambda d: self.facts(d).returns, st)
+                        returns = partial(self._returns_of, st)
                         out.forwards.setdefault(cls.name, uncounted_model(cls, st, returns))
                     f = self._with_deferred(st)
                     if f.interesting:
@@ -934,12 +939,7 @@ def _selects_by_mask(scope: Scope) -> bool:
 
 def _mask_slice(s: ast.expr) -> bool:
     """A mask's name as an index (`loss[loss_mask]`), cast or not (`mask.bool()`)."""
-    while (
-        isinstance(s, ast.Call)
-        and isinstance(s.func, ast.Attribute)
-        and s.func.attr in ("bool", "to", "type")
-    ):
-        s = s.func.value
+    s = uncast(s)
     return isinstance(s, ast.Name | ast.Attribute) and "mask" in last_name(s).lower()
 
 
