@@ -80,6 +80,10 @@ else may be. Each kind has one twin that the lint of 05417c5 misjudges
   of 0.12's), never through the transformers Trainer's `training_step`. The good twin is
   not reported under a pin below 4.46 (05417c5 reports its `class` line); the bad twin
   derives from the Trainer alone.
+- `trl-ppo-base-built-elsewhere` (the same fact, unpinned): a Trainer subclass of one
+  file built in another with a model that gets no item count is reported at its
+  `class` line, unless it also derives from TRL's PPO trainer (the bad twin is reported;
+  6b23c63 reported the good twin too).
 - `script-in-package-folder` (WB301; MiniCPM-V's `finetune/`): a script (an `if __name__
   == "__main__":` guard) in a folder with an `__init__.py`, run as a script, imports
   its neighbours by their bare names (`from dataset import ...`); such an import that no
@@ -626,6 +630,33 @@ def _script_package(labels: str, mark: str) -> Twin:
     }
 
 
+_PPO_ELSEWHERE = """
+from transformers import HfArgumentParser, TrainingArguments
+
+from data import build_example
+from models.toy import ToyForCausalLM
+from trainers import CustomTrainer
+
+
+def main(tokenizer, raw, path, output_dir):
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    model = ToyForCausalLM.from_pretrained(path)
+    train = raw.map(lambda r: build_example(tokenizer, r["prompt"], r["answer"]))
+    CustomTrainer(model=model, args=args, train_dataset=train).train()
+"""
+
+
+def _ppo_elsewhere(bases: str, imports: str, mark: str) -> Twin:
+    return {
+        "requirements.txt": "transformers\ntorch\n",
+        "models/__init__.py": "",
+        "models/toy.py": _TOY_MODEL.format(kwargs=""),
+        "data.py": _PROMPTS.format(),
+        "trainers.py": _PPO_BASE.format(bases=bases, imports=imports, mark=mark),
+        "train.py": _PPO_ELSEWHERE,
+    }
+
+
 TWINS: dict[str, tuple[Twin, Twin]] = {
     "method-server-dispatch": (
         {
@@ -706,6 +737,10 @@ TWINS: dict[str, tuple[Twin, Twin]] = {
     "trl-ppo-base": (
         _ppo_base("Trainer", "", "  # expect: WB301"),
         _ppo_base("PPOTrainer, Trainer", "from trl import PPOTrainer", ""),
+    ),
+    "trl-ppo-base-built-elsewhere": (
+        _ppo_elsewhere("Trainer", "", "  # expect: WB301"),
+        _ppo_elsewhere("PPOTrainer, Trainer", "from trl import PPOTrainer", ""),
     ),
     "script-in-package-folder": (
         _script_package(

@@ -438,9 +438,7 @@ def _hf_flag_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]:
         out += _run_trainer_findings(ctx, resolver)
     for cls in ctx.class_by_name.values():
         flags: list[ast.stmt] = [*hf_counting_off(cls)] if masked else []
-        # the Trainer's own `compute_loss` (not TRL's, which computes its own losses)
-        bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
-        if not any(q in _HF_DEFAULT_LOSS for q in bases) or _trl_rl_loop(bases):
+        if not _direct_trainer(ctx, cls):
             continue
         # (a subclass that replaces the step or the loop, `training_step`,
         # `_inner_training_loop`, divides, or not, by its own code)
@@ -497,7 +495,7 @@ def _note_default_trainers(ctx: FileContext) -> list[Finding]:
         return []
     for cls in ctx.class_by_name.values():
         if (
-            any((ctx.imports.qualname(b) or "") in _HF_DEFAULT_LOSS for b in cls.bases)
+            _direct_trainer(ctx, cls)
             and not hf_counting_off(cls)
             and not _own_loss(cls)
             and not _own_step(cls)
@@ -542,6 +540,14 @@ def _run_trainer_findings(ctx: FileContext, resolver: Resolver) -> list[Finding]
             )
         )
     return out
+
+
+def _direct_trainer(ctx: FileContext, cls: ast.ClassDef) -> bool:
+    """Is `cls` a direct subclass of a Trainer whose `compute_loss` is the model's own
+    (transformers' `Trainer`; not TRL's, which compute their own losses), and not one that
+    trains through TRL's PPO loop (`_trl_rl_loop`)?"""
+    bases = [ctx.imports.qualname(b) or "" for b in cls.bases]
+    return any(q in _HF_DEFAULT_LOSS for q in bases) and not _trl_rl_loop(bases)
 
 
 def _trl_rl_loop(bases: list[str]) -> bool:
